@@ -1,0 +1,1 @@
+"""batchtap: per-batch training metrics for PyTorch, captured with zero host syncs."""

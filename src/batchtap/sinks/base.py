@@ -1,0 +1,75 @@
+"""The sink interface: where decoded records go.
+
+A sink runs on batchtap's dispatcher thread, never on the training thread, and sees host values
+only. The contract is deliberately small:
+
+* ``write(records, events)`` — a block of records in step order, plus the events raised while
+  decoding them. Called once per flushed block.
+* ``flush()`` — make everything written so far durable/visible.
+* ``close()`` — release files and connections.
+* ``start_run(run)`` / ``end_run(run)`` — run life-cycle hooks; the defaults do nothing.
+
+Optional third-party packages a sink needs are imported inside the sink's constructor, with an error
+naming the extra to install (see :func:`require`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from types import ModuleType
+
+from batchtap.records import Event, Record, RunInfo
+
+__all__ = ["Sink", "require"]
+
+
+class Sink:
+    """Base class of every sink. Subclasses implement :meth:`write`; the rest is optional.
+
+    Example:
+        >>> class Count(Sink):
+        ...     def __init__(self) -> None:
+        ...         self.n = 0
+        ...     def write(self, records, events=()):
+        ...         self.n += len(records)
+        >>> Count().n
+        0
+    """
+
+    def start_run(self, run: RunInfo) -> None:
+        """Called once when a run starts, before any of its records."""
+
+    def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
+        """Store or show one block of records (step order) and the events raised with them."""
+        raise NotImplementedError
+
+    def end_run(self, run: RunInfo) -> None:
+        """Called once when a run ends, after all of its records; ``run.status`` is final."""
+
+    def flush(self) -> None:
+        """Make everything written so far durable or visible."""
+
+    def close(self) -> None:
+        """Release resources. The sink is not used afterwards."""
+
+
+def require(module: str, *, extra: str, purpose: str) -> ModuleType:
+    """Import an optional dependency or fail with the install command that fixes it.
+
+    Args:
+        module: importable module name, e.g. ``"psycopg"``.
+        extra: the batchtap extra that installs it, e.g. ``"postgres"``.
+        purpose: what needs it, e.g. ``"bt.sinks.Postgres"``.
+
+    Example:
+        >>> require("json", extra="none", purpose="doctest").dumps(1)
+        '1'
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(
+            f"{purpose} needs the optional package {module!r}, which is not installed; "
+            f"install it with: pip install 'batchtap[{extra}]'"
+        ) from exc
