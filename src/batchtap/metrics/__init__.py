@@ -1,0 +1,48 @@
+"""Metric definitions: pure device-side math plus each value's domain and reduction.
+
+Example:
+    >>> import batchtap as bt
+    >>> [o.name for m in (bt.metrics.Loss(), bt.metrics.Accuracy(topk=(1, 5))) for o in m.outputs()]
+    ['loss', 'accuracy', 'accuracy_top5']
+"""
+
+from batchtap.metrics import functional
+from batchtap.metrics.base import Metric, StepInputs, StepTiming
+from batchtap.metrics.builtin import (
+    Accuracy,
+    Custom,
+    DataTime,
+    Extra,
+    GradNorm,
+    LearningRate,
+    Loss,
+    Memory,
+    StepTime,
+    Throughput,
+    default_metrics,
+)
+from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Output, Reduce
+
+__all__ = [
+    "Metric",
+    "StepInputs",
+    "StepTiming",
+    "Loss",
+    "Accuracy",
+    "LearningRate",
+    "GradNorm",
+    "StepTime",
+    "DataTime",
+    "Throughput",
+    "Memory",
+    "Custom",
+    "Extra",
+    "default_metrics",
+    "Domain",
+    "Output",
+    "Reduce",
+    "ANY_FINITE",
+    "NONNEGATIVE",
+    "UNIT_INTERVAL",
+    "functional",
+]

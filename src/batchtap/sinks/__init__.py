@@ -1,0 +1,12 @@
+"""Sinks: where decoded records go. Each runs on its own worker thread, never on the training thread.
+
+Example:
+    >>> import batchtap as bt
+    >>> sink = bt.sinks.Console(every=10)
+"""
+
+from batchtap.sinks.base import Sink
+from batchtap.sinks.console import Console
+from batchtap.sinks.jsonl import JSONL
+
+__all__ = ["Sink", "Console", "JSONL"]

@@ -1,0 +1,138 @@
+"""Step clocks: where a step starts and ends, measured on the device's own timeline.
+
+On CUDA a step boundary is a CUDA event recorded into the current stream, so the elapsed time is
+GPU time between the two boundaries, not the time the host spent queueing kernels. Events are
+preallocated, one start/end pair per ring slot, and reused when the slot is. On the CPU the
+boundaries are host clock readings taken at the same points of the step.
+
+A clock also answers "has the device reached the end of step ``slot`` yet?" without blocking:
+the fast NaN channel and the flusher rely on it.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import time
+
+import numpy as np
+import torch
+
+__all__ = ["StepClock", "HostClock", "CudaClock", "clock_for"]
+
+
+class StepClock(abc.ABC):
+    """Start/end marks per ring slot, plus completion markers for flushed blocks."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._armed = np.zeros(capacity, dtype=bool)  # a start mark exists for the slot's current row
+
+    def mark_start(self, slot: int) -> None:
+        """Record the start of the step that will occupy ``slot``."""
+        self._armed[slot] = True
+        self._record_start(slot)
+
+    def mark_end(self, slot: int) -> None:
+        """Record the end of the step in ``slot`` (after its ring row and guard copy were queued)."""
+        self._record_end(slot)
+
+    def disarm(self, slot: int) -> None:
+        """Forget the start mark of ``slot`` (its next step has no measurable start)."""
+        self._armed[slot] = False
+
+    def elapsed(self, slot: int) -> float:
+        """Seconds between the start and end marks of ``slot``; NaN without a start mark.
+
+        Only valid once :meth:`end_done` is true for the slot.
+        """
+        return self._elapsed(slot) if self._armed[slot] else math.nan
+
+    @abc.abstractmethod
+    def _record_start(self, slot: int) -> None: ...
+
+    @abc.abstractmethod
+    def _record_end(self, slot: int) -> None: ...
+
+    @abc.abstractmethod
+    def _elapsed(self, slot: int) -> float: ...
+
+    @abc.abstractmethod
+    def end_done(self, slot: int) -> bool:
+        """Whether the device has executed everything queued before the end mark of ``slot``."""
+
+    @abc.abstractmethod
+    def block_marker(self) -> object:
+        """Record and return a marker after the work queued so far (a flush's copy)."""
+
+    @abc.abstractmethod
+    def marker_done(self, marker: object) -> bool:
+        """Whether the device has reached ``marker``. Never blocks."""
+
+
+class HostClock(StepClock):
+    """CPU (and any synchronous device): marks are ``time.perf_counter()`` readings."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._start = np.zeros(capacity)
+        self._end = np.zeros(capacity)
+
+    def _record_start(self, slot: int) -> None:
+        self._start[slot] = time.perf_counter()
+
+    def _record_end(self, slot: int) -> None:
+        self._end[slot] = time.perf_counter()
+
+    def _elapsed(self, slot: int) -> float:
+        return float(self._end[slot] - self._start[slot])
+
+    def end_done(self, slot: int) -> bool:
+        return True  # work on the CPU is done when the call that queued it returns
+
+    def block_marker(self) -> object:
+        return None
+
+    def marker_done(self, marker: object) -> bool:
+        return True
+
+
+class CudaClock(StepClock):
+    """CUDA: marks are timing events recorded into the device's current stream."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        super().__init__(capacity)
+        self.device = device
+        with torch.cuda.device(device):
+            self._start = [torch.cuda.Event(enable_timing=True) for _ in range(capacity)]
+            self._end = [torch.cuda.Event(enable_timing=True) for _ in range(capacity)]
+
+    def _record_start(self, slot: int) -> None:
+        self._start[slot].record(torch.cuda.current_stream(self.device))
+
+    def _record_end(self, slot: int) -> None:
+        self._end[slot].record(torch.cuda.current_stream(self.device))
+
+    def _elapsed(self, slot: int) -> float:
+        # Both events completed (the caller checked end_done); elapsed_time then does not wait.
+        return self._start[slot].elapsed_time(self._end[slot]) / 1000.0
+
+    def end_done(self, slot: int) -> bool:
+        return bool(self._end[slot].query())  # cudaEventQuery: a status poll, not a sync
+
+    def block_marker(self) -> object:
+        # One event per flush; flushes are rare (every N steps), so creating one there is cheap.
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def marker_done(self, marker: object) -> bool:
+        assert isinstance(marker, torch.cuda.Event)
+        return bool(marker.query())
+
+
+def clock_for(device: torch.device, capacity: int) -> StepClock:
+    """The clock that measures steps on ``device``."""
+    if device.type == "cuda":
+        return CudaClock(capacity, device)
+    return HostClock(capacity)

@@ -1,0 +1,121 @@
+"""The device ring: preallocated storage for captured steps, on the device and mirrored on the host.
+
+* ``device_rows`` — ``[capacity, device_width]`` float32 on the training device. A step writes its
+  row with one ``torch.stack(..., out=row)``: no allocation, no host read.
+* ``pinned`` — a page-locked host mirror of the same shape. A flush copies a block of rows into the
+  same slots with ``non_blocking=True``; the host reads them only after the flush's marker completed.
+* ``guard`` — a page-locked float per slot receiving the step's loss right away (one tiny
+  non-blocking copy per step), so the host learns of a NaN within the device's lag instead of at the
+  next flush.
+* host arrays — step, epoch, batch, wall time, samples, data wait and the metrics' host columns,
+  written directly by the training thread.
+
+A slot is reused ``capacity`` rows later, only once its previous row was harvested (see
+:class:`~batchtap.capture.flush.Flusher`), so neither the device row, the pinned slot, the host
+arrays nor the slot's events are overwritten before they were read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["MetricRing"]
+
+
+class MetricRing:
+    """Preallocated per-step storage (see the module docstring).
+
+    Args:
+        capacity: number of slots.
+        device_width: float32 device columns per row (may be 0).
+        host_width: float64 host columns per row (may be 0).
+        device: the training device.
+        guard_column: device column copied to the host every step (the loss), or None.
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity: int,
+        device_width: int,
+        host_width: int,
+        device: torch.device,
+        guard_column: int | None,
+    ) -> None:
+        self.capacity = capacity
+        self.device = device
+        self.device_width = device_width
+        self.host_width = host_width
+        self.guard_column = guard_column
+        # Pinned memory is what lets a device->host copy run asynchronously; on the CPU it buys nothing.
+        pin = device.type == "cuda"
+        self.non_blocking = pin
+        self.device_rows = torch.zeros((capacity, device_width), dtype=torch.float32, device=device)
+        self.pinned = torch.zeros((capacity, device_width), dtype=torch.float32, pin_memory=pin)
+        self.guard = torch.full((capacity,), math.nan, dtype=torch.float32, pin_memory=pin)
+        # numpy views made once here; later host reads go through them, never through torch.
+        self.pinned_np = self.pinned.numpy()
+        self.guard_np = self.guard.numpy()
+        self.step = np.zeros(capacity, dtype=np.int64)
+        self.epoch = np.zeros(capacity, dtype=np.int64)
+        self.batch = np.zeros(capacity, dtype=np.int64)
+        self.wall_time = np.zeros(capacity)
+        self.samples = np.zeros(capacity)
+        self.data_time = np.full(capacity, math.nan)
+        self.host_values = np.zeros((capacity, host_width))
+
+    def write(
+        self,
+        slot: int,
+        device_values: Sequence[torch.Tensor],
+        host_values: Sequence[float],
+        *,
+        step: int,
+        epoch: int,
+        batch: int,
+        wall_time: float,
+        samples: float,
+        data_time: float,
+    ) -> None:
+        """Store one step in ``slot``: one device op for the row, one tiny copy for the guard."""
+        if self.device_width:
+            torch.stack(list(device_values), out=self.device_rows.select(0, slot))
+            if self.guard_column is not None:
+                source = self.device_rows.select(0, slot).narrow(0, self.guard_column, 1)
+                self.guard.narrow(0, slot, 1).copy_(source, non_blocking=self.non_blocking)
+        self.host_values[slot] = host_values
+        self.step[slot] = step
+        self.epoch[slot] = epoch
+        self.batch[slot] = batch
+        self.wall_time[slot] = wall_time
+        self.samples[slot] = samples
+        self.data_time[slot] = data_time
+
+    def copy_rows(self, first_row: int, last_row: int) -> None:
+        """Queue the device->pinned copy of rows ``[first_row, last_row)`` (at most ``capacity``)."""
+        if not self.device_width or last_row <= first_row:
+            return
+        for start, length in self.segments(first_row, last_row):
+            self.pinned.narrow(0, start, length).copy_(
+                self.device_rows.narrow(0, start, length), non_blocking=self.non_blocking
+            )
+
+    def segments(self, first_row: int, last_row: int) -> list[tuple[int, int]]:
+        """The (slot, length) runs covering rows ``[first_row, last_row)``: one, or two on wrap-around."""
+        count = last_row - first_row
+        if count > self.capacity:
+            raise ValueError(f"cannot address {count} rows in a ring of {self.capacity}")
+        start = first_row % self.capacity
+        first_len = min(count, self.capacity - start)
+        runs = [(start, first_len)]
+        if first_len < count:
+            runs.append((0, count - first_len))
+        return runs
+
+    def slots(self, first_row: int, last_row: int) -> np.ndarray:
+        """Slot indices of rows ``[first_row, last_row)`` in row order."""
+        return np.arange(first_row, last_row) % self.capacity

@@ -1,0 +1,103 @@
+"""The metric interface: what a metric computes on the device, reads on the host, and reports.
+
+A metric splits its work in three, so the training step never reads a device value:
+
+1. :meth:`Metric.compute` — on the training thread, inside ``Tap.step()``: float32 device tensors,
+   no host reads. They land in the device ring.
+2. :meth:`Metric.read_host` — on the training thread: host-only facts (tensor shapes, the optimizer's
+   learning rate, allocator statistics). They land in host arrays.
+3. :meth:`Metric.finalize` — on the pipeline thread, once the ring rows reached the host: raw floats
+   (device columns first, then host columns) plus the step's timing become the reported values.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import ClassVar, Literal
+
+import torch
+
+from batchtap.metrics.domain import Output
+
+__all__ = ["Metric", "StepInputs", "StepTiming", "Requirement"]
+
+Requirement = Literal["loss", "outputs", "targets"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepInputs:
+    """What one ``Tap.step()`` call received (device tensors; never read on the host)."""
+
+    loss: torch.Tensor | None
+    outputs: torch.Tensor | None
+    targets: torch.Tensor | None
+    batch_size: int
+    extra: Mapping[str, torch.Tensor | float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepTiming:
+    """Host-side facts about one captured step, known once its row reached the host.
+
+    Attributes:
+        samples: samples in the batch.
+        step_time: seconds of compute for the step (device events on CUDA, host clock on CPU).
+        data_time: seconds the loop waited for the batch (NaN when no loader is watched).
+    """
+
+    samples: float
+    step_time: float
+    data_time: float
+
+
+class Metric(abc.ABC):
+    """Base class of all metrics.
+
+    Subclasses set :attr:`requires`, :attr:`device_width` and :attr:`host_width`, return their
+    :meth:`outputs`, and override the stages they use. ``finalize`` may return ``None`` for a value
+    that does not exist at this step (e.g. data wait without a watched loader): it is left out of the
+    record rather than stored as an anomaly.
+    """
+
+    #: the ``Tap.step()`` arguments this metric needs
+    requires: ClassVar[frozenset[Requirement]] = frozenset()
+    #: number of float32 device tensors returned by :meth:`compute`
+    device_width: int = 0
+    #: number of floats returned by :meth:`read_host`
+    host_width: int = 0
+
+    @abc.abstractmethod
+    def outputs(self) -> tuple[Output, ...]:
+        """The values this metric reports, in the order :meth:`finalize` returns them."""
+
+    def check(self, inputs: StepInputs) -> None:
+        """Reject unusable inputs from their metadata (shape, dtype, device) with an InputError.
+
+        Runs before anything of the step is written. Must not read tensor values.
+        """
+
+    def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
+        """``device_width`` float32 0-dim device tensors. No host reads."""
+        return ()
+
+    def read_host(self, inputs: StepInputs) -> Sequence[float]:
+        """``host_width`` floats from host-only state (shapes, Python floats). No tensor reads."""
+        return ()
+
+    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
+        """Turn raw columns (device then host) into the reported values."""
+        return list(raw)
+
+    def input_error(self, raw: Sequence[float]) -> str | None:
+        """A message when the raw columns show the step's inputs were invalid in a way only their
+        values reveal (e.g. class indices out of range), else None.
+
+        Checked on the host after the row arrived: the step's values from this metric become NaN
+        with an anomaly event, and the next ``Tap.step()`` raises :class:`~batchtap.InputError`.
+        """
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(o.name for o in self.outputs())})"

@@ -1,0 +1,85 @@
+"""Metric domains: the values a metric can legitimately take, and how values combine across ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+__all__ = ["Domain", "Reduce", "Output", "ANY_FINITE", "NONNEGATIVE", "UNIT_INTERVAL"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Domain:
+    """The closed interval ``[low, high]`` a metric value must lie in.
+
+    NaN is never inside a domain; infinities are inside only when ``finite`` is False and the
+    interval reaches them.
+
+    Example:
+        >>> UNIT_INTERVAL.violation(1.25)
+        'above its maximum 1'
+        >>> UNIT_INTERVAL.violation(0.5) is None
+        True
+    """
+
+    low: float = -math.inf
+    high: float = math.inf
+    finite: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.low <= self.high:
+            raise ValueError(f"Domain needs low <= high, got low={self.low} high={self.high}")
+
+    def violation(self, value: float) -> str | None:
+        """Why ``value`` lies outside the domain, or None when it is inside."""
+        if math.isnan(value):
+            return "not a number"
+        if self.finite and math.isinf(value):
+            return "not finite"
+        if value < self.low:
+            return f"below its minimum {self.low:g}"
+        if value > self.high:
+            return f"above its maximum {self.high:g}"
+        return None
+
+    def describe(self) -> str:
+        """The domain as an interval, e.g. ``[0, 1]``."""
+        low = "-inf" if math.isinf(self.low) else f"{self.low:g}"
+        high = "inf" if math.isinf(self.high) else f"{self.high:g}"
+        return f"[{low}, {high}]" + (" (finite)" if self.finite else "")
+
+
+ANY_FINITE = Domain()
+NONNEGATIVE = Domain(low=0.0)
+UNIT_INTERVAL = Domain(low=0.0, high=1.0)
+
+
+class Reduce(str, enum.Enum):
+    """How one metric value combines over ranks (and over steps when aggregating).
+
+    ``MEAN`` is a sample-weighted mean: it is reduced as a sum of ``value * samples`` and a sum of
+    ``samples``, never as a mean of means, so uneven per-rank batches combine exactly.
+    """
+
+    SUM = "sum"
+    MEAN = "mean"
+    MAX = "max"
+    MIN = "min"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Output:
+    """One value a metric reports per step.
+
+    Attributes:
+        name: name in records, sinks and rules (``"loss"``, ``"accuracy"``...).
+        domain: legal values; anything else becomes NaN plus an anomaly event.
+        reduce: how the value combines across ranks.
+        unit: display hint for consoles (``"%"`` shows fractions as percentages, ``"s"`` seconds).
+    """
+
+    name: str
+    domain: Domain = ANY_FINITE
+    reduce: Reduce = Reduce.MEAN
+    unit: str = ""
