@@ -17,7 +17,7 @@ arrays nor the slot's events are overwritten before they were read.
 
 from __future__ import annotations
 
-import math
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -55,11 +55,12 @@ class MetricRing:
         pin = device.type == "cuda"
         self.non_blocking = pin
         self.device_rows = torch.zeros((capacity, device_width), dtype=torch.float32, device=device)
-        self.pinned = torch.zeros((capacity, device_width), dtype=torch.float32, pin_memory=pin)
-        self.guard = torch.full((capacity,), math.nan, dtype=torch.float32, pin_memory=pin)
-        # numpy views made once here; later host reads go through them, never through torch.
-        self.pinned_np = self.pinned.numpy()
-        self.guard_np = self.guard.numpy()
+        with _real_memory():
+            self.pinned = torch.zeros((capacity, device_width), dtype=torch.float32, pin_memory=pin)
+            self.guard = torch.zeros((capacity,), dtype=torch.float32, pin_memory=pin)
+            # numpy views made once here; later host reads go through them, never through torch.
+            self.pinned_np = self.pinned.numpy()
+            self.guard_np = self.guard.numpy()
         self.step = np.zeros(capacity, dtype=np.int64)
         self.epoch = np.zeros(capacity, dtype=np.int64)
         self.batch = np.zeros(capacity, dtype=np.int64)
@@ -119,3 +120,12 @@ class MetricRing:
     def slots(self, first_row: int, last_row: int) -> np.ndarray:
         """Slot indices of rows ``[first_row, last_row)`` in row order."""
         return np.arange(first_row, last_row) % self.capacity
+
+
+def _real_memory() -> contextlib.AbstractContextManager[object]:
+    """Host buffers are real memory even when the step is traced under ``FakeTensorMode``
+    (torch.compile tracing, or the tests that prove the CUDA path issues no host read)."""
+    from torch._subclasses import fake_tensor
+
+    unset = getattr(fake_tensor, "unset_fake_temporarily", None)
+    return unset() if unset is not None else contextlib.nullcontext()

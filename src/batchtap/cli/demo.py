@@ -1,0 +1,135 @@
+"""``batchtap demo``: a real training run with live metrics.
+
+A small CNN learns scikit-learn's bundled 8x8 digits (no download) for a few epochs, on CUDA when
+present and on the CPU otherwise. Metrics stream to the console and are stored under ``runs/``.
+``--inject-nan-at STEP`` poisons the loss at one step to show the NaN guard stopping the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import batchtap as bt
+from batchtap.sinks.base import require
+
+__all__ = ["DigitsCNN", "load_digits", "add_arguments", "main"]
+
+
+class DigitsCNN(nn.Module):
+    """Two conv layers and a small head for 1x8x8 inputs, 10 classes."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * 16, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def load_digits(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """scikit-learn's digits as (train, test) tensor datasets: 80/20 split, pixels scaled to [0, 1]."""
+    datasets = require("sklearn.datasets", extra="demo", purpose="batchtap demo")
+    digits = datasets.load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    cut = int(0.8 * len(y))
+    train, test = order[:cut], order[cut:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--epochs", type=int, default=5, help="epochs to train (default 5)")
+    parser.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    parser.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when present)")
+    parser.add_argument("--out", default="runs", help="folder for the run's files (default runs/)")
+    parser.add_argument("--name", default="demo", help="run name (default demo)")
+    parser.add_argument("--inject-nan-at", type=int, metavar="STEP", help="make the loss NaN at this global step")
+    parser.add_argument("--flush-every", type=int, default=20, help="steps between host transfers (default 20)")
+    parser.add_argument("--print-every", type=int, default=10, help="console line every N batches (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+
+
+def main(args: argparse.Namespace) -> int:
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    train, test = load_digits(args.seed)
+    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(args.seed))
+    model = DigitsCNN().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
+    criterion = nn.CrossEntropyLoss()
+
+    out = Path(args.out)
+    jsonl_path = out / args.name / "metrics.jsonl"
+    sinks: list[bt.sinks.Sink] = [bt.sinks.Console(every=args.print_every), bt.sinks.JSONL(jsonl_path)]
+    tap = bt.Tap(
+        metrics=[
+            bt.metrics.Loss(),
+            bt.metrics.Accuracy(topk=(1, 5)),
+            bt.metrics.LearningRate(optimizer),
+            bt.metrics.GradNorm(model),
+            bt.metrics.StepTime(),
+            bt.metrics.DataTime(),
+            bt.metrics.Throughput(),
+            bt.metrics.Memory(),
+        ],
+        sinks=sinks,
+        flush_every=args.flush_every,
+        flush_seconds=0.5,
+    )
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    started = time.perf_counter()
+    step = 0
+    with tap, tap.run(name=args.name, config=config) as run:
+        print(f"batchtap demo: training DigitsCNN on {device} for {args.epochs} epochs "
+              f"({len(loader)} batches each), run id {run.id}")
+        for epoch in range(args.epochs):
+            model.train()
+            for inputs, targets in tap.watch(loader, epoch=epoch):
+                inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+                outputs = model(inputs)
+                loss = criterion(outputs, targets)
+                if step == args.inject_nan_at:
+                    loss = loss * math.nan  # what a diverging step looks like
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                tap.step(loss=loss, outputs=outputs, targets=targets)  # records the lr this step used
+                scheduler.step()
+                step += 1
+                if tap.should_stop:
+                    break
+            if tap.should_stop:
+                print(f"batchtap demo: stopped at step {step - 1}: {tap.stop_reason}")
+                break
+            print(f"batchtap demo: epoch {epoch} test accuracy {evaluate(model, test, device):.2%}")
+    print(f"batchtap demo: {step} steps in {time.perf_counter() - started:.1f} s; "
+          f"anomalies: {sum(tap.anomaly_counts.values())}")
+    print(f"batchtap demo: metrics written to {jsonl_path}")
+    return 0
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TensorDataset, device: torch.device) -> float:
+    model.eval()
+    x, y = data.tensors
+    correct = (model(x.to(device)).argmax(1) == y.to(device)).sum()
+    return correct.item() / len(y)  # sync: once per epoch, outside the training steps
