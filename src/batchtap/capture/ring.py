@@ -18,6 +18,7 @@ arrays nor the slot's events are overwritten before they were read.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 
 import numpy as np
