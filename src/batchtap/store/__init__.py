@@ -1,0 +1,30 @@
+"""The run/metric/event store shared by the SQL sinks and the CLI's readers.
+
+* :func:`open` — read a store (SQLite path, ``sqlite:///path`` or ``postgresql://...``).
+* :mod:`batchtap.store.schema` — the schema, rendered per SQL dialect, and its migrations.
+
+Example:
+    >>> import batchtap.store
+    >>> batchtap.store.SCHEMA_VERSION
+    1
+"""
+
+from __future__ import annotations
+
+from batchtap.store._errors import RunNotFound, StoreError
+from batchtap.store._url import StoreURL, parse_url, redact_dsn
+from batchtap.store.reader import Point, RunRow, Store, open
+from batchtap.store.schema import SCHEMA_VERSION
+
+__all__ = [
+    "open",
+    "Store",
+    "RunRow",
+    "Point",
+    "StoreError",
+    "RunNotFound",
+    "StoreURL",
+    "parse_url",
+    "redact_dsn",
+    "SCHEMA_VERSION",
+]

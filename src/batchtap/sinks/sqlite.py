@@ -1,0 +1,123 @@
+"""``SQLite(path)``: the embedded default store (``batchtap demo`` writes ``runs/batchtap.db``)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Sequence
+
+from batchtap.errors import SinkError
+from batchtap.records import Event, Record, RunInfo
+from batchtap.sinks.base import Sink
+from batchtap.store._conn import connect_sqlite
+from batchtap.store._url import parse_url
+from batchtap.store.schema import (
+    ENSURE_RUN,
+    INSERT_EVENTS,
+    SQLITE,
+    UPSERT_METRICS,
+    UPSERT_RUN,
+    event_rows,
+    metric_rows,
+    run_row,
+    run_rows_for_records,
+    transaction,
+)
+
+__all__ = ["SQLite"]
+
+
+class SQLite(Sink):
+    """Store runs, metric values and events in a SQLite file (schema: :mod:`batchtap.store.schema`).
+
+    * WAL journaling: readers (``batchtap.store.open``, the CLI, another ``sqlite3``) follow the
+      file while training writes, and never block the writer.
+    * One transaction per ``write()`` block: a crash leaves whole blocks only.
+    * Idempotent: a value is keyed by (run, metric, step, rank) and an event by its content, so
+      writing a block twice (a replay from the spool) stores it once.
+    * NaN values are stored as SQL ``NULL``; :func:`batchtap.store.open` reads them back as ``nan``.
+
+    The file and its directory are created and checked in the constructor, so a bad path fails
+    before training starts.
+
+    Args:
+        path: file path or ``sqlite:///path``.
+        busy_timeout_s: how long a write waits for another process holding the write lock.
+
+    Raises:
+        SinkError: (a :class:`batchtap.store.StoreError`) the path is not writable, the file is not
+            a batchtap store, or its schema version is newer than this batchtap's.
+
+    Example:
+        >>> import tempfile, os
+        >>> sink = SQLite(os.path.join(tempfile.mkdtemp(), "runs", "bt.db"))
+        >>> sink.write([Record("r1", step=0, epoch=0, batch=0, rank=0, wall_time=0.0, values={"loss": 1.0})])
+        >>> sink.close()
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, busy_timeout_s: float = 10.0) -> None:
+        loc = parse_url(path)
+        if loc.kind != "sqlite":
+            raise SinkError(
+                f"bt.sinks.SQLite needs a file path or sqlite:///path, got {loc.display()!r}; "
+                "fix: use bt.sinks.Postgres for a PostgreSQL URL"
+            )
+        self.path = loc.target
+        self._conn: sqlite3.Connection | None = connect_sqlite(loc.target, create=True, busy_timeout_s=busy_timeout_s)
+        self._upsert_metrics = SQLITE.q(UPSERT_METRICS)
+        self._insert_events = SQLITE.q(INSERT_EVENTS)
+        self._ensure_run = SQLITE.q(ENSURE_RUN)
+        self._upsert_run = SQLITE.q(UPSERT_RUN)
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise SinkError(f"bt.sinks.SQLite({self.path!r}) is closed; expected an open sink; fix: make a new one")
+        return self._conn
+
+    def _upsert(self, run: RunInfo) -> None:
+        conn = self._connection()
+        try:
+            with transaction(conn, SQLITE):
+                conn.execute(self._upsert_run, run_row(run))
+        except sqlite3.Error as exc:
+            raise SinkError(f"cannot store run {run.id} in SQLite store {self.path}: {exc}") from exc
+
+    def start_run(self, run: RunInfo) -> None:
+        """Insert (or, on resume, update) the run's row with status ``running``."""
+        self._upsert(run)
+
+    def end_run(self, run: RunInfo) -> None:
+        """Store the run's final status, end time and stop reason."""
+        self._upsert(run)
+
+    def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
+        """Store one block in one transaction (all of it or, on error, none of it)."""
+        if not records and not events:
+            return
+        conn = self._connection()
+        rows = metric_rows(records)
+        try:
+            with transaction(conn, SQLITE):
+                # A run row for records whose start_run this sink never saw (attached mid-run).
+                conn.executemany(self._ensure_run, run_rows_for_records(records))
+                conn.executemany(self._upsert_metrics, rows)
+                if events:
+                    conn.executemany(self._insert_events, event_rows(events))
+        except sqlite3.Error as exc:
+            raise SinkError(
+                f"cannot write {len(rows)} values and {len(events)} events to SQLite store {self.path}: {exc}; "
+                "the block was not stored (nothing partial); fix: check free disk space and permissions"
+            ) from exc
+
+    def flush(self) -> None:
+        """Nothing to do: every block is committed when ``write()`` returns."""
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        if self._conn is not None:
+            try:
+                self._conn.execute("PRAGMA optimize")
+            except sqlite3.Error:
+                pass  # an optimisation hint only; closing must not fail on it
+            self._conn.close()
+            self._conn = None

@@ -1,0 +1,136 @@
+"""Opening connections to a store, shared by the SQL sinks and the reader."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from batchtap.sinks.base import require
+from batchtap.store._errors import StoreError
+from batchtap.store._url import redact_dsn
+from batchtap.store.schema import POSTGRES, SQLITE, ensure_schema
+
+__all__ = ["connect_sqlite", "connect_postgres"]
+
+
+def connect_sqlite(path: str | os.PathLike[str], *, create: bool, busy_timeout_s: float = 10.0) -> sqlite3.Connection:
+    """Open (and with ``create``, make) a SQLite store, in WAL mode with its schema up to date.
+
+    The connection is in autocommit mode (``isolation_level=None``): writers open their
+    transactions explicitly with :func:`batchtap.store.schema.transaction`. It may be used from a
+    thread other than the one that opened it (batchtap writes from its dispatcher thread), one
+    thread at a time.
+
+    Raises:
+        StoreError: the file cannot be created or opened, is not a SQLite database, is not a
+            batchtap store, or has a newer schema version.
+    """
+    p = Path(path)
+    where = str(p)
+    if create:
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(
+                f"cannot create the directory of SQLite store {where}: {exc.strerror or exc}; "
+                "expected a writable location; fix: choose another path or fix its permissions"
+            ) from exc
+        target = str(p)
+        uri = False
+    else:
+        if not p.is_file():
+            raise StoreError(
+                f"no batchtap store at {where}: the file does not exist; expected a SQLite file "
+                "written by bt.sinks.SQLite; fix: check the path"
+            )
+        # mode=rw: a reader must never create an empty file where it expected a store.
+        target = p.resolve().as_uri() + "?mode=rw"
+        uri = True
+    try:
+        conn = sqlite3.connect(
+            target, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False, uri=uri
+        )
+    except sqlite3.Error as exc:
+        raise StoreError(
+            f"cannot open SQLite store {where}: {exc}; expected a readable and writable file "
+            "(SQLite in WAL mode also writes -wal and -shm files next to it); "
+            "fix: choose another path or fix its permissions"
+        ) from exc
+    try:
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise StoreError(
+                f"SQLite store {where} could not switch to WAL journaling (got {mode!r}); "
+                "expected a local file system that supports shared memory; fix: use a local disk"
+            )
+        # WAL + NORMAL: a committed block survives a crash of the process (the tested case);
+        # only an OS crash or power loss can lose the last commits, never corrupt the file.
+        conn.execute("PRAGMA synchronous = NORMAL")
+        ensure_schema(conn, SQLITE, where=where, create=create)
+    except StoreError:
+        conn.close()
+        raise
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise StoreError(
+            f"cannot use {where} as a batchtap store: {exc}; expected a SQLite database written by "
+            "bt.sinks.SQLite (or a new, writable path); fix: check the path and its permissions"
+        ) from exc
+    return conn
+
+
+def connect_postgres(
+    dsn: str, *, schema: str | None, create: bool, connect_timeout_s: float = 5.0, purpose: str
+) -> Any:
+    """Open a psycopg 3 connection (autocommit) to a PostgreSQL store, its schema up to date.
+
+    Args:
+        dsn: libpq URL or ``key=value`` string.
+        schema: PostgreSQL schema (namespace) holding the tables; created when missing if
+            ``create``. ``None`` uses the server's ``search_path`` (normally ``public``).
+        create: create the tables in an empty schema.
+        connect_timeout_s: give up connecting after this long.
+        purpose: who asks, for the install hint when psycopg is missing.
+
+    Raises:
+        StoreError: the server cannot be reached or the schema is not usable; the message names
+            the DSN without its password.
+    """
+    psycopg = require("psycopg", extra="postgres", purpose=purpose)
+    shown = redact_dsn(dsn)
+    try:
+        conn = psycopg.connect(
+            dsn,
+            autocommit=True,
+            connect_timeout=max(1, round(connect_timeout_s)),
+            application_name="batchtap",
+        )
+    except psycopg.Error as exc:
+        # libpq's messages name host and port, never the password; the DSN we print is redacted.
+        reason = str(exc).strip().replace("\n", " ")
+        raise StoreError(
+            f"cannot connect to PostgreSQL at {shown}: {reason}; expected a reachable server "
+            "accepting this user and database; fix: check host, port, user, database and that the "
+            "server is running"
+        ) from None
+    try:
+        if schema is not None:
+            sql = require("psycopg.sql", extra="postgres", purpose=purpose)
+            if create:
+                conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+            conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        where = shown if schema is None else f"{shown} (schema {schema!r})"
+        ensure_schema(conn, POSTGRES, where=where, create=create)
+    except StoreError:
+        conn.close()
+        raise
+    except psycopg.Error as exc:
+        conn.close()
+        reason = str(exc).strip().replace("\n", " ")
+        raise StoreError(
+            f"cannot use PostgreSQL at {shown} as a batchtap store: {reason}; expected permission to "
+            "create and write tables; fix: grant them or choose another database or schema"
+        ) from None
+    return conn

@@ -1,0 +1,296 @@
+"""Reading a store: runs, one run's metric series, events.
+
+Used by the tests and the ``batchtap`` CLI. A reader never creates a store and never writes, except
+to apply the migrations an older store lacks. On SQLite it reads while a training process writes
+(WAL mode: readers see every committed block and never wait for the writer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any, NamedTuple
+
+from batchtap.records import Event, EventKind, RunStatus
+from batchtap.store._conn import connect_postgres, connect_sqlite
+from batchtap.store._errors import RunNotFound, StoreError
+from batchtap.store._url import parse_url
+from batchtap.store.schema import POSTGRES, SQLITE, Dialect, text_to_float
+
+__all__ = ["open", "Store", "RunRow", "Point"]
+
+_NAN = float("nan")
+
+
+class Point(NamedTuple):
+    """One value of a metric series.
+
+    Attributes:
+        step: global step.
+        value: the stored value; ``nan`` for a value that failed validation.
+        wall_time: ``time.time()`` of the step.
+        epoch: epoch of the step.
+        batch: batch index within the epoch.
+    """
+
+    step: int
+    value: float
+    wall_time: float
+    epoch: int
+    batch: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunRow:
+    """A run as stored, with figures derived from its metric rows.
+
+    Attributes:
+        id: run id.
+        name: run name.
+        status: running, finished, failed or stopped (a run whose process died stays ``running``).
+        started_at: ``time.time()`` at the start.
+        ended_at: ``time.time()`` at the end, if it ended.
+        stop_reason: why it stopped or failed.
+        config: the run's configuration.
+        world_size: processes in the process group.
+        environment: host, pid, versions, git commit, device, as recorded.
+        metrics: declared metric names, in column order.
+        steps: number of distinct steps with at least one stored value.
+        first_step: smallest stored step, ``None`` without values.
+        last_step: largest stored step, ``None`` without values.
+        last_wall_time: wall time of the latest stored value, ``None`` without values.
+    """
+
+    id: str
+    name: str
+    status: RunStatus
+    started_at: float
+    ended_at: float | None
+    stop_reason: str | None
+    config: dict[str, Any]
+    world_size: int
+    environment: dict[str, Any]
+    metrics: tuple[str, ...]
+    steps: int
+    first_step: int | None
+    last_step: int | None
+    last_wall_time: float | None
+
+    @property
+    def duration(self) -> float | None:
+        """Seconds from start to end (or to the latest stored value while running)."""
+        end = self.ended_at if self.ended_at is not None else self.last_wall_time
+        return None if end is None else end - self.started_at
+
+
+_RUN_SELECT = (
+    "SELECT r.id, r.name, r.status, r.started_at, r.ended_at, r.stop_reason, r.config, r.world_size,"
+    " r.environment, r.metric_names, s.steps, s.first_step, s.last_step, s.last_wall_time"
+    " FROM runs r LEFT JOIN (SELECT run_id, COUNT(DISTINCT step) AS steps, MIN(step) AS first_step,"
+    " MAX(step) AS last_step, MAX(wall_time) AS last_wall_time FROM metrics {where} GROUP BY run_id) s"
+    " ON s.run_id = r.id"
+)
+
+
+def _run_from_row(row: tuple[Any, ...]) -> RunRow:
+    (rid, name, status, started, ended, reason, config, world, env, metrics, steps, first, last, last_wall) = row
+    try:
+        run_status = RunStatus(status)
+    except ValueError:
+        run_status = RunStatus.RUNNING
+    return RunRow(
+        id=rid,
+        name=name,
+        status=run_status,
+        started_at=float(started),
+        ended_at=None if ended is None else float(ended),
+        stop_reason=reason,
+        config=json.loads(config) if config else {},
+        world_size=int(world),
+        environment=json.loads(env) if env else {},
+        metrics=tuple(json.loads(metrics)) if metrics else (),
+        steps=int(steps or 0),
+        first_step=None if first is None else int(first),
+        last_step=None if last is None else int(last),
+        last_wall_time=None if last_wall is None else float(last_wall),
+    )
+
+
+class Store:
+    """A read handle on a batchtap store; make one with :func:`open`. Use it as a context manager.
+
+    Example:
+        >>> import tempfile, os, batchtap.store
+        >>> from batchtap.sinks.sqlite import SQLite
+        >>> from batchtap.records import Record, RunInfo
+        >>> path = os.path.join(tempfile.mkdtemp(), "bt.db")
+        >>> sink = SQLite(path)
+        >>> sink.start_run(RunInfo("a1b2", "demo", {}, started_at=0.0))
+        >>> sink.write([Record("a1b2", step=0, epoch=0, batch=0, rank=0, wall_time=1.0, values={"loss": 0.5})])
+        >>> sink.close()
+        >>> with batchtap.store.open(path) as st:
+        ...     run = st.run("demo")
+        ...     st.series(run.id, "loss")
+        [Point(step=0, value=0.5, wall_time=1.0, epoch=0, batch=0)]
+    """
+
+    def __init__(self, conn: Any, dialect: Dialect, where: str) -> None:
+        self._conn = conn
+        self._d = dialect
+        #: the store's location, safe to print (no password).
+        self.where = where
+
+    # -- life cycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the connection."""
+        self._conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- queries ----------------------------------------------------------------------------
+    def _all(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        return list(self._conn.execute(self._d.q(sql), params).fetchall())
+
+    def runs(self) -> list[RunRow]:
+        """Every run, oldest first, with its status, step count and timings."""
+        rows = self._all(_RUN_SELECT.format(where="") + " ORDER BY r.started_at, r.id")
+        return [_run_from_row(r) for r in rows]
+
+    def _one_run(self, run_id: str) -> RunRow | None:
+        rows = self._all(_RUN_SELECT.format(where="WHERE run_id = ?") + " WHERE r.id = ?", (run_id, run_id))
+        return _run_from_row(rows[0]) if rows else None
+
+    def run(self, ref: str) -> RunRow:
+        """Find one run by exact id, exact name (the latest run of that name wins) or unique id prefix.
+
+        Raises:
+            RunNotFound: nothing matches, or an id prefix matches several runs; the message lists
+                the closest names and ids.
+        """
+        found = self._one_run(ref)
+        if found is not None:
+            return found
+        named = self._all("SELECT id FROM runs WHERE name = ? ORDER BY started_at DESC, id DESC LIMIT 1", (ref,))
+        if named:
+            found = self._one_run(named[0][0])
+            assert found is not None
+            return found
+        prefixed = [
+            r[0]
+            for r in self._all("SELECT id FROM runs WHERE substr(id, 1, ?) = ? ORDER BY id LIMIT 50", (len(ref), ref))
+        ]
+        if len(prefixed) == 1:
+            found = self._one_run(prefixed[0])
+            assert found is not None
+            return found
+        if len(prefixed) > 1:
+            raise RunNotFound(
+                f"run id prefix {ref!r} is ambiguous in {self.where}: it matches {', '.join(prefixed[:10])}; "
+                "expected a prefix matching one run; fix: give more characters of the id",
+                ref=ref,
+                candidates=tuple(prefixed),
+            )
+        known = self._all("SELECT DISTINCT name FROM runs") + self._all("SELECT id FROM runs")
+        close = tuple(difflib.get_close_matches(ref, [k[0] for k in known], n=5, cutoff=0.4))
+        hint = f"closest: {', '.join(repr(c) for c in close)}" if close else "the store has no similar names"
+        raise RunNotFound(
+            f"no run {ref!r} in {self.where} (looked for an exact id, a name, and an id prefix); "
+            f"{hint}; fix: run `batchtap runs` to list the runs",
+            ref=ref,
+            candidates=close,
+        )
+
+    def metric_names(self, run_id: str) -> list[str]:
+        """Names of the metrics with stored values in a run: declared order first, then the rest sorted."""
+        # A skip scan over the primary key's (run_id, metric) prefix: one index probe per metric
+        # instead of reading every row of the run.
+        rows = self._all(
+            "WITH RECURSIVE m(name) AS ("
+            " SELECT MIN(metric) FROM metrics WHERE run_id = ?"
+            " UNION ALL"
+            " SELECT (SELECT MIN(metric) FROM metrics WHERE run_id = ? AND metric > m.name)"
+            " FROM m WHERE m.name IS NOT NULL"
+            ") SELECT name FROM m WHERE name IS NOT NULL",
+            (run_id, run_id),
+        )
+        present = {r[0] for r in rows}
+        declared = self._all("SELECT metric_names FROM runs WHERE id = ?", (run_id,))
+        order = [m for m in (json.loads(declared[0][0]) if declared else []) if m in present]
+        return order + sorted(present.difference(order))
+
+    def series(self, run_id: str, metric: str, rank: int | None = None) -> list[Point]:
+        """One metric of one run in step order.
+
+        Args:
+            run_id: the run's id (see :meth:`run` to resolve a name).
+            metric: metric name, exactly as recorded.
+            rank: process rank, or :data:`batchtap.records.ALL_RANKS`; ``None`` picks the reduced
+                series when the run has one, else the lowest rank recorded.
+        """
+        if rank is None:
+            found = self._all("SELECT MIN(rank) FROM metrics WHERE run_id = ? AND metric = ?", (run_id, metric))
+            if not found or found[0][0] is None:
+                return []
+            rank = int(found[0][0])
+        rows = self._all(
+            "SELECT step, value, wall_time, epoch, batch FROM metrics"
+            " WHERE run_id = ? AND metric = ? AND rank = ? ORDER BY step",
+            (run_id, metric, rank),
+        )
+        return [
+            Point(int(s), _NAN if v is None else float(v), float(w), int(e), int(b)) for s, v, w, e, b in rows
+        ]
+
+    def iter_metrics(self, run_id: str) -> Iterator[tuple[str, int, int, float]]:
+        """Every stored value of a run as ``(metric, step, rank, value)``, by metric then step."""
+        cur = self._conn.execute(
+            self._d.q("SELECT metric, step, rank, value FROM metrics WHERE run_id = ? ORDER BY metric, step, rank"),
+            (run_id,),
+        )
+        for metric, step, rank, value in cur:
+            yield metric, int(step), int(rank), _NAN if value is None else float(value)
+
+    def events(self, run_id: str) -> list[Event]:
+        """Events of a run in step order."""
+        rows = self._all(
+            "SELECT run_id, step, kind, message, wall_time, metric, raw_value, rank FROM events"
+            " WHERE run_id = ? ORDER BY step, wall_time, event_key",
+            (run_id,),
+        )
+        return [
+            Event(rid, int(step), EventKind(kind), msg, float(wall), metric, text_to_float(raw), int(rank))
+            for rid, step, kind, msg, wall, metric, raw, rank in rows
+        ]
+
+
+def open(url: str | os.PathLike[str], *, schema: str | None = None) -> Store:  # noqa: A001 - the API name
+    """Open a batchtap store for reading.
+
+    Args:
+        url: a SQLite file path, ``sqlite:///path``, or ``postgresql://user@host/db``.
+        schema: for PostgreSQL, the schema (namespace) holding the tables; ``None`` uses the
+            server's ``search_path``.
+
+    Raises:
+        StoreError: the store does not exist, is not a batchtap store, has a newer schema version,
+            or the server cannot be reached (the DSN is shown without its password).
+    """
+    loc = parse_url(url)
+    if loc.kind == "sqlite":
+        conn = connect_sqlite(loc.target, create=False)
+        return Store(conn, SQLITE, loc.display())
+    if schema is not None and not schema:
+        raise StoreError("schema must be a non-empty name or None, got ''")
+    conn = connect_postgres(loc.target, schema=schema, create=False, purpose="batchtap.store.open")
+    where = loc.display() if schema is None else f"{loc.display()} (schema {schema!r})"
+    return Store(conn, POSTGRES, where)
