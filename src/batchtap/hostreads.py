@@ -5,7 +5,7 @@ On CUDA, ``.item()``, ``float(t)``, ``bool(t)``, ``if loss > x:``, ``.cpu()``, `
 them on any device, so a CPU-only test proves the CUDA path free of them:
 
 * a ``TorchDispatchMode`` sees ``aten._local_scalar_dense`` (what ``item``/``float``/``bool``
-  lower to) and copies from a non-CPU device to the CPU;
+  lower to) and blocking copies from a non-CPU device to the CPU;
 * ``Tensor.tolist``, ``Tensor.numpy`` and ``Tensor.__array__`` bypass the dispatcher for CPU
   tensors, so they are wrapped while the counter is active.
 
@@ -99,10 +99,14 @@ class HostReadCounter(TorchDispatchMode):
         if self._depth == 0:
             if func is _aten._local_scalar_dense.default:
                 self._record("item/float/bool")
+            # A non_blocking device->host copy is queued, not waited for (into pinned memory; into
+            # pageable memory CUDA still waits, which the GPU tests' sync debug mode catches).
             elif func is _aten._to_copy.default and _is_device_to_host(args[0], kwargs.get("device")):
-                self._record("to(cpu)")
+                if not kwargs.get("non_blocking", False):
+                    self._record("to(cpu)")
             elif func is _aten.copy_.default and _is_device_to_host(args[1], args[0].device):
-                self._record("copy_ to cpu")
+                if not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):
+                    self._record("copy_ to cpu")
         return func(*args, **kwargs)
 
     def __enter__(self) -> HostReadCounter:

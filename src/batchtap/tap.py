@@ -354,6 +354,8 @@ class Tap:
             with torch.no_grad():
                 device_values = [v for m in capture.metrics for v in m.compute(inputs)]
         host_values = [v for m in capture.metrics for v in m.read_host(inputs)]
+        if len(device_values) != capture.layout.device_width or len(host_values) != capture.layout.host_width:
+            raise ConfigError(_width_mismatch(capture.metrics, inputs))
         flusher = capture.flusher
         row = flusher.rows
         slot = flusher.claim(row)
@@ -558,6 +560,19 @@ def _check_extra_name(name: object, taken: set[str]) -> None:
             f"extra {name!r} clashes with a built-in metric or record field of the same name; rename it, "
             f"e.g. 'extra_{name}'"
         )
+
+
+def _width_mismatch(metrics: Sequence[Metric], inputs: StepInputs) -> str:
+    for metric in metrics:
+        with torch.no_grad():
+            device, host = len(metric.compute(inputs)), len(metric.read_host(inputs))
+        if (device, host) != (metric.device_width, metric.host_width):
+            return (
+                f"{type(metric).__name__} declares device_width={metric.device_width}, "
+                f"host_width={metric.host_width} but returned {device} device and {host} host values; "
+                "make the declared widths match what compute() and read_host() return"
+            )
+    return "metrics returned a different number of values than they declare"
 
 
 def _samples(batch_size: int | None, outputs: object, targets: object) -> float:

@@ -57,8 +57,8 @@ class MetricRing:
         self.non_blocking = pin
         self.device_rows = torch.zeros((capacity, device_width), dtype=torch.float32, device=device)
         with _real_memory():
-            self.pinned = torch.zeros((capacity, device_width), dtype=torch.float32, pin_memory=pin)
-            self.guard = torch.zeros((capacity,), dtype=torch.float32, pin_memory=pin)
+            self.pinned = host_buffer((capacity, device_width), pin=pin)
+            self.guard = host_buffer((capacity,), pin=pin)
             # numpy views made once here; later host reads go through them, never through torch.
             self.pinned_np = self.pinned.numpy()
             self.guard_np = self.guard.numpy()
@@ -121,6 +121,11 @@ class MetricRing:
     def slots(self, first_row: int, last_row: int) -> np.ndarray:
         """Slot indices of rows ``[first_row, last_row)`` in row order."""
         return np.arange(first_row, last_row) % self.capacity
+
+
+def host_buffer(shape: tuple[int, ...], *, pin: bool) -> torch.Tensor:
+    """A zeroed float32 host buffer, page-locked when ``pin`` (needed for asynchronous copies)."""
+    return torch.zeros(shape, dtype=torch.float32, pin_memory=pin)
 
 
 def _real_memory() -> contextlib.AbstractContextManager[object]:

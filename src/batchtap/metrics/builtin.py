@@ -373,6 +373,8 @@ class Extra(Metric):
             raise InputError(f"extra {self.name!r} must be a 0-dim tensor or a number, got {type(value).__name__}")
 
     def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
+        if not self.on_device:
+            return ()
         value = inputs.extra.get(self.name)
         if isinstance(value, torch.Tensor):
             return (_float32(value),)

@@ -1,0 +1,58 @@
+"""Shared fixtures: a sink that keeps what it gets, seeded randomness, small models."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from batchtap.records import Event, Record, RunInfo
+from batchtap.sinks.base import Sink
+
+
+class ListSink(Sink):
+    """Keeps every record, event and run it receives (thread-safe; read after tap.flush()/run end)."""
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.events: list[Event] = []
+        self.started: list[RunInfo] = []
+        self.ended: list[RunInfo] = []
+        self.writes = 0
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def start_run(self, run: RunInfo) -> None:
+        self.started.append(run)
+
+    def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
+        with self._lock:
+            self.records.extend(records)
+            self.events.extend(events)
+            self.writes += 1
+
+    def end_run(self, run: RunInfo) -> None:
+        self.ended.append(run)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def values(self, name: str) -> list[float]:
+        return [r.values[name] for r in self.records if name in r.values]
+
+
+@pytest.fixture
+def sink() -> ListSink:
+    return ListSink()
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(1234)
+
+
+def classifier(features: int = 8, classes: int = 5) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(torch.nn.Linear(features, 16), torch.nn.ReLU(), torch.nn.Linear(16, classes))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
