@@ -1,0 +1,297 @@
+"""What every rule shares: actions, the anomaly a rule reports, the history it may read, the base class.
+
+A rule watches decoded host :class:`~batchtap.records.Record` s in step order. It is split in two so
+that several ranks can agree on a decision before anyone's state moves on:
+
+* :meth:`Rule.check` reads the rule's state and one record and says whether it fires. It changes
+  nothing, so it can be called, its answer exchanged with other ranks, and the agreed answer used.
+* :meth:`Rule.update` folds the record into the state, told whether the (agreed) decision fired, so
+  counters and cool-downs reset identically everywhere.
+
+Rules never see tensors and never act themselves: they name :class:`Action` s, which the
+:class:`~batchtap.rules.engine.RuleEngine` turns into decisions and the training thread applies.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol, Union, runtime_checkable
+
+from batchtap.errors import ConfigError
+from batchtap.records import Record
+from batchtap.rules._validate import require_int
+
+if TYPE_CHECKING:
+    from batchtap.rules.engine import Decision
+
+__all__ = [
+    "Action",
+    "ActionName",
+    "ActionsArg",
+    "AlertHook",
+    "Anomaly",
+    "BatchSizeTarget",
+    "CallableRule",
+    "History",
+    "Rule",
+    "RuleFn",
+    "parse_actions",
+]
+
+
+class Action(str, enum.Enum):
+    """What the training side does when a rule fires.
+
+    A rule names one or more; they are applied in this order: ``alert`` (already done on the pipeline
+    thread), ``batch_size``, ``rollback``, ``stop``, ``raise``.
+    """
+
+    ALERT = "alert"  #: store an anomaly event (every sink, the console) and call the alert hook
+    BATCH_SIZE = "batch_size"  #: set the batch size a rule computed on an adaptive sampler
+    ROLLBACK = "rollback"  #: restore the last good snapshot, scale the lr, skip batches
+    STOP = "stop"  #: ``tap.should_stop`` turns True; the run ends as stopped with the reason
+    RAISE = "raise"  #: raise :class:`~batchtap.errors.TrainingDiverged` on the training thread
+
+
+#: An action spelled as a string.
+ActionName = Literal["alert", "batch_size", "rollback", "stop", "raise"]
+#: What a rule's ``action=`` argument accepts: one action or several.
+ActionsArg = Union[Action, ActionName, Sequence[Union[Action, ActionName]]]
+#: A user callable run on the pipeline thread when a rule with the ``alert`` action fires.
+AlertHook = Callable[["Decision"], object]
+
+
+def parse_actions(action: ActionsArg, *, rule: str) -> tuple[Action, ...]:
+    """Normalise a rule's ``action=`` argument to a tuple of :class:`Action` without duplicates.
+
+    Raises:
+        ConfigError: an unknown action name, or no action at all.
+
+    Example:
+        >>> parse_actions("stop", rule="nonfinite")
+        (<Action.STOP: 'stop'>,)
+        >>> [a.value for a in parse_actions(["alert", Action.ROLLBACK], rule="spike")]
+        ['alert', 'rollback']
+    """
+    items: Iterable[object] = (action,) if isinstance(action, str) else action
+    out: list[Action] = []
+    for item in items:
+        try:
+            parsed = Action(item)
+        except ValueError:
+            known = ", ".join(repr(a.value) for a in Action)
+            raise ConfigError(
+                f"{rule}: unknown action {item!r}; expected one of {known}. "
+                "Fix: pass action= one of those names (or a sequence of them)."
+            ) from None
+        if parsed not in out:
+            out.append(parsed)
+    if not out:
+        raise ConfigError(f"{rule}: action= is empty; expected at least one action. Fix: e.g. action='alert'.")
+    return tuple(out)
+
+
+@runtime_checkable
+class BatchSizeTarget(Protocol):
+    """Something whose batch size a rule can set (an :class:`~batchtap.rules.sampler.AdaptiveBatchSampler`)."""
+
+    @property
+    def batch_size(self) -> int:
+        """The size the next batch will have."""
+        ...
+
+    def set_batch_size(self, n: int) -> int:
+        """Set the size of the next batch, clamped to the target's bounds; return the size applied."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Anomaly:
+    """What a rule reports when it fires on a record.
+
+    Attributes:
+        metric: the metric that triggered it.
+        message: what was expected and what arrived, e.g. ``"loss 9.1 > 3 x EMA 1.02"``.
+        value: the value that triggered it (``nan`` for a rule without a single value).
+        batch_size: for the ``batch_size`` action, the size the sampler should take next.
+        sampler: for the ``batch_size`` action, the sampler to resize.
+
+    Example:
+        >>> Anomaly("loss", "loss is nan", float("nan")).metric
+        'loss'
+    """
+
+    metric: str
+    message: str
+    value: float = math.nan
+    batch_size: int | None = None
+    sampler: BatchSizeTarget | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+class History:
+    """The recent past a rule can read: the last ``maxlen`` values of every metric, oldest first.
+
+    The engine shows a rule the history *before* the record being checked; the record itself is
+    passed separately. A metric never seen reads as an empty tuple.
+
+    Example:
+        >>> h = History(maxlen=2)
+        >>> for step, loss in enumerate([1.0, 2.0, 3.0]):
+        ...     h.append(Record("r", step=step, epoch=0, batch=step, rank=0, wall_time=0.0, values={"loss": loss}))
+        >>> h["loss"], h.last_step
+        ((2.0, 3.0), 2)
+    """
+
+    def __init__(self, maxlen: int = 256) -> None:
+        if maxlen < 1:
+            raise ConfigError(f"History maxlen must be >= 1, got {maxlen}. Fix: pass a positive window.")
+        self._maxlen = maxlen
+        self._values: dict[str, deque[float]] = {}
+        self._steps: deque[int] = deque(maxlen=maxlen)
+
+    @property
+    def maxlen(self) -> int:
+        """How many values per metric are kept."""
+        return self._maxlen
+
+    @property
+    def last_step(self) -> int | None:
+        """Step of the newest record appended, or ``None`` before the first."""
+        return self._steps[-1] if self._steps else None
+
+    def __getitem__(self, metric: str) -> tuple[float, ...]:
+        return tuple(self._values.get(metric, ()))
+
+    def __contains__(self, metric: object) -> bool:
+        return metric in self._values
+
+    def append(self, record: Record) -> None:
+        """Add one record's values (called by the engine after every rule has seen the record)."""
+        self._steps.append(record.step)
+        for name, value in record.values.items():
+            buf = self._values.get(name)
+            if buf is None:
+                buf = self._values[name] = deque(maxlen=self._maxlen)
+            buf.append(value)
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self._values.clear()
+        self._steps.clear()
+
+
+class Rule(abc.ABC):
+    """Base class of every rule: names, actions, warm-up, and the check/update split.
+
+    Subclasses implement :meth:`check` (pure) and :meth:`update` (state), and may override
+    :meth:`reset`. A rule whose metric is missing from a record neither checks nor updates on it.
+
+    Args:
+        name: a short label used in events, e.g. ``"spike(loss)"``.
+        metric: the metric the rule watches.
+        action: what to do when it fires: one :class:`Action` (or its name) or several.
+        warmup: the rule does not fire on records with ``step < warmup`` (it still learns from them).
+        on_alert: called on the pipeline thread with the decision when the rule fires with ``alert``.
+
+    Example:
+        >>> class Above(Rule):
+        ...     def check(self, record, history):
+        ...         v = record.values[self.metric]
+        ...         return Anomaly(self.metric, f"{v} > 1", v) if v > 1 else None
+        ...     def update(self, record, *, fired):
+        ...         pass
+        >>> rule = Above(name="above", metric="loss", action="stop")
+        >>> rule.actions
+        (<Action.STOP: 'stop'>,)
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        metric: str,
+        action: ActionsArg,
+        warmup: int = 0,
+        on_alert: AlertHook | None = None,
+    ) -> None:
+        if not metric:
+            raise ConfigError(f"{name}: metric must be a non-empty name, got {metric!r}. Fix: e.g. metric='loss'.")
+        require_int(name, "warmup", warmup, minimum=0)
+        if on_alert is not None and not callable(on_alert):
+            raise ConfigError(f"{name}: on_alert must be callable, got {type(on_alert).__name__}.")
+        self.name = name
+        self.metric = metric
+        self.actions = parse_actions(action, rule=name)
+        self.warmup = warmup
+        self.on_alert = on_alert
+
+    def applies_to(self, record: Record) -> bool:
+        """Whether the record carries this rule's metric (a rule skips records that do not)."""
+        return self.metric in record.values
+
+    @abc.abstractmethod
+    def check(self, record: Record, history: History) -> Anomaly | None:
+        """Decide whether the rule fires on ``record``, from the state before it. Must not change state."""
+
+    @abc.abstractmethod
+    def update(self, record: Record, *, fired: bool) -> None:
+        """Fold ``record`` into the state; ``fired`` is the agreed decision for this record."""
+
+    def reset(self) -> None:  # noqa: B027 - stateless rules need no reset
+        """Forget all state (the engine calls it on :meth:`RuleEngine.reset`)."""
+
+    def __repr__(self) -> str:
+        acts = ",".join(a.value for a in self.actions)
+        return f"<{type(self).__name__} {self.name} -> {acts}>"
+
+
+#: A rule written as a function: ``(record, history) -> Anomaly | None``.
+RuleFn = Callable[[Record, History], Union[Anomaly, None]]
+
+
+class CallableRule(Rule):
+    """Wrap a function ``(record, history) -> Anomaly | None`` as a stateless rule.
+
+    The function sees every record (whatever metrics it carries) and the history before it.
+
+    Example:
+        >>> def too_slow(record, history):
+        ...     t = record.values.get("step_time", 0.0)
+        ...     return Anomaly("step_time", f"step took {t}s > 1s", t) if t > 1.0 else None
+        >>> rule = CallableRule(too_slow, action="alert")
+        >>> rule.name
+        'too_slow'
+    """
+
+    def __init__(
+        self,
+        fn: RuleFn,
+        *,
+        action: ActionsArg = Action.ALERT,
+        name: str | None = None,
+        warmup: int = 0,
+        on_alert: AlertHook | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise ConfigError(f"a rule must be a Rule or a callable (record, history) -> Anomaly | None, got {fn!r}.")
+        label = name or getattr(fn, "__name__", None) or type(fn).__name__
+        # The metric is only a label here: the function reads whatever it wants from the record.
+        super().__init__(name=label, metric="*", action=action, warmup=warmup, on_alert=on_alert)
+        self.fn = fn
+
+    def applies_to(self, record: Record) -> bool:
+        return True
+
+    def check(self, record: Record, history: History) -> Anomaly | None:
+        result = self.fn(record, history)
+        if result is not None and not isinstance(result, Anomaly):
+            raise TypeError(f"rule {self.name} returned {type(result).__name__}; expected Anomaly or None")
+        return result
+
+    def update(self, record: Record, *, fired: bool) -> None:
+        pass

@@ -1,0 +1,437 @@
+"""The built-in rules: non-finite values, thresholds, spikes, plateaus, step-time regressions.
+
+Shared conventions:
+
+* ``patience=K`` means the condition must hold on K consecutive records carrying the metric; the rule
+  fires on the K-th and its count starts again, so a condition that persists fires every K records.
+* A ``nan`` value (the pipeline stores an out-of-domain value as ``nan``, keeping the raw value in an
+  anomaly event) is ignored by every rule except :class:`NonFinite`: it neither counts towards nor
+  breaks a streak, and never enters a baseline.
+* Values that meet a rule's condition do not enter its baseline, so a spike or a slowdown cannot
+  raise the level it is judged against before patience runs out.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Literal
+
+from batchtap.errors import ConfigError
+from batchtap.records import Record
+from batchtap.rules._validate import require_int, require_number, value_of
+from batchtap.rules.base import Action, ActionsArg, AlertHook, Anomaly, History, Rule
+
+__all__ = ["NonFinite", "Plateau", "Spike", "StepTimeRegression", "Threshold"]
+
+
+class NonFinite(Rule):
+    """Fires when the metric is ``nan`` or infinite (by default: stop).
+
+    Args:
+        metric: the metric to watch.
+        action: what to do when it fires.
+        patience: consecutive non-finite values needed.
+        warmup: no firing on steps before this.
+        on_alert: hook for the ``alert`` action.
+
+    Example:
+        >>> rule = NonFinite()
+        >>> r = Record("r", step=7, epoch=0, batch=7, rank=0, wall_time=0.0, values={"loss": float("nan")})
+        >>> rule.check(r, History()).message
+        'loss is nan at step 7 (expected a finite value)'
+    """
+
+    def __init__(
+        self,
+        metric: str = "loss",
+        *,
+        action: ActionsArg = Action.STOP,
+        patience: int = 1,
+        warmup: int = 0,
+        on_alert: AlertHook | None = None,
+        name: str | None = None,
+    ) -> None:
+        label = name or f"nonfinite({metric})"
+        super().__init__(name=label, metric=metric, action=action, warmup=warmup, on_alert=on_alert)
+        require_int(label, "patience", patience, minimum=1)
+        self.patience = patience
+        self._streak = 0
+
+    def check(self, record: Record, history: History) -> Anomaly | None:
+        v = value_of(record, self.metric)
+        if math.isfinite(v) or self._streak + 1 < self.patience:
+            return None
+        return Anomaly(self.metric, f"{self.metric} is {v} at step {record.step} (expected a finite value)", v)
+
+    def update(self, record: Record, *, fired: bool) -> None:
+        v = value_of(record, self.metric)
+        self._streak = 0 if fired or math.isfinite(v) else self._streak + 1
+
+    def reset(self) -> None:
+        self._streak = 0
+
+
+class Threshold(Rule):
+    """Fires when the metric stays below ``below`` or above ``above`` for ``patience`` records.
+
+    Give one bound, or both for a band (fires outside ``[below, above]``).
+
+    Args:
+        metric: the metric to watch.
+        below: fire when the value is strictly below this.
+        above: fire when the value is strictly above this.
+        patience: consecutive out-of-bound values needed.
+        action: what to do when it fires.
+        warmup: no firing on steps before this.
+        on_alert: hook for the ``alert`` action.
+
+    Raises:
+        ConfigError: neither bound given, ``below > above``, or ``patience < 1``.
+
+    Example:
+        >>> rule = Threshold("accuracy", below=0.5, patience=10)
+        >>> rule.name
+        'threshold(accuracy<0.5)'
+    """
+
+    def __init__(
+        self,
+        metric: str,
+        *,
+        below: float | None = None,
+        above: float | None = None,
+        patience: int = 1,
+        action: ActionsArg = Action.ALERT,
+        warmup: int = 0,
+        on_alert: AlertHook | None = None,
+        name: str | None = None,
+    ) -> None:
+        bounds = ([f"<{below}"] if below is not None else []) + ([f">{above}"] if above is not None else [])
+        label = name or f"threshold({metric}{'|'.join(bounds)})"
+        super().__init__(name=label, metric=metric, action=action, warmup=warmup, on_alert=on_alert)
+        if below is None and above is None:
+            raise ConfigError(
+                f"{label}: expected below= or above= (or both), got neither. "
+                f"Fix: e.g. Threshold({metric!r}, below=0.5, patience=10)."
+            )
+        self.below = None if below is None else require_number(label, "below", below)
+        self.above = None if above is None else require_number(label, "above", above)
+        if self.below is not None and self.above is not None and self.below > self.above:
+            raise ConfigError(
+                f"{label}: below={below} is greater than above={above}; every value would be out of bounds. "
+                "Fix: below <= above (the rule fires outside [below, above])."
+            )
+        require_int(label, "patience", patience, minimum=1)
+        self.patience = patience
+        self._streak = 0
+
+    def _outside(self, v: float) -> str | None:
+        if self.below is not None and v < self.below:
+            return f"< {self.below}"
+        if self.above is not None and v > self.above:
+            return f"> {self.above}"
+        return None
+
+    def check(self, record: Record, history: History) -> Anomaly | None:
+        v = value_of(record, self.metric)
+        if math.isnan(v):
+            return None
+        side = self._outside(v)
+        if side is None or self._streak + 1 < self.patience:
+            return None
+        run = f" for {self.patience} consecutive records" if self.patience > 1 else ""
+        return Anomaly(self.metric, f"{self.metric} {v:.6g} {side}{run} at step {record.step}", v)
+
+    def update(self, record: Record, *, fired: bool) -> None:
+        v = value_of(record, self.metric)
+        if math.isnan(v):
+            return  # neither counts nor breaks the streak
+        self._streak = 0 if fired or self._outside(v) is None else self._streak + 1
+
+    def reset(self) -> None:
+        self._streak = 0
+
+
+class Spike(Rule):
+    """Fires when the metric jumps far above its recent level (loss spikes in large-model training).
+
+    Two ways to define "far above", pick one:
+
+    * ``ratio=r``: the value exceeds ``r`` times an exponential moving average (span ``window``). This
+      assumes a positive metric (a loss); it never fires while the average is <= 0.
+    * ``zscore=z``: the value exceeds the mean of the last ``window`` values by ``z`` standard
+      deviations (the deviation is floored at ``1e-6 * |mean|`` so a flat history does not make every
+      rise infinite).
+
+    With neither given, ``ratio=3.0``. The rule needs ``min_samples`` baseline values before it fires.
+
+    Args:
+        metric: the metric to watch.
+        ratio: fire above ``ratio * EMA`` (> 1).
+        zscore: fire above ``mean + zscore * std`` (> 0).
+        window: EMA span, or the z-score window.
+        patience: consecutive spiking values needed.
+        min_samples: baseline values needed before the rule may fire.
+        action: what to do when it fires.
+        warmup: no firing on steps before this.
+        on_alert: hook for the ``alert`` action.
+
+    Example:
+        >>> rule = Spike("loss", ratio=2.0, min_samples=3)
+        >>> rec = lambda s, v: Record("r", step=s, epoch=0, batch=s, rank=0, wall_time=0.0, values={"loss": v})
+        >>> for s, v in enumerate([1.0, 1.1, 0.9]):
+        ...     rule.update(rec(s, v), fired=False)
+        >>> rule.check(rec(3, 5.0), History()).message
+        'loss 5 > 2 x EMA 0.9998 at step 3'
+    """
+
+    def __init__(
+        self,
+        metric: str = "loss",
+        *,
+        ratio: float | None = None,
+        zscore: float | None = None,
+        window: int = 50,
+        patience: int = 1,
+        min_samples: int = 10,
+        action: ActionsArg = Action.ALERT,
+        warmup: int = 0,
+        on_alert: AlertHook | None = None,
+        name: str | None = None,
+    ) -> None:
+        label = name or f"spike({metric})"
+        super().__init__(name=label, metric=metric, action=action, warmup=warmup, on_alert=on_alert)
+        if ratio is not None and zscore is not None:
+            raise ConfigError(
+                f"{label}: got both ratio={ratio} and zscore={zscore}; expected one. Fix: drop one of them."
+            )
+        self.mode: Literal["ratio", "zscore"] = "zscore" if zscore is not None else "ratio"
+        self.ratio = require_number(label, "ratio", 3.0 if ratio is None else ratio, above=1.0)
+        self.zscore = None if zscore is None else require_number(label, "zscore", zscore, above=0.0)
+        require_int(label, "window", window, minimum=2)
+        require_int(label, "patience", patience, minimum=1)
+        require_int(label, "min_samples", min_samples, minimum=1)
+        self.window = window
+        self.patience = patience
+        self.min_samples = min_samples
+        self._alpha = 2.0 / (window + 1)
+        self._ema: float | None = None
+        self._recent: deque[float] = deque(maxlen=window)
+        self._count = 0
+        self._streak = 0
+
+    def _limit(self) -> tuple[float, str] | None:
+        """The level above which a value spikes, and how to describe it; ``None`` while warming up."""
+        if self._count < self.min_samples:
+            return None
+        if self.mode == "ratio":
+            assert self._ema is not None
+            if self._ema <= 0:
+                return None
+            return self.ratio * self._ema, f"{self.ratio:g} x EMA {self._ema:.4g}"
+        assert self.zscore is not None
+        mean = statistics.fmean(self._recent)
+        std = max(statistics.pstdev(self._recent, mean), 1e-6 * abs(mean), 1e-12)
+        return mean + self.zscore * std, f"mean {mean:.6g} + {self.zscore:g} x std {std:.3g}"
+
+    def _spikes(self, v: float) -> tuple[float, str] | None:
+        limit = self._limit()
+        return limit if limit is not None and v > limit[0] else None
+
+    def check(self, record: Record, history: History) -> Anomaly | None:
+        v = value_of(record, self.metric)
+        if not math.isfinite(v):
+            return None
+        hit = self._spikes(v)
+        if hit is None or self._streak + 1 < self.patience:
+            return None
+        return Anomaly(self.metric, f"{self.metric} {v:.6g} > {hit[1]} at step {record.step}", v)
+
+    def update(self, record: Record, *, fired: bool) -> None:
+        v = value_of(record, self.metric)
+        if not math.isfinite(v):
+            return
+        if self._spikes(v) is not None:
+            self._streak = 0 if fired else self._streak + 1
+            return  # a spike never raises the baseline it is judged against
+        self._streak = 0
+        self._ema = v if self._ema is None else self._ema + self._alpha * (v - self._ema)
+        self._recent.append(v)
+        self._count += 1
+
+    def reset(self) -> None:
+        self._ema = None
+        self._recent.clear()
+        self._count = 0
+        self._streak = 0
+
+
+class Plateau(Rule):
+    """Fires when the metric stops improving: the mean of the last ``window`` values is not better than
+    the mean of the ``window`` before them by more than ``min_delta``.
+
+    Means over windows, not a best-so-far value, because per-batch metrics are noisy: one lucky batch
+    must not count as progress. After firing the rule starts over and needs ``2 * window`` new values.
+
+    Args:
+        metric: the metric to watch.
+        window: values per compared window.
+        min_delta: smallest improvement of the window mean that counts.
+        mode: ``"min"`` when lower is better (a loss), ``"max"`` when higher is (accuracy).
+        action: what to do when it fires.
+        warmup: no firing on steps before this.
+        on_alert: hook for the ``alert`` action.
+
+    Example:
+        >>> rule = Plateau("loss", window=2)
+        >>> rec = lambda s, v: Record("r", step=s, epoch=0, batch=s, rank=0, wall_time=0.0, values={"loss": v})
+        >>> for s, v in enumerate([1.0, 1.0, 1.0]):
+        ...     rule.update(rec(s, v), fired=False)
+        >>> rule.check(rec(3, 1.0), History()).message
+        'loss plateaued at step 3: mean of last 2 is 1, previous 2 was 1 (improvement 0 <= min_delta 0)'
+    """
+
+    def __init__(
+        self,
+        metric: str = "loss",
+        *,
+        window: int = 100,
+        min_delta: float = 0.0,
+        mode: Literal["min", "max"] = "min",
+        action: ActionsArg = Action.ALERT,
+        warmup: int = 0,
+        on_alert: AlertHook | None = None,
+        name: str | None = None,
+    ) -> None:
+        label = name or f"plateau({metric})"
+        super().__init__(name=label, metric=metric, action=action, warmup=warmup, on_alert=on_alert)
+        require_int(label, "window", window, minimum=1)
+        self.min_delta = require_number(label, "min_delta", min_delta)
+        if self.min_delta < 0:
+            raise ConfigError(f"{label}: min_delta must be >= 0, got {min_delta}. Fix: pass the smallest gain that counts.")
+        if mode not in ("min", "max"):
+            raise ConfigError(f"{label}: mode must be 'min' or 'max', got {mode!r}.")
+        self.window = window
+        self.mode = mode
+        self._buf: deque[float] = deque(maxlen=2 * window)
+
+    def check(self, record: Record, history: History) -> Anomaly | None:
+        v = value_of(record, self.metric)
+        if math.isnan(v) or len(self._buf) + 1 < 2 * self.window:
+            return None
+        values = [*self._buf, v][-2 * self.window :]
+        prev = statistics.fmean(values[: self.window])
+        last = statistics.fmean(values[self.window :])
+        gain = prev - last if self.mode == "min" else last - prev
+        if gain > self.min_delta:
+            return None
+        return Anomaly(
+            self.metric,
+            f"{self.metric} plateaued at step {record.step}: mean of last {self.window} is {last:.6g}, "
+            f"previous {self.window} was {prev:.6g} (improvement {gain:.3g} <= min_delta {self.min_delta:g})",
+            v,
+        )
+
+    def update(self, record: Record, *, fired: bool) -> None:
+        v = value_of(record, self.metric)
+        if math.isnan(v):
+            return
+        if fired:
+            self._buf.clear()
+        else:
+            self._buf.append(v)
+
+    def reset(self) -> None:
+        self._buf.clear()
+
+
+class StepTimeRegression(Rule):
+    """Fires when step time (or data-loader wait) jumps above ``factor`` times its recent median.
+
+    Catches a stalled loader (``metric="data_time"``), a throttled or shared GPU, a host-sync that
+    crept into the loop. After firing the rule forgets its baseline and learns the new level, so a
+    lasting slowdown is reported once, not on every step.
+
+    Args:
+        metric: ``"step_time"`` or ``"data_time"`` (or any timing metric, in seconds).
+        factor: fire above ``factor * median`` (> 1).
+        window: values in the median.
+        patience: consecutive slow values needed (one slow step is normal: a checkpoint, a GC pause).
+        min_samples: baseline values needed before the rule may fire.
+        action: what to do when it fires.
+        warmup: no firing on steps before this (the first steps compile, warm caches, fill queues).
+        on_alert: hook for the ``alert`` action.
+
+    Example:
+        >>> StepTimeRegression("data_time", factor=3.0).name
+        'regression(data_time)'
+    """
+
+    def __init__(
+        self,
+        metric: str = "step_time",
+        *,
+        factor: float = 2.0,
+        window: int = 50,
+        patience: int = 3,
+        min_samples: int = 10,
+        action: ActionsArg = Action.ALERT,
+        warmup: int = 0,
+        on_alert: AlertHook | None = None,
+        name: str | None = None,
+    ) -> None:
+        label = name or f"regression({metric})"
+        super().__init__(name=label, metric=metric, action=action, warmup=warmup, on_alert=on_alert)
+        self.factor = require_number(label, "factor", factor, above=1.0)
+        require_int(label, "window", window, minimum=1)
+        require_int(label, "patience", patience, minimum=1)
+        require_int(label, "min_samples", min_samples, minimum=1)
+        if min_samples > window:
+            raise ConfigError(
+                f"{label}: min_samples={min_samples} exceeds window={window}; the baseline could never fill. "
+                "Fix: min_samples <= window."
+            )
+        self.window = window
+        self.patience = patience
+        self.min_samples = min_samples
+        self._recent: deque[float] = deque(maxlen=window)
+        self._streak = 0
+
+    def _limit(self) -> float | None:
+        if len(self._recent) < self.min_samples:
+            return None
+        return self.factor * statistics.median(self._recent)
+
+    def check(self, record: Record, history: History) -> Anomaly | None:
+        v = value_of(record, self.metric)
+        limit = self._limit()
+        if not math.isfinite(v) or limit is None or v <= limit or self._streak + 1 < self.patience:
+            return None
+        median = limit / self.factor
+        return Anomaly(
+            self.metric,
+            f"{self.metric} {v:.4g}s > {self.factor:g} x recent median {median:.4g}s "
+            f"for {self.patience} consecutive records at step {record.step}",
+            v,
+        )
+
+    def update(self, record: Record, *, fired: bool) -> None:
+        v = value_of(record, self.metric)
+        if not math.isfinite(v):
+            return
+        if fired:
+            self._recent.clear()  # re-learn the new level instead of reporting it on every step
+            self._streak = 0
+            return
+        limit = self._limit()
+        if limit is not None and v > limit:
+            self._streak += 1
+        else:
+            self._streak = 0
+            self._recent.append(v)
+
+    def reset(self) -> None:
+        self._recent.clear()
+        self._streak = 0
