@@ -48,6 +48,8 @@ __all__ = [
     "float_to_text",
     "text_to_float",
     "UPSERT_METRICS",
+    "upsert_metrics_from",
+    "dedupe_metric_rows",
     "INSERT_EVENTS",
     "UPSERT_RUN",
     "ENSURE_RUN",
@@ -183,11 +185,36 @@ def _insert(table: str, columns: Sequence[str]) -> str:
     return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
 
 
-UPSERT_METRICS = (
-    _insert("metrics", METRIC_COLUMNS)
-    + " ON CONFLICT (run_id, metric, step, rank) DO UPDATE SET epoch = excluded.epoch,"
+_METRICS_ON_CONFLICT = (
+    " ON CONFLICT (run_id, metric, step, rank) DO UPDATE SET epoch = excluded.epoch,"
     " batch = excluded.batch, wall_time = excluded.wall_time, value = excluded.value"
 )
+UPSERT_METRICS = _insert("metrics", METRIC_COLUMNS) + _METRICS_ON_CONFLICT
+
+
+def upsert_metrics_from(table: str) -> str:
+    """The metrics upsert reading its rows from a staging table (PostgreSQL's COPY path).
+
+    The staging table must not hold two rows with the same key (PostgreSQL refuses to update one
+    row twice in one statement); :func:`dedupe_metric_rows` ensures it.
+    """
+    cols = ", ".join(METRIC_COLUMNS)
+    return f"INSERT INTO metrics ({cols}) SELECT {cols} FROM {table}" + _METRICS_ON_CONFLICT
+
+
+def dedupe_metric_rows(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """``rows`` with one row per (run, metric, step, rank), the last one winning, as the
+    row-by-row upsert would leave it. Returns ``rows`` itself when it has no duplicate (the norm).
+
+    Example:
+        >>> dedupe_metric_rows([("r", "m", 1, 0, 0, 1, 0.0, 1.0), ("r", "m", 1, 0, 0, 1, 0.0, 2.0)])
+        [('r', 'm', 1, 0, 0, 1, 0.0, 2.0)]
+    """
+    keys = {row[:4] for row in rows}
+    if len(keys) == len(rows):
+        return rows
+    last = {row[:4]: row for row in rows}
+    return list(last.values())
 INSERT_EVENTS = _insert("events", EVENT_COLUMNS) + " ON CONFLICT (run_id, event_key) DO NOTHING"
 # start_run and end_run both send the whole row; the earliest start time wins so that a
 # placeholder row (see ENSURE_RUN) or a resumed run keeps when the run really began.

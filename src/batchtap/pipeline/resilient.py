@@ -1,0 +1,465 @@
+"""``ResilientSink``: a failing sink never loses a block, and never stalls the others.
+
+While the wrapped sink fails, each block (and each ``start_run``/``end_run``) is appended to a
+JSONL spool file. Later calls retry with exponential backoff; when the sink takes writes again the
+spool is replayed in order, then deleted. A spool left behind by a process that ended while the
+sink was down is replayed when the next ``ResilientSink`` on that path is constructed (or, if the
+sink is still down, at its next successful retry).
+
+Delivery is at least once: a block may reach the sink twice when the process dies between a
+successful replay and the spool's deletion, or when a sink stored part of a block before failing.
+The SQL sinks make that exactly once in effect: they upsert on (run, metric, step, rank) and
+ignore events already stored.
+
+Spool format, one JSON object per line (strict JSON; NaN and infinities as the strings ``"nan"``,
+``"inf"``, ``"-inf"``; other floats with ``repr`` precision, so values round-trip bit for bit)::
+
+    {"v": 1, "op": "start_run", "run": {...RunInfo fields...}}
+    {"v": 1, "op": "write", "records": [{"run_id": ..., "values": {"loss": 0.25}}], "events": [...]}
+    {"v": 1, "op": "end_run", "run": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from batchtap.errors import ConfigError, SinkError
+from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus
+from batchtap.sinks.base import Sink
+
+__all__ = ["ResilientSink", "encode_entry", "decode_entry"]
+
+_log = logging.getLogger(__name__)
+_SPOOL_VERSION = 1
+
+
+# -- spool encoding -----------------------------------------------------------------------------
+def _enc(x: float) -> float | str:
+    x = float(x)
+    return x if math.isfinite(x) else repr(x)  # 'nan', 'inf', '-inf': strict JSON has no NaN
+
+
+def _dec(x: float | int | str) -> float:
+    return float(x)
+
+
+def _enc_opt(x: float | None) -> float | str | None:
+    return None if x is None else _enc(x)
+
+
+def _record_to_json(r: Record) -> dict[str, Any]:
+    return {
+        "run_id": r.run_id,
+        "step": r.step,
+        "epoch": r.epoch,
+        "batch": r.batch,
+        "rank": r.rank,
+        "wall_time": _enc(r.wall_time),
+        "values": {k: _enc(v) for k, v in r.values.items()},
+    }
+
+
+def _record_from_json(d: dict[str, Any]) -> Record:
+    return Record(
+        run_id=d["run_id"],
+        step=int(d["step"]),
+        epoch=int(d["epoch"]),
+        batch=int(d["batch"]),
+        rank=int(d["rank"]),
+        wall_time=_dec(d["wall_time"]),
+        values={k: _dec(v) for k, v in d["values"].items()},
+    )
+
+
+def _event_to_json(e: Event) -> dict[str, Any]:
+    return {
+        "run_id": e.run_id,
+        "step": e.step,
+        "kind": e.kind.value,
+        "message": e.message,
+        "wall_time": _enc(e.wall_time),
+        "metric": e.metric,
+        "raw_value": _enc_opt(e.raw_value),
+        "rank": e.rank,
+    }
+
+
+def _event_from_json(d: dict[str, Any]) -> Event:
+    raw = d.get("raw_value")
+    return Event(
+        run_id=d["run_id"],
+        step=int(d["step"]),
+        kind=EventKind(d["kind"]),
+        message=d["message"],
+        wall_time=_dec(d["wall_time"]),
+        metric=d.get("metric"),
+        raw_value=None if raw is None else _dec(raw),
+        rank=int(d.get("rank", 0)),
+    )
+
+
+def _run_to_json(run: RunInfo) -> dict[str, Any]:
+    return {
+        "id": run.id,
+        "name": run.name,
+        "config": run.config,
+        "started_at": _enc(run.started_at),
+        "status": run.status.value,
+        "ended_at": _enc_opt(run.ended_at),
+        "stop_reason": run.stop_reason,
+        "world_size": run.world_size,
+        "environment": run.environment,
+        "metrics": list(run.metrics),
+    }
+
+
+def _run_from_json(d: dict[str, Any]) -> RunInfo:
+    ended = d.get("ended_at")
+    return RunInfo(
+        id=d["id"],
+        name=d["name"],
+        config=d.get("config") or {},
+        started_at=_dec(d["started_at"]),
+        status=RunStatus(d.get("status", "running")),
+        ended_at=None if ended is None else _dec(ended),
+        stop_reason=d.get("stop_reason"),
+        world_size=int(d.get("world_size", 1)),
+        environment=d.get("environment") or {},
+        metrics=tuple(d.get("metrics") or ()),
+    )
+
+
+# An operation on a sink: ("start_run", RunInfo) | ("end_run", RunInfo) | ("write", (records, events)).
+_Op = tuple[str, Any]
+
+
+def encode_entry(op: _Op) -> str:
+    """One spool line (without the newline) for an operation.
+
+    Example:
+        >>> r = Record("r", step=1, epoch=0, batch=1, rank=0, wall_time=2.5, values={"loss": float("nan")})
+        >>> line = encode_entry(("write", ([r], [])))
+        >>> line
+        '{"v":1,"op":"write","records":[{"run_id":"r","step":1,"epoch":0,"batch":1,"rank":0,"wall_time":2.5,"values":{"loss":"nan"}}],"events":[]}'
+        >>> decode_entry(line)[1][0][0].values["loss"]
+        nan
+    """
+    kind, payload = op
+    entry: dict[str, Any] = {"v": _SPOOL_VERSION, "op": kind}
+    if kind == "write":
+        records, events = payload
+        entry["records"] = [_record_to_json(r) for r in records]
+        entry["events"] = [_event_to_json(e) for e in events]
+    else:
+        entry["run"] = _run_to_json(payload)
+    # default=str: a config value JSON cannot hold is kept as its text rather than failing the spool.
+    return json.dumps(entry, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def decode_entry(line: str) -> _Op:
+    """Inverse of :func:`encode_entry`.
+
+    Raises:
+        ValueError: the line is not a spool entry this batchtap understands.
+    """
+    d = json.loads(line)
+    if not isinstance(d, dict) or d.get("v") != _SPOOL_VERSION:
+        raise ValueError(f"expected a spool entry of version {_SPOOL_VERSION}, got {str(line)[:80]!r}")
+    kind = d.get("op")
+    if kind == "write":
+        return kind, ([_record_from_json(r) for r in d["records"]], [_event_from_json(e) for e in d["events"]])
+    if kind in ("start_run", "end_run"):
+        return kind, _run_from_json(d["run"])
+    raise ValueError(f"expected op write, start_run or end_run in a spool entry, got {kind!r}")
+
+
+# -- the wrapper --------------------------------------------------------------------------------
+class ResilientSink(Sink):
+    """Wrap a sink so that its failures are retried with backoff and nothing is lost meanwhile.
+
+    The wrapper never raises from ``start_run``, ``write``, ``end_run``, ``flush`` or ``close``
+    because of the wrapped sink; it raises :class:`~batchtap.errors.SinkError` only when the spool
+    file itself cannot be written (then the block really cannot be kept). What went wrong is
+    reported as WARNING :class:`~batchtap.records.Event` s collected by :meth:`take_events` (and
+    logged), for the dispatcher to route to the other sinks.
+
+    Retries happen on later calls (``write``, ``start_run``, ``end_run``, ``flush``) once the
+    backoff delay has passed; the wrapper has no thread of its own. The delay starts at
+    ``retry_initial`` seconds, doubles after each failed retry, and is capped at ``retry_max``.
+    ``close()`` makes one last attempt regardless of the delay; what still fails stays in the spool
+    for the next start.
+
+    Not for several processes at once: give every process and sink its own ``spool_path``.
+
+    Args:
+        sink: the sink to protect.
+        spool_path: JSONL file for blocks the sink could not take (created when needed, deleted
+            once replayed).
+        retry_initial: seconds before the first retry.
+        retry_max: longest delay between retries, in seconds.
+        name: the sink's name in messages (default: its class name).
+        clock: monotonic clock in seconds (tests may drive time by hand).
+
+    Example:
+        >>> import tempfile, os
+        >>> class Flaky(Sink):
+        ...     def __init__(self):
+        ...         self.down, self.got = True, []
+        ...     def write(self, records, events=()):
+        ...         if self.down:
+        ...             raise OSError("disk gone")
+        ...         self.got.extend(records)
+        >>> inner = Flaky()
+        >>> sink = ResilientSink(inner, spool_path=os.path.join(tempfile.mkdtemp(), "spool.jsonl"), retry_initial=0.0001)
+        >>> r = Record("r", step=0, epoch=0, batch=0, rank=0, wall_time=0.0, values={"loss": 1.0})
+        >>> sink.write([r])                       # fails: spooled, reported
+        >>> [e.kind.value for e in sink.take_events()]
+        ['warning']
+        >>> inner.down = False
+        >>> sink.flush()                          # retry: replays the spool
+        >>> [x.step for x in inner.got], sink.pending
+        ([0], False)
+    """
+
+    def __init__(
+        self,
+        sink: Sink,
+        *,
+        spool_path: str | os.PathLike[str],
+        retry_initial: float = 0.1,
+        retry_max: float = 5.0,
+        name: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not (retry_initial >= 0 and retry_max >= retry_initial and math.isfinite(retry_max)):
+            raise ConfigError(
+                f"need 0 <= retry_initial <= retry_max (finite), got retry_initial={retry_initial} "
+                f"and retry_max={retry_max}"
+            )
+        self.sink = sink
+        self.spool_path = Path(spool_path)
+        self.name = name or type(sink).__name__
+        self._initial = float(retry_initial)
+        self._max = float(retry_max)
+        self._delay = self._initial
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._events: list[Event] = []
+        self._spool: Any = None  # the append handle, open while spooling
+        self._down_since: float | None = None
+        self._next_retry = 0.0
+        self._where: tuple[str, int, int] = ("", 0, 0)  # (run_id, step, rank) of the latest op, for events
+        #: blocks (and run life-cycle calls) appended to the spool since construction.
+        self.spooled = 0
+        #: spool entries replayed into the sink since construction.
+        self.replayed = 0
+        if self.pending:
+            # A previous process left blocks behind: deliver them before anything new.
+            self._down_since = self._clock()
+            self._replay(why="left by an earlier run")
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        """Whether the spool holds blocks not yet delivered."""
+        try:
+            return self.spool_path.stat().st_size > 0
+        except FileNotFoundError:
+            return False
+
+    def take_events(self) -> list[Event]:
+        """The WARNING events raised since the last call (sink failed, recovered, spool damaged)."""
+        with self._lock:
+            out, self._events = self._events, []
+            return out
+
+    def _warn(self, message: str) -> None:
+        _log.warning("%s", message)
+        run_id, step, rank = self._where
+        self._events.append(Event(run_id, step, EventKind.WARNING, message, time.time(), rank=rank))
+
+    # -- sink interface ---------------------------------------------------------------------
+    def start_run(self, run: RunInfo) -> None:
+        """Forward ``start_run`` (spooled if the sink is down)."""
+        self._do(("start_run", run))
+
+    def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
+        """Forward one block (spooled if the sink is down)."""
+        self._do(("write", (list(records), list(events))))
+
+    def end_run(self, run: RunInfo) -> None:
+        """Forward ``end_run`` (spooled if the sink is down)."""
+        self._do(("end_run", run))
+
+    def flush(self) -> None:
+        """Retry a down sink if its backoff delay has passed, then flush it."""
+        with self._lock:
+            if self.pending:
+                if self._clock() >= self._next_retry:
+                    self._replay(why="on flush")
+                if self.pending:
+                    return
+            try:
+                self.sink.flush()
+            except Exception as exc:  # noqa: BLE001 - any failure of a sink is reported, not raised
+                self._warn(f"sink {self.name}: flush failed: {type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        """One last replay attempt (ignoring the backoff delay), then close the sink."""
+        with self._lock:
+            if self.pending:
+                self._replay(why="at close")
+                if self.pending:
+                    self._warn(
+                        f"sink {self.name} is still failing at close; its undelivered blocks stay in "
+                        f"{self.spool_path} and are replayed when a ResilientSink next opens that spool"
+                    )
+            self._close_spool()
+            try:
+                self.sink.close()
+            except Exception as exc:  # noqa: BLE001
+                self._warn(f"sink {self.name}: close failed: {type(exc).__name__}: {exc}")
+
+    # -- machinery --------------------------------------------------------------------------
+    def _apply(self, op: _Op) -> None:
+        kind, payload = op
+        if kind == "write":
+            self.sink.write(*payload)
+        elif kind == "start_run":
+            self.sink.start_run(payload)
+        else:
+            self.sink.end_run(payload)
+
+    def _note_where(self, op: _Op) -> None:
+        kind, payload = op
+        if kind == "write":
+            records, events = payload
+            first = records[0] if records else (events[0] if events else None)
+            if first is not None:
+                self._where = (first.run_id, first.step, first.rank)
+        else:
+            self._where = (payload.id, self._where[1] if self._where[0] == payload.id else 0, self._where[2])
+
+    def _do(self, op: _Op) -> None:
+        with self._lock:
+            self._note_where(op)
+            if self.pending:
+                # Order matters: behind the spooled blocks, never ahead of them.
+                self._append(op)
+                if self._clock() >= self._next_retry:
+                    self._replay(why="on retry")
+                return
+            try:
+                self._apply(op)
+            except Exception as exc:  # noqa: BLE001 - whatever the sink raises, the block is kept
+                self._append(op)
+                now = self._clock()
+                self._down_since = now
+                self._delay = self._initial
+                self._next_retry = now + self._delay
+                self._warn(
+                    f"sink {self.name} failed: {type(exc).__name__}: {exc}; spooling its blocks to "
+                    f"{self.spool_path} and retrying with backoff (nothing is lost)"
+                )
+
+    def _append(self, op: _Op) -> None:
+        line = encode_entry(op) + "\n"
+        try:
+            if self._spool is None:
+                self.spool_path.parent.mkdir(parents=True, exist_ok=True)
+                self._spool = self.spool_path.open("a", encoding="utf-8")
+            self._spool.write(line)
+            # To the OS at once: a killed process keeps every spooled block.
+            self._spool.flush()
+        except OSError as exc:
+            raise SinkError(
+                f"sink {self.name} failed and its spool {self.spool_path} cannot be written either "
+                f"({exc.strerror or exc}); this block cannot be kept; fix: make the spool's directory "
+                "writable or free disk space"
+            ) from exc
+        self.spooled += 1
+
+    def _close_spool(self) -> None:
+        if self._spool is not None:
+            try:
+                self._spool.flush()
+                os.fsync(self._spool.fileno())
+            except OSError:
+                pass  # best effort; the lines already reached the OS in _append
+            self._spool.close()
+            self._spool = None
+
+    def _entries(self) -> Iterator[tuple[int, int, str]]:
+        """(line number, byte offset after the line, line) of every spool line."""
+        with self.spool_path.open("rb") as f:
+            n = 0
+            for raw in f:
+                n += 1
+                yield n, f.tell(), raw.decode("utf-8", errors="replace")
+
+    def _replay(self, *, why: str) -> None:
+        """Deliver the spool in order. On the first failure keep the rest and back off."""
+        self._close_spool()
+        done_offset = 0
+        delivered = 0
+        try:
+            for lineno, end, line in self._entries():
+                if not line.endswith("\n"):
+                    self._warn(
+                        f"sink {self.name}: spool {self.spool_path} line {lineno} is incomplete (the process "
+                        "writing it was killed mid-line); skipping that one block"
+                    )
+                    done_offset = end
+                    continue
+                try:
+                    op = decode_entry(line)
+                except (ValueError, KeyError, TypeError) as exc:
+                    self._warn(f"sink {self.name}: spool {self.spool_path} line {lineno} is damaged ({exc}); skipping it")
+                    done_offset = end
+                    continue
+                self._apply(op)
+                done_offset = end
+                delivered += 1
+                self.replayed += 1
+        except OSError as exc:
+            if not self.spool_path.exists():
+                return
+            failure: BaseException = exc
+        except Exception as exc:  # noqa: BLE001 - the sink is still down
+            failure = exc
+        else:
+            self.spool_path.unlink(missing_ok=True)
+            down_for = self._clock() - (self._down_since if self._down_since is not None else self._clock())
+            self._down_since = None
+            self._delay = self._initial
+            self._next_retry = 0.0
+            msg = f"sink {self.name} recovered ({why}) after {down_for:.1f} s; replayed {delivered} spooled blocks"
+            _log.warning("%s", msg)
+            run_id, step, rank = self._where
+            self._events.append(Event(run_id, step, EventKind.WARNING, msg, time.time(), rank=rank))
+            return
+        if done_offset:
+            self._drop_head(done_offset)
+        now = self._clock()
+        self._delay = min(max(self._delay * 2, self._initial), self._max) if self._next_retry else self._initial
+        self._next_retry = now + self._delay
+        _log.info("sink %s still failing (%s: %s); next retry in %.2f s", self.name, type(failure).__name__, failure, self._delay)
+
+    def _drop_head(self, offset: int) -> None:
+        """Remove the delivered first ``offset`` bytes of the spool (write the rest, then rename)."""
+        tmp = self.spool_path.with_name(self.spool_path.name + ".tmp")
+        with self.spool_path.open("rb") as src, tmp.open("wb") as dst:
+            src.seek(offset)
+            shutil.copyfileobj(src, dst)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, self.spool_path)

@@ -1,0 +1,111 @@
+"""``TensorBoard(log_dir)``: scalars and events for TensorBoard, through ``SummaryWriter``."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from batchtap.errors import SinkError
+from batchtap.records import ALL_RANKS, Event, Record, RunInfo
+from batchtap.sinks.base import Sink, require
+
+__all__ = ["TensorBoard"]
+
+
+class TensorBoard(Sink):
+    """Write metric values as TensorBoard scalars and events as TensorBoard text.
+
+    * Each value becomes scalar ``<prefix>/<metric>`` (``train/loss``) at the record's own step and
+      wall time (``add_scalar(walltime=...)``), so the time axis shows when the step ran, not when
+      the dispatcher wrote it. A record of rank ``k >= 1`` goes to ``<prefix>/<metric>/rank<k>``;
+      reduced records (all ranks) and rank 0 share the plain name.
+    * Events become text under ``events/<kind>`` (``events/anomaly``, ``events/action``,
+      ``events/warning``) at their step; the run's config and final status under ``run/...``.
+    * TensorBoard stores scalars as float32; NaN stays NaN.
+
+    Args:
+        log_dir: directory for the event files (created when missing).
+        prefix: first part of every scalar name.
+        max_queue: events ``SummaryWriter`` buffers before writing; batchtap flushes every block anyway.
+
+    Raises:
+        SinkError: ``log_dir`` cannot be created or written.
+        ImportError: the ``tensorboard`` package is missing (``pip install 'batchtap[tensorboard]'``).
+
+    Example:
+        >>> import tempfile
+        >>> tb = TensorBoard(tempfile.mkdtemp())
+        >>> tb.write([Record("r", step=0, epoch=0, batch=0, rank=0, wall_time=1.0, values={"loss": 0.7})])
+        >>> tb.close()
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str], *, prefix: str = "train", max_queue: int = 1000) -> None:
+        require("tensorboard", extra="tensorboard", purpose="bt.sinks.TensorBoard")
+        writer_mod = require("torch.utils.tensorboard", extra="tensorboard", purpose="bt.sinks.TensorBoard")
+        self.log_dir = os.fspath(log_dir)
+        self.prefix = prefix.rstrip("/")
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            if not os.access(self.log_dir, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied", self.log_dir)
+            self._writer: Any = writer_mod.SummaryWriter(log_dir=self.log_dir, max_queue=max_queue, flush_secs=3600)
+        except OSError as exc:
+            raise SinkError(
+                f"cannot write TensorBoard logs to {self.log_dir}: {exc.strerror or exc}; expected a "
+                "writable directory; fix: choose another log_dir or fix its permissions"
+            ) from exc
+        self._tags: dict[tuple[str, int], str] = {}
+
+    def _tag(self, metric: str, rank: int) -> str:
+        key = (metric, rank)
+        tag = self._tags.get(key)
+        if tag is None:
+            tag = f"{self.prefix}/{metric}" if rank in (0, ALL_RANKS) else f"{self.prefix}/{metric}/rank{rank}"
+            self._tags[key] = tag
+        return tag
+
+    def start_run(self, run: RunInfo) -> None:
+        """Record the run's id, name and config as text (``run/config``)."""
+        text = json.dumps({"id": run.id, "name": run.name, "config": run.config}, indent=2, default=str)
+        self._writer.add_text("run/config", f"```\n{text}\n```", global_step=0, walltime=run.started_at)
+
+    def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
+        """Add every value as a scalar and every event as text, then flush the event file."""
+        add_scalar = self._writer.add_scalar
+        try:
+            for r in records:
+                for name, value in r.values.items():
+                    add_scalar(self._tag(name, r.rank), float(value), global_step=r.step, walltime=r.wall_time)
+            for e in events:
+                self._writer.add_text(f"events/{e.kind.value}", _event_text(e), global_step=e.step, walltime=e.wall_time)
+            # One flush per block (not per value): followers see the block, the file stays appended.
+            self._writer.flush()
+        except OSError as exc:
+            raise SinkError(f"cannot write TensorBoard logs to {self.log_dir}: {exc.strerror or exc}") from exc
+
+    def end_run(self, run: RunInfo) -> None:
+        """Record the run's final status and stop reason as text (``run/status``)."""
+        text = run.status.value + (f": {run.stop_reason}" if run.stop_reason else "")
+        self._writer.add_text("run/status", text, global_step=0, walltime=run.ended_at)
+        self._writer.flush()
+
+    def flush(self) -> None:
+        """Write buffered events to the event file."""
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self._writer.close()
+
+
+def _event_text(e: Event) -> str:
+    parts = [f"**{e.kind.value}** at step {e.step}"]
+    if e.metric is not None:
+        parts.append(f"metric `{e.metric}`")
+    if e.raw_value is not None:
+        parts.append(f"raw value {e.raw_value!r}")
+    if e.rank not in (0, ALL_RANKS):
+        parts.append(f"rank {e.rank}")
+    return ", ".join(parts) + f": {e.message}"
