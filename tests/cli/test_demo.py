@@ -1,0 +1,39 @@
+"""`batchtap demo` as a user runs it: a subprocess, reading its files back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _demo(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "batchtap.cli.main", "demo", "--out", str(tmp_path), "--epochs", "2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_demo_trains_and_stores_metrics(tmp_path) -> None:
+    done = _demo(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "epoch 1 batch 40: loss=" in done.stderr
+    assert f"metrics written to {tmp_path}" in done.stdout
+    rows = [json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in rows if r["type"] == "record"]
+    assert len(records) == 2 * 45
+    assert records[-1]["accuracy"] > 0.5 and rows[-1]["status"] == "finished"
+    assert {"loss", "accuracy", "accuracy_top5", "lr", "grad_norm", "step_time", "data_time", "throughput"} <= set(records[-1])
+
+
+def test_demo_inject_nan_stops_at_once(tmp_path) -> None:
+    done = _demo(tmp_path, "--inject-nan-at", "30")
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in rows if r["type"] == "record"]
+    assert records[-1]["step"] <= 32 and records[-1]["loss"] == "nan"
+    assert rows[-1]["status"] == "stopped" and "non-finite loss" in rows[-1]["stop_reason"]
+    assert "stopped at step" in done.stdout
+
+
+def test_cli_without_command_prints_usage() -> None:
+    done = subprocess.run([sys.executable, "-m", "batchtap.cli.main"], capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "demo" in done.stdout

@@ -1,0 +1,101 @@
+"""Sink workers: coalescing, isolation of a failing or slow sink, explicit backpressure."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+import batchtap as bt
+from batchtap.pipeline.dispatch import Dispatcher
+from batchtap.records import EventKind, Record
+from tests.conftest import ListSink
+
+
+def _records(first: int, n: int) -> list[Record]:
+    return [Record("r", s, 0, s, 0, 0.0, {"loss": float(s)}) for s in range(first, first + n)]
+
+
+class GatedSink(ListSink):
+    """Blocks every write until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def write(self, records, events=()):
+        self.gate.wait()
+        super().write(records, events)
+
+
+class FailingSink(ListSink):
+    def write(self, records, events=()):
+        raise OSError("disk full")
+
+
+class SlowSink(ListSink):
+    def write(self, records, events=()):
+        time.sleep(0.1)
+        super().write(records, events)
+
+
+def test_drop_oldest_counts_and_reports_every_drop() -> None:
+    gated = GatedSink()
+    d = Dispatcher([gated], maxsize=2, policy="drop_oldest")
+    d.write(_records(0, 5), [])
+    time.sleep(0.05)  # the worker took block 0 and is now stuck in write()
+    for i in range(1, 6):
+        d.write(_records(5 * i, 5), [])
+    gated.gate.set()
+    d.flush(timeout=10)
+    worker = d.workers[0]
+    assert worker.dropped_blocks == 3 and worker.dropped_records == 15
+    kept = [r.step for r in gated.records]
+    assert kept == list(range(0, 5)) + list(range(20, 30))  # the oldest queued blocks went
+    d.write([], [])
+    d.flush(timeout=10)
+    drops = [e for e in gated.events if e.kind is EventKind.WARNING and "dropped the oldest block" in e.message]
+    assert len(drops) == 3
+    d.close()
+
+
+def test_block_policy_waits_loses_nothing_and_warns() -> None:
+    gated = GatedSink()
+    d = Dispatcher([gated], maxsize=1, policy="block")
+    d.write(_records(0, 1), [])
+    time.sleep(0.05)
+    d.write(_records(1, 1), [])  # fills the queue
+    done = threading.Event()
+
+    def third() -> None:
+        d.write(_records(2, 1), [])
+        done.set()
+
+    threading.Thread(target=third, daemon=True).start()
+    assert not done.wait(0.2)  # blocked while the sink is stuck
+    gated.gate.set()
+    assert done.wait(5)
+    d.write([], [])
+    d.flush(timeout=10)
+    assert [r.step for r in gated.records] == [0, 1, 2]
+    assert any("blocked" in e.message for e in gated.events if e.kind is EventKind.WARNING)
+    d.close()
+
+
+def test_a_failing_sink_does_not_stop_training_or_the_other_sinks() -> None:
+    good = ListSink()
+    with bt.Tap([bt.metrics.Loss()], [FailingSink(), good], flush_every=2) as tap, tap.run():
+        for i in range(11):
+            tap.step(loss=torch.tensor(float(i)))
+    assert [r.values["loss"] for r in good.records] == [float(i) for i in range(11)]
+    assert any("disk full" in e.message for e in good.events if e.kind is EventKind.WARNING)
+
+
+def test_a_slow_sink_gets_coalesced_blocks_and_keeps_up() -> None:
+    slow = SlowSink()
+    with bt.Tap([bt.metrics.Loss()], [slow], flush_every=1, capacity=2) as tap, tap.run():
+        for i in range(300):
+            tap.step(loss=torch.tensor(float(i)))
+    assert [r.step for r in slow.records] == list(range(300))
+    assert slow.writes < 300 / 5  # many flushed blocks per write call

@@ -1,0 +1,72 @@
+"""Console and JSONL sinks, read back."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+import torch
+
+import batchtap as bt
+from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus
+
+
+def test_console_plain_lines_every_n_batches() -> None:
+    stream = io.StringIO()
+    sink = bt.sinks.Console(every=10, stream=stream)
+    run = RunInfo("abc123", "exp1", {}, 0.0)
+    sink.start_run(run)
+    sink.write([Record("abc123", b, 0, b, 0, 0.0, {"loss": 0.42131, "accuracy": 0.9125}) for b in range(21)])
+    sink.write([], [Event("abc123", 3, EventKind.ANOMALY, "loss=nan at step 3 is not a number", 0.0, "loss", math.nan)])
+    run.status = RunStatus.FINISHED
+    sink.end_run(run)
+    lines = stream.getvalue().splitlines()
+    assert lines[1:4] == [
+        "epoch 0 batch 0: loss=0.4213 acc=91.25%",
+        "epoch 0 batch 10: loss=0.4213 acc=91.25%",
+        "epoch 0 batch 20: loss=0.4213 acc=91.25%",
+    ]
+    assert lines[4] == "batchtap anomaly at step 3: loss=nan at step 3 is not a number"
+    assert lines[5].startswith("batchtap: run 'exp1' finished: 21 steps") and "anomalies: 1" in lines[5]
+
+
+def test_console_live_bar_on_a_terminal() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    sink = bt.sinks.Console(stream=stream)
+    sink.start_run(RunInfo("r", "live", {}, 0.0))
+    sink.write([Record("r", b, 0, b, 0, 0.0, {"loss": 1.0 / (b + 1)}) for b in range(5)])
+    sink.end_run(RunInfo("r", "live", {}, 0.0, status=RunStatus.FINISHED))
+    out = stream.getvalue()
+    assert "epoch 0" in out and "loss=0.2000" in out and "5batch" in out.replace(" ", "")
+
+
+def test_jsonl_round_trip_through_a_run(tmp_path) -> None:
+    path = tmp_path / "deep" / "m.jsonl"
+    with bt.Tap([bt.metrics.Loss()], [bt.sinks.JSONL(path)], flush_every=3) as tap:
+        with tap.run(name="j", config={"lr": 0.1}):
+            for i in range(7):
+                tap.step(loss=torch.tensor(math.nan if i == 4 else float(i)))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows[0]["type"] == "run_start" and rows[0]["config"] == {"lr": 0.1}
+    records = [r for r in rows if r["type"] == "record"]
+    assert [r["loss"] for r in records] == [0.0, 1.0, 2.0, 3.0, "nan", 5.0, 6.0]
+    events = [r for r in rows if r["type"] == "event"]
+    assert {(e["kind"], e["step"], e["raw_value"]) for e in events} >= {("anomaly", 4, "nan")}
+    assert rows[-1]["type"] == "run_end" and rows[-1]["status"] == "stopped"
+    # append-only: a second run adds lines
+    with bt.Tap([bt.metrics.Loss()], [bt.sinks.JSONL(path)]) as tap, tap.run(name="j2"):
+        tap.step(loss=torch.tensor(1.0))
+    assert len(path.read_text().splitlines()) == len(rows) + 3
+
+
+def test_jsonl_unwritable_path_is_a_clear_error(tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(bt.SinkError, match=r"JSONL sink cannot open .*file/m.jsonl.* choose a writable path"):
+        bt.sinks.JSONL(blocker / "m.jsonl")
