@@ -227,6 +227,7 @@ class Tap:
             state.info.stop_reason = reason
             state.info.ended_at = time.time()
             self._harvester.end_run(dataclasses.replace(state.info))
+            # sync: end of run — every captured step must reach the sinks before run() returns.
             self._harvester.drain()
             self._dispatcher.flush()
         finally:
@@ -409,6 +410,7 @@ class Tap:
         state = self._state
         if state is not None and state.capture is not None:
             self._flush(state.capture)
+        # sync: explicit flush — the caller asked for every captured step on the host.
         self._harvester.drain()
         self._dispatcher.flush()
 
