@@ -96,7 +96,7 @@ def test_restore_is_bit_exact(tmp_path, where, optim, scheduler):
             if t.is_floating_point():
                 t.fill_(float("nan"))
 
-    result = rb.restore(_decision(8), step=8)
+    result = rb.restore(_decision(4), step=8)  # the rules flagged step 4; training is at step 8
 
     assert result is not None and result.restored_step == 3 and result.retry == 1
     assert result.undone_steps == range(4, 9) and result.lr_scale == 0.5
@@ -107,7 +107,7 @@ def test_restore_is_bit_exact(tmp_path, where, optim, scheduler):
         assert got["base_lrs"] == [lr * 0.5 for lr in want_sched["base_lrs"]]
         assert got["last_epoch"] == want_sched["last_epoch"]
     if where == "disk":
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["rollback-step-1.pt", "rollback-step3.pt"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["rollback-step0.pt", "rollback-step3.pt"]
 
 
 def test_a_second_restore_of_the_same_snapshot_is_still_exact():
@@ -133,7 +133,7 @@ def test_divergence_before_any_confirmed_snapshot_restores_the_initial_state():
     for step in range(3):
         _train_step(model, opt, sched, gen)
         rb.maybe_snapshot(step)  # step 0 is pending, never confirmed
-    result = rb.restore(_decision(2), step=2)
+    result = rb.restore(_decision(0), step=2)  # step 0 itself diverged
     assert result.restored_step == -1 and result.undone_steps == range(0, 3)
     _assert_tree_equal(model.state_dict(), want)
 
@@ -147,7 +147,7 @@ def test_pending_snapshots_before_the_decision_count_as_cleared():
     assert rb.pending_steps == (0, 2, 4) and rb.good_steps == (-1,)  # step 6 skipped: keep=3 pending max
     result = rb.restore(_decision(3), step=6)
     assert result.restored_step == 2  # 0 and 2 precede the decision; 4 is on the abandoned trajectory
-    assert rb.pending_steps == () and rb.good_steps == (0, 2)
+    assert rb.pending_steps == () and rb.good_steps == (-1, 0, 2)
 
 
 def test_keep_bounds_good_snapshots():
