@@ -159,6 +159,11 @@ class TcpProxy:
     def stop(self) -> None:
         """Refuse new connections and cut the open ones (the server 'goes away')."""
         if self._listener is not None:
+            # shutdown wakes the thread blocked in accept(); close alone would leave it listening.
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
             self._listener = None
         with self._lock:
