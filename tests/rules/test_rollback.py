@@ -87,16 +87,17 @@ def test_restore_is_bit_exact(tmp_path, where, optim, scheduler):
         rb.maybe_snapshot(step)
     want_model, want_opt = _clone(model.state_dict()), _clone(opt.state_dict())
     want_sched = _clone(sched.state_dict()) if sched is not None else None
-    rb.confirm(3)
-    for step in range(4, 9):  # diverge: train on, then poison every state tensor
+    for step in range(4, 9):  # diverge: train on (snapshot at 6), then poison every state tensor
         _train_step(model, opt, sched, gen)
         rb.maybe_snapshot(step)
+        if step == 4:
+            rb.confirm(4)  # the record of step 4 (first loss after step 3's update) was cleared
     with torch.no_grad():
         for t in [*model.state_dict().values()]:
             if t.is_floating_point():
                 t.fill_(float("nan"))
 
-    result = rb.restore(_decision(4), step=8)  # the rules flagged step 4; training is at step 8
+    result = rb.restore(_decision(6), step=8)  # the rules flagged step 6; training is at step 8
 
     assert result is not None and result.restored_step == 3 and result.retry == 1
     assert result.undone_steps == range(4, 9) and result.lr_scale == 0.5
@@ -116,9 +117,9 @@ def test_a_second_restore_of_the_same_snapshot_is_still_exact():
     rb = Rollback(model, opt, every=1, max_retries=5)
     _train_step(model, opt, sched, gen)
     rb.maybe_snapshot(0)
-    rb.confirm(0)
+    rb.confirm(1)
     want_model, want_opt = _clone(model.state_dict()), _clone(opt.state_dict())
-    rb.restore(_decision(1), step=1)
+    rb.restore(_decision(2), step=2)
     for step in range(2, 5):
         _train_step(model, opt, sched, gen)
     rb.restore(_decision(5), step=5)
@@ -133,7 +134,7 @@ def test_divergence_before_any_confirmed_snapshot_restores_the_initial_state():
     for step in range(3):
         _train_step(model, opt, sched, gen)
         rb.maybe_snapshot(step)  # step 0 is pending, never confirmed
-    result = rb.restore(_decision(0), step=2)  # step 0 itself diverged
+    result = rb.restore(_decision(1), step=2)  # the parameters after step 0 gave a bad loss at step 1
     assert result.restored_step == -1 and result.undone_steps == range(0, 3)
     _assert_tree_equal(model.state_dict(), want)
 
@@ -145,8 +146,8 @@ def test_pending_snapshots_before_the_decision_count_as_cleared():
         _train_step(model, opt, sched, gen)
         rb.maybe_snapshot(step)
     assert rb.pending_steps == (0, 2, 4) and rb.good_steps == (-1,)  # step 6 skipped: keep=3 pending max
-    result = rb.restore(_decision(3), step=6)
-    assert result.restored_step == 2  # 0 and 2 precede the decision; 4 is on the abandoned trajectory
+    result = rb.restore(_decision(4), step=6)
+    assert result.restored_step == 2  # 0 and 2 were judged clean by records 1 and 3; 4 is abandoned
     assert rb.pending_steps == () and rb.good_steps == (-1, 0, 2)
 
 
@@ -155,7 +156,7 @@ def test_keep_bounds_good_snapshots():
     rb = Rollback(model, opt, every=1, keep=2)
     for step in range(5):
         rb.maybe_snapshot(step)
-        rb.confirm(step)
+        rb.confirm(step + 1)
     assert rb.good_steps == (3, 4)
 
 
@@ -163,7 +164,7 @@ def test_stale_decisions_after_a_restore_do_nothing():
     model, opt, sched, gen = _setup(8, "sgd", None)
     rb = Rollback(model, opt, every=1)
     rb.maybe_snapshot(0)
-    rb.confirm(0)
+    rb.confirm(1)
     assert rb.restore(_decision(3), step=5) is not None
     assert rb.is_stale(4) and rb.is_stale(5) and not rb.is_stale(6)
     assert rb.restore(_decision(4), step=6) is None
@@ -182,9 +183,9 @@ def test_retries_raise_when_exhausted_and_reset_after_progress():
     rb2 = Rollback(model, opt, every=1, max_retries=1)
     rb2.restore(_decision(1), step=1)
     rb2.maybe_snapshot(2)
-    rb2.confirm(2)  # a snapshot newer than the restore proved good
+    rb2.confirm(3)  # a snapshot newer than the restore proved good
     assert rb2.retries == 0
-    assert rb2.restore(_decision(3), step=3).retry == 1
+    assert rb2.restore(_decision(4), step=4).retry == 1
 
 
 def test_exhausted_with_stop_reports_instead_of_raising():
@@ -226,3 +227,20 @@ def test_a_model_without_state_dict_is_rejected():
     model, opt, _, _ = _setup(0, "sgd", None)
     with pytest.raises(ConfigError, match="state_dict"):
         Rollback(object(), opt)  # type: ignore[arg-type]
+
+
+def test_the_snapshot_behind_the_flagged_record_is_not_used():
+    """The record of step d is the first loss of the parameters saved after d - 1: skip that snapshot."""
+    model, opt, sched, gen = _setup(13, "sgd", None)
+    rb = Rollback(model, opt, every=1, keep=5)
+    for step in range(4):
+        rb.maybe_snapshot(step)
+    rb.confirm(4)
+    assert rb.good_steps == (-1, 0, 1, 2, 3)
+    assert rb.restore(_decision(3), step=4).restored_step == 1
+
+
+def test_a_divergence_on_the_first_record_has_nothing_to_go_back_to():
+    model, opt, _, _ = _setup(14, "sgd", None)
+    with pytest.raises(TrainingDiverged, match="no good snapshot"):
+        Rollback(model, opt).restore(_decision(0), step=0)

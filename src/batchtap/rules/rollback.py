@@ -6,9 +6,13 @@ Everything here runs on the **training thread** (it touches the model and optimi
    optimizer and scheduler state *on their device* (no host read, so no sync). The snapshot is
    *pending*: the rules have not yet seen the records of the steps it covers.
 2. ``confirm(upto_step)`` when the rule engine has cleared every record up to ``upto_step``: pending
-   snapshots taken at or before it become *good*. Only the ``keep`` newest good ones are kept.
-3. ``restore(decision)`` when a rule decided ``rollback``: loads the newest good snapshot older than
-   the decision's step (bit-exact), scales the learning rate by ``lr_factor`` per consecutive retry,
+   snapshots taken *before* it become *good*. The parameters saved after step ``s`` are first judged
+   by the loss of step ``s + 1`` (the loss of step ``s`` was computed before that update), so the
+   snapshot of step ``s`` needs the record of ``s + 1`` cleared. Only the ``keep`` newest good
+   snapshots are kept.
+3. ``restore(decision)`` when a rule decided ``rollback`` on the record of step ``d``: loads the
+   newest good snapshot of a step before ``d - 1`` (the parameters that produced the record of
+   ``d`` are the ones saved after ``d - 1``), bit-exact, scales the learning rate by ``lr_factor`` per consecutive retry,
    asks the loop to skip the next ``skip_batches`` batches, and counts the retry. After
    ``max_retries`` consecutive retries without a newer snapshot being confirmed it raises
    :class:`~batchtap.errors.TrainingDiverged` (``on_exhausted="raise"``) or reports that training
@@ -134,11 +138,12 @@ class Rollback:
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> rb = Rollback(model, opt, every=1, lr_factor=0.5)
         >>> before = {k: v.clone() for k, v in model.state_dict().items()}
-        >>> _ = rb.maybe_snapshot(0); _ = rb.confirm(0)            # step 0 cleared by the rules
+        >>> _ = rb.maybe_snapshot(0)                                 # after step 0's update
+        >>> _ = rb.confirm(1)                   # the rules cleared step 1, the first loss it produced
         >>> with torch.no_grad():
-        ...     _ = model.weight.add_(float("nan"))                  # step 1 diverges
-        >>> d = Decision(step=1, rule="nonfinite(loss)", metric="loss", actions=(), message="loss is nan")
-        >>> result = rb.restore(d, step=1)
+        ...     _ = model.weight.add_(float("nan"))                  # step 1's update diverges
+        >>> d = Decision(step=2, rule="nonfinite(loss)", metric="loss", actions=(), message="loss is nan")
+        >>> result = rb.restore(d, step=2)
         >>> result.restored_step, result.lrs, torch.equal(model.weight, before["weight"])
         (0, (0.05,), True)
     """
@@ -234,12 +239,14 @@ class Rollback:
         return True
 
     def confirm(self, upto_step: int) -> int:
-        """The rules cleared every step ``<= upto_step``: pending snapshots up to it become good.
+        """The rules cleared every step ``<= upto_step``: pending snapshots of steps before it become good.
+
+        (The snapshot of step ``s`` holds the parameters whose first loss is the record of ``s + 1``.)
 
         Returns how many were promoted.
         """
         n = 0
-        while self._pending and self._pending[0].step <= upto_step:
+        while self._pending and self._pending[0].step < upto_step:
             snap = self._pending.popleft()
             if self._restored_through is not None and snap.step > self._restored_through:
                 self._retries = 0  # a state newer than the last restore proved good: progress
@@ -248,7 +255,7 @@ class Rollback:
         return n
 
     def restore(self, decision: Decision, *, step: int | None = None) -> RollbackResult | None:
-        """Roll back for ``decision``: restore the newest good snapshot before ``decision.step``.
+        """Roll back for ``decision``: restore the newest good snapshot of a step before ``decision.step - 1``.
 
         Args:
             decision: the rule decision asking for it.
@@ -289,7 +296,8 @@ class Rollback:
             return result
         # Rules run in step order, so a decision at step d means every step before d was cleared.
         self.confirm(decision.step - 1)
-        while self._good and self._good[-1].step >= decision.step:
+        # The snapshot of step d - 1 produced the flagged record of step d: not good after all.
+        while self._good and self._good[-1].step >= decision.step - 1:
             self._drop(self._good.pop())
         if not self._good:
             raise TrainingDiverged(
