@@ -262,6 +262,16 @@ class ResilientSink(Sink):
         self.spooled = 0
         #: spool entries replayed into the sink since construction.
         self.replayed = 0
+        try:
+            # Check the spool's place now: finding it unwritable only when the sink fails is too late.
+            self.spool_path.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(self.spool_path.parent, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied", str(self.spool_path.parent))
+        except OSError as exc:
+            raise SinkError(
+                f"cannot use spool {self.spool_path} for sink {self.name}: {exc.strerror or exc}; expected a "
+                "writable directory; fix: choose another spool_path or fix its permissions"
+            ) from exc
         if self.pending:
             # A previous process left blocks behind: deliver them before anything new.
             self._down_since = self._clock()
@@ -273,7 +283,7 @@ class ResilientSink(Sink):
         """Whether the spool holds blocks not yet delivered."""
         try:
             return self.spool_path.stat().st_size > 0
-        except FileNotFoundError:
+        except OSError:  # missing, or its directory is gone
             return False
 
     def take_events(self) -> list[Event]:
