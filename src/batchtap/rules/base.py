@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol, Union, runtime_checkable
 
 from batchtap.errors import ConfigError
