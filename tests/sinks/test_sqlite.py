@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 import random
+import signal
 import sqlite3
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -160,3 +165,50 @@ def test_writing_after_close_is_an_error(tmp_path: Path) -> None:
     sink.close()  # idempotent
     with pytest.raises(SinkError, match=r"closed"):
         sink.write(make_records("r", range(1), ["loss"], random.Random(16)))
+
+
+_WRITER = """
+import random, sys
+from batchtap.records import Record
+from batchtap.sinks.sqlite import SQLite
+sink = SQLite(sys.argv[1])
+rng = random.Random(0)
+step = 0
+while True:
+    block = [Record("killed", step=s, epoch=0, batch=s, rank=0, wall_time=float(s),
+                    values={f"m{i}": rng.random() for i in range(20)}) for s in range(step, step + 50)]
+    sink.write(block)
+    step += 50
+"""
+
+
+def test_sigkill_during_writes_leaves_whole_blocks_and_a_sound_file(tmp_path: Path) -> None:
+    path = tmp_path / "bt.db"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], env=env)
+    try:
+        rows = 0
+        for _ in range(600):  # until a few blocks are in (bounded wait, no timing asserted)
+            time.sleep(0.05)
+            if path.exists():
+                try:
+                    rows = _rows(path, "SELECT COUNT(*) FROM metrics")[0][0]
+                except sqlite3.OperationalError:
+                    continue
+                if rows >= 5 * 50 * 20:
+                    break
+        assert rows > 0, "the writer never committed a block"
+        time.sleep(random.Random(17).uniform(0.0, 0.2))  # land somewhere inside a later write
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert _rows(path, "PRAGMA integrity_check") == [("ok",)]
+    steps = [r[0] for r in _rows(path, "SELECT DISTINCT step FROM metrics ORDER BY step")]
+    assert steps == list(range(len(steps))) and len(steps) % 50 == 0
+    assert _rows(path, "SELECT COUNT(*) FROM metrics")[0][0] == len(steps) * 20
+    # The store still takes writes after the crash, and a replay of the last block adds nothing.
+    sink = SQLite(path)
+    last = [Record("killed", step=s, epoch=0, batch=s, rank=0, wall_time=float(s), values={"m0": 0.5}) for s in steps[-50:]]
+    sink.write(last)
+    sink.close()
+    assert _rows(path, "SELECT COUNT(*) FROM metrics")[0][0] == len(steps) * 20
