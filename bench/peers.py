@@ -1,0 +1,82 @@
+"""batchtap side by side with what users would pick instead, on the CPU (issue 7).
+
+Workloads: the demo's ``DigitsCNN`` on scikit-learn digits, and a 3-block CNN on random 3x32x32 data
+whose CPU step takes 10-30 ms. Variants, in one process, interleaved repetitions, medians:
+
+1. bare PyTorch loop;
+2. the per-step ``.item()`` recipe, a line every 10 batches;
+3. batchtap with its default metrics (no sink);
+4. batchtap with SQLite + TensorBoard sinks (skipped while those sinks cannot be imported);
+5. a Lightning ``Trainer``: ``self.log(on_step=True)`` of the loss and a TorchMetrics ``Accuracy``,
+   ``CSVLogger`` (skipped when lightning/torchmetrics are not installed);
+6. an HF-Trainer-style loop: loss accumulated on the device, read every ``logging_steps=10``.
+
+Reported: ms/step, ratio to bare (median of per-rep ratios), host reads per step (counted with
+``_hostreads.HostReadCounter`` in a separate run), and the NaN stop latency in steps (a separate run
+per variant with the loss of step 5 made NaN; epochs of the workload's length, which matters for
+Lightning, whose stop is checked at epoch end).
+
+Run: ``.venv/bin/python bench/peers.py`` (about 4-5 minutes on 2 cores); ``--quick`` for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import _harness as H
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (default 5)")
+    parser.add_argument("--digits-steps", type=int, default=300, help="timed steps per digits run (default 300)")
+    parser.add_argument("--cnn-steps", type=int, default=60, help="timed steps per CNN run (default 60)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps per run (default 10)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1; 0 keeps torch's default)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 reps, few steps")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.reps, args.digits_steps, args.cnn_steps, args.warmup = 2, 40, 10, 5
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cpu")
+    started = time.perf_counter()
+
+    workloads = [H.digits_workload(device), H.cnn32_workload(device)]
+    steps = {workloads[0].name: args.digits_steps, workloads[1].name: args.cnn_steps}
+    variants = H.peer_variants()
+    rows = H.run_suite(
+        workloads, variants, reps=args.reps, steps=steps, warmup=args.warmup,
+        count_steps=min(50, max(steps.values())), nan_at=5,
+    )
+    print()
+    print("## batchtap and its peers on the CPU (bench/peers.py)")
+    print()
+    for line in H.machine_lines(device):
+        print(line)
+    for wl in workloads:
+        print(f"{wl.name}: {wl.description}; {steps[wl.name]} timed steps (+{args.warmup} warm-up) per run; "
+              f"NaN runs: epochs of {wl.epoch_len} batches")
+    print(f"{args.reps} interleaved reps; medians")
+    print()
+    print(H.format_table(rows, nan_at=5))
+    print()
+    for r in rows:
+        if r.reads_by_op:
+            print(f"reads by kind, {r.workload} / {r.variant}: {r.reads_by_op}")
+    print(f"\n(total bench time {time.perf_counter() - started:.0f} s)")
+    if args.json:
+        args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
