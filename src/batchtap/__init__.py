@@ -12,6 +12,7 @@ from batchtap.callback import MetricsCallback
 from batchtap.errors import (
     BatchtapError,
     ConfigError,
+    DistributedError,
     InputError,
     RunStateError,
     SinkError,
@@ -35,6 +36,7 @@ __all__ = [
     "ALL_RANKS",
     "BatchtapError",
     "ConfigError",
+    "DistributedError",
     "InputError",
     "RunStateError",
     "SinkError",

@@ -6,7 +6,7 @@ misconfigured ``Tap`` keeps working.
 
 from __future__ import annotations
 
-__all__ = ["BatchtapError", "ConfigError", "InputError", "RunStateError", "TrainingDiverged", "SinkError"]
+__all__ = ["BatchtapError", "ConfigError", "InputError", "RunStateError", "TrainingDiverged", "SinkError", "DistributedError"]
 
 
 class BatchtapError(Exception):
@@ -27,6 +27,10 @@ class RunStateError(BatchtapError, RuntimeError):
 
 class SinkError(BatchtapError, RuntimeError):
     """A sink cannot be opened or written (bad path, unreachable server, unknown schema)."""
+
+
+class DistributedError(BatchtapError, RuntimeError):
+    """Ranks could not exchange metrics or agree on a decision within the collective timeout."""
 
 
 class TrainingDiverged(BatchtapError, RuntimeError):

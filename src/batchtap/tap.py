@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from batchtap import _env
 from batchtap.capture.clock import StepClock, clock_for
@@ -40,14 +41,15 @@ from batchtap.capture.flush import Flusher
 from batchtap.capture.guard import LossGuard
 from batchtap.capture.loader import timed_batches
 from batchtap.capture.ring import MetricRing
-from batchtap.errors import ConfigError, InputError, RunStateError
+from batchtap.errors import ConfigError, DistributedError, InputError, RunStateError
 from batchtap.metrics.base import Metric, StepInputs
 from batchtap.metrics.builtin import Extra, default_metrics
 from batchtap.metrics.layout import Layout
 from batchtap.pipeline import _dist
 from batchtap.pipeline.decode import Decoded, Decoder
 from batchtap.pipeline.dispatch import Backpressure, Dispatcher
-from batchtap.pipeline.harvest import Harvester
+from batchtap.pipeline.harvest import Harvester, RunPipeline
+from batchtap.pipeline.reduce import Reducer, new_group
 from batchtap.records import Event, EventKind, RunInfo, RunStatus
 from batchtap.sinks.base import Sink
 
@@ -70,8 +72,20 @@ class _Capture:
     clock: StepClock
     flusher: Flusher
     guard: LossGuard | None
-    decoder: Decoder
+    pipeline: RunPipeline
     autocast_device: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Group:
+    """This process's place in a process group, and batchtap's own gloo groups."""
+
+    rank: int
+    world_size: int
+    agreement: Any  # training thread: stop agreement at flush steps
+    reduce: Any  # pipeline thread: one exchange per flushed block
+    agree: torch.Tensor  # [stop?, -lowest stopping rank], reused every flush
+    agree_np: Any  # numpy view of ``agree``: read without a torch host read
 
 
 @dataclasses.dataclass(slots=True)
@@ -86,6 +100,7 @@ class _RunState:
     sampled: bool = True
     data_time: float = math.nan
     capture: _Capture | None = None
+    group: _Group | None = None  # process-group facts, None outside a process group
 
 
 class Tap:
@@ -109,6 +124,15 @@ class Tap:
         model: adds :class:`~batchtap.metrics.GradNorm` to the default metrics.
         queue_size: blocks queued per sink before ``backpressure`` applies.
         backpressure: ``"block"`` (lose nothing) or ``"drop_oldest"`` (never wait on sinks).
+        per_rank_rows: in a process group, also store every rank's own rows (``rank`` column)
+            besides the reduced ones.
+        collective_timeout: seconds a cross-rank exchange may take before the run fails with
+            :class:`~batchtap.DistributedError` instead of hanging (a rank died or stalled).
+
+    In an initialized ``torch.distributed`` process group every rank runs the same code: rows are
+    flushed at the same steps (``flush_seconds`` is not used there), reduced over ranks on
+    batchtap's own gloo groups, and written by rank 0 only. Stop decisions (NaN guard, rules) are
+    agreed at flush steps, so every rank stops at the same step.
     """
 
     def __init__(
@@ -126,6 +150,8 @@ class Tap:
         model: torch.nn.Module | None = None,
         queue_size: int = 64,
         backpressure: Backpressure = "block",
+        per_rank_rows: bool = False,
+        collective_timeout: float = 300.0,
     ) -> None:
         _check_int("flush_every", flush_every, 1)
         _check_int("sample_every", sample_every, 1)
@@ -144,6 +170,11 @@ class Tap:
         self.sample_every = sample_every
         self.capacity = capacity
         self.nan_guard = nan_guard
+        self.per_rank_rows = per_rank_rows
+        if not (isinstance(collective_timeout, (int, float)) and collective_timeout > 0):
+            raise ConfigError(f"collective_timeout must be > 0 seconds, got {collective_timeout!r}")
+        self.collective_timeout = float(collective_timeout)
+        self._groups: tuple[Any, Any] | None = None  # (agreement, reduction) gloo groups, made once
         self._auto_metrics = metrics is None
         self._metrics = list(default_metrics(optimizer, model) if metrics is None else metrics)
         _check_metrics(self._metrics)
@@ -158,9 +189,11 @@ class Tap:
         self.sinks = list(sinks)
         self._dispatcher = Dispatcher(self.sinks, maxsize=queue_size, policy=backpressure)
         self._harvester = Harvester(self._dispatcher, on_block=[self._on_block], on_error=self._on_pipeline_error)
+        self._block_hooks = self._harvester.on_block  # rules add theirs here
         self._state: _RunState | None = None
         self._last_decoder: Decoder | None = None
         self._stop_reason: str | None = None
+        self._local_stop: tuple[str, int] | None = None  # (reason, step) not yet agreed across ranks
         self._pending_error: BaseException | None = None
         self._closed = False
         self.steps_recorded = 0  #: rows captured in the current (or last) run
@@ -196,11 +229,12 @@ class Tap:
             world_size=_dist.world_size(),
             environment=_env.environment(),
         )
-        self._state = _RunState(info)
+        self._state = _RunState(info, group=self._group())
         self._stop_reason = None
+        self._local_stop = None
         self._pending_error = None
         self.steps_recorded = 0
-        self._harvester.start_run(dataclasses.replace(info))
+        self._harvester.start_run(dataclasses.replace(info), writes=self._writes(self._state))
         status, reason = RunStatus.FINISHED, None
         try:
             yield info
@@ -221,12 +255,13 @@ class Tap:
         try:
             capture = state.capture
             if capture is not None:
-                self._flush(capture)
+                # in a process group an empty last block still carries late events through the reducer
+                self._flush(capture, empty_ok=capture.pipeline.reducer is not None)
                 state.info.metrics = capture.layout.names
             state.info.status = status
             state.info.stop_reason = reason
             state.info.ended_at = time.time()
-            self._harvester.end_run(dataclasses.replace(state.info))
+            self._harvester.end_run(dataclasses.replace(state.info), writes=self._writes(state))
             # sync: end of run — every captured step must reach the sinks before run() returns.
             self._harvester.drain()
             self._dispatcher.flush()
@@ -321,12 +356,14 @@ class Tap:
         capture = state.capture
         if capture is None:
             return
-        if not state.watching and state.step % self.sample_every == 0:
-            self._arm_start(state)
-        if capture.flusher.due():
-            self._flush(capture)
         if capture.guard is not None:
             self._poll_guard(capture.guard)
+        if capture.flusher.due():
+            self._flush(capture)
+            if state.group is not None:
+                self._agree(state, state.group)
+        if not state.watching and state.step % self.sample_every == 0:
+            self._arm_start(state)  # last, so the next step's time excludes our own flush
 
     def _capture_step(
         self,
@@ -379,9 +416,12 @@ class Tap:
 
     @property
     def should_stop(self) -> bool:
-        """True once the NaN guard or a stop rule asked training to stop. Never blocks."""
+        """True once the NaN guard or a stop rule asked training to stop. Never blocks.
+
+        In a process group it turns True on every rank at the same flush step.
+        """
         state = self._state
-        if self._stop_reason is None and state is not None and state.capture and state.capture.guard:
+        if self._local_stop is None and state is not None and state.capture and state.capture.guard:
             self._poll_guard(state.capture.guard)
         return self._stop_reason is not None
 
@@ -446,13 +486,24 @@ class Tap:
             guard_column=layout.guard_column if self.nan_guard else None,
         )
         clock = clock_for(device, self.capacity)
-        flusher = Flusher(ring, clock, flush_every=self.flush_every, flush_seconds=self.flush_seconds)
+        group = state.group
+        flusher = Flusher(
+            ring, clock, flush_every=self.flush_every, flush_seconds=None if group else self.flush_seconds
+        )
         guard = LossGuard(ring, clock) if ring.guard_column is not None else None
-        decoder = Decoder(layout, run_id=state.info.id, rank=_dist.rank())
+        decoder = Decoder(layout, run_id=state.info.id, rank=group.rank if group else 0)
+        reducer = None
+        if group is not None:
+            outputs = [o for span in layout.spans for o in span.outputs]
+            reducer = Reducer(
+                outputs, group=group.reduce, rank=group.rank, world_size=group.world_size,
+                per_rank_rows=self.per_rank_rows,
+            )
+        pipeline = RunPipeline(decoder, reducer, writes=self._writes(state))
         self._last_decoder = decoder
         state.info.metrics = layout.names
         autocast_device = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else ""
-        return _Capture(device, metrics, layout, ring, clock, flusher, guard, decoder, autocast_device)
+        return _Capture(device, metrics, layout, ring, clock, flusher, guard, pipeline, autocast_device)
 
     def _check_inputs(self, capture: _Capture, inputs: StepInputs) -> None:
         given = {k for k in ("loss", "outputs", "targets") if getattr(inputs, k) is not None}
@@ -487,24 +538,72 @@ class Tap:
         slot = capture.flusher.claim(capture.flusher.rows)
         capture.clock.mark_start(slot)
 
-    def _flush(self, capture: _Capture) -> None:
-        block = capture.flusher.flush()
+    def _flush(self, capture: _Capture, *, empty_ok: bool = False) -> None:
+        block = capture.flusher.flush(empty_ok=empty_ok)
         if block is not None:
-            self._harvester.submit(capture.flusher, block, capture.decoder)
+            self._harvester.submit(capture.flusher, block, capture.pipeline)
 
     def _poll_guard(self, guard: LossGuard) -> None:
         hit = guard.poll()
-        if hit is None or not self.nan_guard or self._stop_reason is not None:
+        if hit is None or not self.nan_guard or self._local_stop is not None:
             return
         step, value = hit
-        self._request_stop(f"non-finite loss {value!r} at step {step}", step)
+        self.request_stop(f"non-finite loss {value!r} at step {step}", step=step, metric="loss")
 
-    def _request_stop(self, reason: str, step: int) -> None:
-        self._stop_reason = reason
+    def request_stop(self, reason: str, *, step: int | None = None, metric: str | None = None) -> None:
+        """Ask training to stop: :attr:`should_stop` turns True (at the next flush step on every
+        rank, in a process group) and the run ends as ``stopped`` with ``reason``.
+
+        Thread-safe; the NaN guard and stop rules call it.
+        """
+        if self._local_stop is not None:
+            return
         state = self._state
-        if state is not None:
-            event = Event(state.info.id, step, EventKind.ACTION, f"stop: {reason}", time.time(), metric="loss")
-            self._harvester.events([event])
+        step = step if step is not None else (state.step - 1 if state else 0)
+        self._local_stop = (reason, step)
+        if state is None:
+            return
+        rank = state.group.rank if state.group else 0
+        event = Event(state.info.id, step, EventKind.ACTION, f"stop: {reason}", time.time(), metric=metric, rank=rank)
+        self._harvester.events([event], state.capture.pipeline if state.capture else None)
+        if state.group is None:
+            self._stop_reason = reason  # one process: nobody to agree with
+
+    def _agree(self, state: _RunState, group: _Group) -> None:
+        """Agree with every rank, at a flush step, whether to stop (same step on all ranks)."""
+        buf = group.agree_np
+        buf[0] = 1.0 if self._local_stop else 0.0
+        buf[1] = -(group.rank if self._local_stop else group.world_size)  # MAX of -rank = lowest rank
+        try:
+            # sync: a CPU collective on batchtap's gloo group, once per flush, so ranks stop together
+            dist.all_reduce(group.agree, op=dist.ReduceOp.MAX, group=group.agreement)
+        except Exception as exc:
+            capture = state.capture
+            if capture is not None and capture.pipeline.reducer is not None:
+                capture.pipeline.reducer.broken = "the agreement exchange failed"
+            raise DistributedError(
+                f"rank {group.rank}: ranks could not agree at step {state.step - 1} within "
+                f"{self.collective_timeout:g} s ({type(exc).__name__}: {exc}); a rank probably died or "
+                "stalled. Every step captured so far is being stored."
+            ) from exc
+        if buf[0] > 0 and self._stop_reason is None:
+            stopper = int(-buf[1])
+            if self._local_stop is not None and stopper == group.rank:
+                self._stop_reason = self._local_stop[0]
+            else:
+                self._stop_reason = f"rank {stopper} asked every rank to stop"
+
+    def _group(self) -> _Group | None:
+        if not _dist.is_distributed():
+            return None
+        if self._groups is None:
+            # collective calls: every rank makes them at its first run, in the same order
+            self._groups = (new_group(self.collective_timeout), new_group(self.collective_timeout))
+        agree = torch.zeros(2, dtype=torch.float64)
+        return _Group(_dist.rank(), _dist.world_size(), *self._groups, agree, agree.numpy())
+
+    def _writes(self, state: _RunState) -> bool:
+        return state.group is None or state.group.rank == 0
 
     def _on_block(self, decoded: Decoded) -> None:
         # pipeline thread: surface value-revealed input errors on the training thread

@@ -55,12 +55,19 @@ class Flusher:
         ring: the ring to flush.
         clock: the step clock (gives block markers and step times).
         flush_every: flush after this many unflushed rows.
-        flush_seconds: flush when the oldest unflushed row is this old.
+        flush_seconds: flush when the oldest unflushed row is this old; None flushes on the count
+            only (in a process group every rank must flush at the same steps).
         poll_interval: pipeline-thread sleep between marker polls, seconds.
     """
 
     def __init__(
-        self, ring: MetricRing, clock: StepClock, *, flush_every: int, flush_seconds: float, poll_interval: float = 2e-4
+        self,
+        ring: MetricRing,
+        clock: StepClock,
+        *,
+        flush_every: int,
+        flush_seconds: float | None,
+        poll_interval: float = 2e-4,
     ) -> None:
         self.ring = ring
         self.clock = clock
@@ -89,12 +96,18 @@ class Flusher:
         pending = self.rows - self.flushed
         if pending >= self.flush_every:
             return True
+        if self.flush_seconds is None:
+            return False
         return pending > 0 and time.monotonic() - self._last_flush >= self.flush_seconds
 
-    def flush(self) -> Block | None:
-        """Queue the copy of every unflushed row and return its block (None when nothing is new)."""
+    def flush(self, *, empty_ok: bool = False) -> Block | None:
+        """Queue the copy of every unflushed row and return its block.
+
+        Returns None when nothing is new, unless ``empty_ok`` (an empty block still carries events
+        through the pipeline, e.g. at the end of a distributed run).
+        """
         self._last_flush = time.monotonic()
-        if self.rows == self.flushed:
+        if self.rows == self.flushed and not empty_ok:
             return None
         first, last = self.flushed, self.rows
         self.ring.copy_rows(first, last)

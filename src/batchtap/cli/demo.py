@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import batchtap as bt
 from batchtap.sinks.base import require
@@ -65,14 +67,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
 
 
+def _setup_distributed(device_arg: str) -> tuple[torch.device, int, int]:
+    """Join the process group torchrun describes in the environment, if any: (device, rank, world)."""
+    use_cuda = torch.cuda.is_available() and device_arg in ("auto", "cuda")
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return torch.device("cuda" if use_cuda else ("cpu" if device_arg == "auto" else device_arg)), 0, 1
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    return device, dist.get_rank(), dist.get_world_size()
+
+
 def main(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device, rank, world = _setup_distributed(args.device)
+    say = print if rank == 0 else (lambda *a, **k: None)
     train, test = load_digits(args.seed)
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=True,
+    sampler = DistributedSampler(train, seed=args.seed) if world > 1 else None
+    loader = DataLoader(train, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
                         generator=torch.Generator().manual_seed(args.seed))
-    model = DigitsCNN().to(device)
+    model: nn.Module = DigitsCNN().to(device)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
     criterion = nn.CrossEntropyLoss()
@@ -99,10 +117,12 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     step = 0
     with tap, tap.run(name=args.name, config=config) as run:
-        print(f"batchtap demo: training DigitsCNN on {device} for {args.epochs} epochs "
-              f"({len(loader)} batches each), run id {run.id}")
+        say(f"batchtap demo: training DigitsCNN on {device} for {args.epochs} epochs "
+            f"({len(loader)} batches each{f', {world} ranks' if world > 1 else ''}), run id {run.id}")
         for epoch in range(args.epochs):
             model.train()
+            if sampler is not None:
+                sampler.set_epoch(epoch)
             for inputs, targets in tap.watch(loader, epoch=epoch):
                 inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
                 outputs = model(inputs)
@@ -118,12 +138,14 @@ def main(args: argparse.Namespace) -> int:
                 if tap.should_stop:
                     break
             if tap.should_stop:
-                print(f"batchtap demo: stopped at step {step - 1}: {tap.stop_reason}")
+                say(f"batchtap demo: stopped at step {step - 1}: {tap.stop_reason}")
                 break
-            print(f"batchtap demo: epoch {epoch} test accuracy {evaluate(model, test, device):.2%}")
-    print(f"batchtap demo: {step} steps in {time.perf_counter() - started:.1f} s; "
-          f"anomalies: {sum(tap.anomaly_counts.values())}")
-    print(f"batchtap demo: metrics written to {jsonl_path}")
+            say(f"batchtap demo: epoch {epoch} test accuracy {evaluate(model, test, device):.2%}")
+    say(f"batchtap demo: {step} steps in {time.perf_counter() - started:.1f} s; "
+        f"anomalies: {sum(tap.anomaly_counts.values())}")
+    say(f"batchtap demo: metrics written to {jsonl_path}")
+    if world > 1:
+        dist.destroy_process_group()
     return 0
 
 

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from batchtap.capture.flush import Block, Flusher
 from batchtap.pipeline.decode import Decoded, Decoder
 from batchtap.pipeline.dispatch import Dispatcher
+from batchtap.pipeline.reduce import Reducer
 from batchtap.records import Event, RunInfo
 
-__all__ = ["Harvester"]
+__all__ = ["Harvester", "RunPipeline"]
 
 log = logging.getLogger("batchtap")
 
@@ -26,11 +27,29 @@ log = logging.getLogger("batchtap")
 BlockHook = Callable[[Decoded], None]
 
 
+@dataclasses.dataclass(slots=True)
+class RunPipeline:
+    """What the pipeline does with one run's blocks.
+
+    Attributes:
+        decoder: rows -> validated records of this rank.
+        reducer: combines the ranks' records (None outside a process group).
+        writes: whether this process hands records to its sinks (rank 0 by default).
+        pending_events: training-thread events held back to travel with the next block through the
+            reducer, so the writing rank stores every rank's events.
+    """
+
+    decoder: Decoder
+    reducer: Reducer | None = None
+    writes: bool = True
+    pending_events: list[Event] = dataclasses.field(default_factory=list)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _BlockItem:
     flusher: Flusher
     block: Block
-    decoder: Decoder
+    run: RunPipeline
 
 
 class Harvester:
@@ -51,17 +70,20 @@ class Harvester:
         self._thread = threading.Thread(target=self._loop, name="batchtap-pipeline", daemon=True)
         self._thread.start()
 
-    def submit(self, flusher: Flusher, block: Block, decoder: Decoder) -> None:
-        self._queue.put(_BlockItem(flusher, block, decoder))
+    def submit(self, flusher: Flusher, block: Block, run: RunPipeline) -> None:
+        self._queue.put(_BlockItem(flusher, block, run))
 
-    def events(self, events: list[Event]) -> None:
-        self._queue.put(("events", events))
+    def events(self, events: list[Event], run: RunPipeline | None = None) -> None:
+        """Hand over events raised on the training thread (through ``run``'s reducer when it has one)."""
+        self._queue.put(("events", (events, run)))
 
-    def start_run(self, run: RunInfo) -> None:
-        self._queue.put(("start_run", run))
+    def start_run(self, run: RunInfo, *, writes: bool = True) -> None:
+        if writes:
+            self._queue.put(("start_run", run))
 
-    def end_run(self, run: RunInfo) -> None:
-        self._queue.put(("end_run", run))
+    def end_run(self, run: RunInfo, *, writes: bool = True) -> None:
+        if writes:
+            self._queue.put(("end_run", run))
 
     def drain(self) -> None:
         """Wait until everything submitted so far was decoded and handed to the sinks."""
@@ -91,14 +113,24 @@ class Harvester:
                 data = item.flusher.read(item.block)
             finally:
                 item.flusher.release(item.block)  # even on failure, or the training thread would wait forever
-            decoded = item.decoder.decode(data)
+            run = item.run
+            decoded = run.decoder.decode(data)
+            if run.pending_events:
+                decoded.events[:0], run.pending_events = run.pending_events, []
+            if run.reducer is not None:
+                decoded = run.reducer.reduce(decoded, data.samples, data.step_time)
             for hook in self.on_block:
                 hook(decoded)
-            self.dispatcher.write(decoded.records, decoded.events)
+            if run.writes:
+                self.dispatcher.write(decoded.records, decoded.events)
             return
         kind, payload = item  # type: ignore[misc]
         if kind == "events":
-            self.dispatcher.write([], payload)
+            events, run_pipeline = payload
+            if run_pipeline is not None and run_pipeline.reducer is not None and not run_pipeline.reducer.broken:
+                run_pipeline.pending_events.extend(events)
+            elif run_pipeline is None or run_pipeline.writes:
+                self.dispatcher.write([], events)
         elif kind == "start_run":
             self.dispatcher.start_run(payload)
         elif kind == "end_run":

@@ -1,0 +1,73 @@
+"""One rank of a distributed test: ``python -m tests.pipeline.dist_worker SCENARIO OUT_DIR``.
+
+Launched by ``test_distributed.py`` as real processes (MASTER_ADDR/PORT, RANK, WORLD_SIZE in the
+environment, gloo on loopback), the way torchrun launches them. Writes ``OUT_DIR/rank{R}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import batchtap as bt
+from batchtap.hostreads import HostReadCounter
+
+
+def main(scenario: str, out: Path) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(100 + rank)
+    result: dict = {"rank": rank, "world": world}
+    per_rank = scenario == "per_rank"
+    timeout = 5.0 if scenario == "kill" else 60.0
+    sinks = [bt.sinks.JSONL(out / "metrics.jsonl")]
+    metrics = [bt.metrics.Loss(), bt.metrics.Accuracy(), bt.metrics.StepTime(), bt.metrics.Throughput()]
+    tap = bt.Tap(metrics, sinks, flush_every=5, per_rank_rows=per_rank, collective_timeout=timeout)
+    local = []
+    try:
+        with tap, tap.run(name=scenario):
+            for step in range(40):
+                n = 6 + 5 * rank + step % 3  # uneven per-rank batch sizes
+                outputs = torch.randn(n, 4)
+                targets = torch.randint(0, 4, (n,))
+                loss = F.cross_entropy(outputs, targets)
+                if scenario == "nan" and rank == 1 and step == 7:
+                    loss = loss * math.nan
+                if scenario == "straggler" and rank == world - 1:
+                    time.sleep(0.02)
+                if scenario == "kill" and rank == world - 1 and step == 12:
+                    os._exit(3)  # dies without a word, like an OOM-killed worker
+                if scenario == "noread" and step > 0:
+                    with HostReadCounter() as reads:
+                        tap.step(loss=loss, outputs=outputs, targets=targets)
+                        tap.should_stop
+                    result["reads"] = result.get("reads", 0) + reads.count
+                else:
+                    tap.step(loss=loss, outputs=outputs, targets=targets)
+                local.append(
+                    {"step": step, "n": n, "loss": loss.item(), "correct": (outputs.argmax(1) == targets).sum().item()}
+                )
+                if tap.should_stop:
+                    result["stopped_at"] = step
+                    result["reason"] = tap.stop_reason
+                    break
+    except bt.DistributedError as exc:
+        result["error"] = str(exc)
+        result["error_at"] = time.time()
+    result["local"] = local
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    if "error" not in result:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))

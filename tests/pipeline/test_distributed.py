@@ -1,0 +1,120 @@
+"""Real process groups: 2 and 3 gloo processes on loopback, launched as torchrun would."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(scenario: str, world: int, out: Path, timeout: float = 120) -> tuple[list[dict], list[dict], float]:
+    port = _free_port()
+    procs = []
+    started = time.monotonic()
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(world), PYTHONPATH=str(ROOT))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.pipeline.dist_worker", scenario, str(out)],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    elapsed = time.monotonic() - started
+    results = []
+    for rank, log in enumerate(logs):
+        path = out / f"rank{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {"log": log, "code": procs[rank].returncode})
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return results, lines, elapsed
+
+
+def _records(lines: list[dict]) -> list[dict]:
+    return [r for r in lines if r["type"] == "record"]
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=["2-ranks", "3-ranks"])
+def test_reduced_loss_and_accuracy_equal_the_union_reference(tmp_path: Path, world: int) -> None:
+    results, lines, _ = _launch("reduce", world, tmp_path)
+    records = _records(lines)
+    assert [r["step"] for r in records] == list(range(40))
+    assert {r["rank"] for r in records} == {-1}  # reduced rows only, written once
+    assert sum(1 for r in lines if r["type"] == "run_start") == 1
+    for record in records:
+        rows = [res["local"][record["step"]] for res in results]
+        total = sum(row["n"] for row in rows)
+        assert record["loss"] == pytest.approx(sum(row["loss"] * row["n"] for row in rows) / total, rel=1e-6)
+        assert record["accuracy"] == pytest.approx(sum(row["correct"] for row in rows) / total, abs=1e-12)
+        assert record["step"] == 0 or 0 <= record["slowest_rank"] < world  # step 0 has no measured time
+
+
+def test_per_rank_rows_write_one_row_per_rank_and_step(tmp_path: Path) -> None:
+    _, lines, _ = _launch("per_rank", 2, tmp_path)
+    keys = [(r["step"], r["rank"]) for r in _records(lines)]
+    assert sorted(keys) == sorted((s, k) for s in range(40) for k in (-1, 0, 1))
+    assert len(keys) == len(set(keys))
+
+
+def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    results, lines, _ = _launch("nan", 2, tmp_path)
+    stops = {res["stopped_at"] for res in results}
+    assert stops == {9}  # NaN at step 7 on rank 1; agreed at the next flush step (every 5 steps)
+    assert all("rank 1" in res["reason"] or "non-finite" in res["reason"] for res in results)
+    end = [r for r in lines if r["type"] == "run_end"][0]
+    assert end["status"] == "stopped"
+    assert any(e["kind"] == "action" and e["rank"] == 1 for e in lines if e["type"] == "event")
+    assert math.isnan(float(_records(lines)[7]["loss"]))
+
+
+def test_a_killed_rank_makes_the_others_fail_within_the_timeout(tmp_path: Path) -> None:
+    results, lines, elapsed = _launch("kill", 3, tmp_path)
+    assert results[2].get("code") == 3
+    for res in results[:2]:
+        assert "ranks could not agree" in res["error"] and "a rank probably died" in res["error"]
+    assert elapsed < 60
+    steps = [r["step"] for r in _records(lines)]
+    assert steps[:10] == list(range(10))  # everything reduced before the death is stored
+    end = [r for r in lines if r["type"] == "run_end"][0]
+    assert end["status"] == "failed" and "DistributedError" in end["stop_reason"]
+
+
+def test_straggler_fields_name_the_slow_rank(tmp_path: Path) -> None:
+    _, lines, _ = _launch("straggler", 2, tmp_path)
+    timed = [r for r in _records(lines) if "slowest_rank" in r]
+    assert len(timed) >= 35
+    assert sum(r["slowest_rank"] == 1 for r in timed) >= 0.9 * len(timed)
+    assert sorted(r["step_time_spread"] for r in timed)[len(timed) // 2] > 2
+
+
+def test_no_host_read_in_steps_with_a_process_group(tmp_path: Path) -> None:
+    results, _, _ = _launch("noread", 2, tmp_path)
+    assert [res["reads"] for res in results] == [0, 0]
+
+
+def test_data_parallel_works_unchanged() -> None:
+    import torch
+
+    import batchtap as bt
+    from tests.conftest import ListSink
+
+    sink = ListSink()
+    model = torch.nn.DataParallel(torch.nn.Linear(6, 3))
+    with bt.Tap([bt.metrics.Loss(), bt.metrics.Accuracy(), bt.metrics.GradNorm(model)], [sink]) as tap, tap.run():
+        x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+        out = model(x)
+        loss = torch.nn.functional.cross_entropy(out, y)
+        loss.backward()
+        tap.step(loss=loss, outputs=out, targets=y)
+    assert sink.records[0].values["accuracy"] == pytest.approx((out.argmax(1) == y).float().mean().item())
