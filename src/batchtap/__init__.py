@@ -7,7 +7,7 @@ Example:
     >>> tap.close()
 """
 
-from batchtap import metrics, sinks
+from batchtap import metrics, rules, sinks
 from batchtap.callback import MetricsCallback
 from batchtap.errors import (
     BatchtapError,
@@ -19,6 +19,18 @@ from batchtap.errors import (
     TrainingDiverged,
 )
 from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo, RunStatus
+from batchtap.rules import (
+    AdaptiveBatchSampler,
+    BatchSizeRule,
+    NonFinite,
+    Plateau,
+    Rollback,
+    Spike,
+    StepTimeRegression,
+    Threshold,
+    debug_mode,
+    split_on_oom,
+)
 from batchtap.tap import Tap
 
 __version__ = "0.1.0"
@@ -27,7 +39,18 @@ __all__ = [
     "Tap",
     "MetricsCallback",
     "metrics",
+    "rules",
     "sinks",
+    "NonFinite",
+    "Threshold",
+    "Spike",
+    "Plateau",
+    "StepTimeRegression",
+    "Rollback",
+    "AdaptiveBatchSampler",
+    "BatchSizeRule",
+    "split_on_oom",
+    "debug_mode",
     "Record",
     "Event",
     "EventKind",

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -50,7 +51,11 @@ from batchtap.pipeline.decode import Decoded, Decoder
 from batchtap.pipeline.dispatch import Backpressure, Dispatcher
 from batchtap.pipeline.harvest import Harvester, RunPipeline
 from batchtap.pipeline.reduce import Reducer, new_group
-from batchtap.records import Event, EventKind, RunInfo, RunStatus
+from batchtap.records import ALL_RANKS, Event, EventKind, RunInfo, RunStatus
+from batchtap.rules.actions import ActionRunner
+from batchtap.rules.builtin import NonFinite
+from batchtap.rules.engine import Decision, RuleEngine, RuleLike
+from batchtap.rules.rollback import Rollback
 from batchtap.sinks.base import Sink
 
 __all__ = ["Tap"]
@@ -124,6 +129,9 @@ class Tap:
         model: adds :class:`~batchtap.metrics.GradNorm` to the default metrics.
         queue_size: blocks queued per sink before ``backpressure`` applies.
         backpressure: ``"block"`` (lose nothing) or ``"drop_oldest"`` (never wait on sinks).
+        rules: anomaly rules (see :mod:`batchtap.rules`), run on the pipeline thread on every
+            block of records; their actions are applied on the training thread at its next step.
+        rollback: the :class:`~batchtap.rules.Rollback` that ``rollback`` actions restore from.
         per_rank_rows: in a process group, also store every rank's own rows (``rank`` column)
             besides the reduced ones.
         collective_timeout: seconds a cross-rank exchange may take before the run fails with
@@ -150,6 +158,8 @@ class Tap:
         model: torch.nn.Module | None = None,
         queue_size: int = 64,
         backpressure: Backpressure = "block",
+        rules: Sequence[RuleLike] = (),
+        rollback: Rollback | None = None,
         per_rank_rows: bool = False,
         collective_timeout: float = 300.0,
     ) -> None:
@@ -175,6 +185,14 @@ class Tap:
             raise ConfigError(f"collective_timeout must be > 0 seconds, got {collective_timeout!r}")
         self.collective_timeout = float(collective_timeout)
         self._groups: tuple[Any, Any] | None = None  # (agreement, reduction) gloo groups, made once
+        self._engine = RuleEngine(rules) if rules or rollback is not None else None
+        self._runner = ActionRunner(self._engine, rollback=rollback) if self._engine is not None else None
+        # a NonFinite("loss") rule takes over the NaN guard's default stop: the guard then only
+        # flushes at once, so the rule's own action (e.g. rollback) follows within a step or two
+        self._loss_rule = any(isinstance(r, NonFinite) and r.metric == "loss" for r in rules)
+        # decisions from the pipeline thread, in order: (decisions, cleared_through)
+        self._inbox: collections.deque[tuple[list[Decision], int]] = collections.deque()
+        self._applied = 0  # inbox messages applied so far in this run
         self._auto_metrics = metrics is None
         self._metrics = list(default_metrics(optimizer, model) if metrics is None else metrics)
         _check_metrics(self._metrics)
@@ -233,6 +251,10 @@ class Tap:
         self._stop_reason = None
         self._local_stop = None
         self._pending_error = None
+        self._inbox.clear()
+        self._applied = 0
+        if self._engine is not None:
+            self._engine.reset()
         self.steps_recorded = 0
         self._harvester.start_run(dataclasses.replace(info), writes=self._writes(self._state))
         status, reason = RunStatus.FINISHED, None
@@ -300,6 +322,11 @@ class Tap:
         state.watching = True
         try:
             for index, (batch, data_time, is_last) in enumerate(timed_batches(loader, self.sample_every > 1)):
+                if self._runner is not None and self._runner.should_skip(
+                    state.epoch, index, step=state.step, run_id=state.info.id
+                ):
+                    self._send(state, self._runner.take_events())
+                    continue  # a rollback asked to skip the batches that led to the divergence
                 state.batch = index
                 state.data_time = data_time
                 state.sampled = index % self.sample_every == 0 or is_last
@@ -357,11 +384,15 @@ class Tap:
         if capture is None:
             return
         if capture.guard is not None:
-            self._poll_guard(capture.guard)
+            self._poll_guard(capture.guard, state)
         if capture.flusher.due():
             self._flush(capture)
             if state.group is not None:
                 self._agree(state, state.group)
+        if self._runner is not None and state.group is None:
+            self._apply_decisions(state, len(self._inbox))
+        if self._runner is not None:
+            self._runner.after_step(state.step - 1)
         if not state.watching and state.step % self.sample_every == 0:
             self._arm_start(state)  # last, so the next step's time excludes our own flush
 
@@ -422,7 +453,7 @@ class Tap:
         """
         state = self._state
         if self._local_stop is None and state is not None and state.capture and state.capture.guard:
-            self._poll_guard(state.capture.guard)
+            self._poll_guard(state.capture.guard, state)
         return self._stop_reason is not None
 
     @property
@@ -543,11 +574,20 @@ class Tap:
         if block is not None:
             self._harvester.submit(capture.flusher, block, capture.pipeline)
 
-    def _poll_guard(self, guard: LossGuard) -> None:
+    def _poll_guard(self, guard: LossGuard, state: _RunState) -> None:
         hit = guard.poll()
         if hit is None or not self.nan_guard or self._local_stop is not None:
             return
         step, value = hit
+        if self._loss_rule:
+            if state.group is None and state.capture is not None:
+                # The rules own this decision: hand them the row now and let them decide before
+                # the next step (in a process group they decide at the next flush step instead).
+                self._flush(state.capture)
+                # sync: rare path — a non-finite loss was seen; wait for the rules' verdict on it.
+                self._harvester.drain()
+                self._apply_decisions(state, len(self._inbox))
+            return
         self.request_stop(f"non-finite loss {value!r} at step {step}", step=step, metric="loss")
 
     def request_stop(self, reason: str, *, step: int | None = None, metric: str | None = None) -> None:
@@ -574,6 +614,7 @@ class Tap:
         buf = group.agree_np
         buf[0] = 1.0 if self._local_stop else 0.0
         buf[1] = -(group.rank if self._local_stop else group.world_size)  # MAX of -rank = lowest rank
+        buf[2] = -self._received_total()  # MAX of -count = the rule messages every rank has
         try:
             # sync: a CPU collective on batchtap's gloo group, once per flush, so ranks stop together
             dist.all_reduce(group.agree, op=dist.ReduceOp.MAX, group=group.agreement)
@@ -592,6 +633,30 @@ class Tap:
                 self._stop_reason = self._local_stop[0]
             else:
                 self._stop_reason = f"rank {stopper} asked every rank to stop"
+        if self._runner is not None:
+            # every rank applies the same rule decisions at the same step
+            self._apply_decisions(state, int(-buf[2]) - self._applied)
+
+    def _received_total(self) -> int:
+        return self._applied + len(self._inbox)
+
+    def _apply_decisions(self, state: _RunState, count: int) -> None:
+        """Apply the next ``count`` rule messages (training thread)."""
+        runner = self._runner
+        assert runner is not None
+        try:
+            for _ in range(count):
+                decisions, cleared = self._inbox.popleft()
+                self._applied += 1
+                runner.apply(decisions, step=state.step - 1, cleared_through=cleared)
+        finally:
+            self._send(state, runner.take_events())
+        if runner.stop_requested and self._local_stop is None:
+            self.request_stop(runner.stop_reason or "a rule asked to stop")
+
+    def _send(self, state: _RunState, events: list[Event]) -> None:
+        if events:
+            self._harvester.events(events, state.capture.pipeline if state.capture else None)
 
     def _group(self) -> _Group | None:
         if not _dist.is_distributed():
@@ -609,6 +674,17 @@ class Tap:
         # pipeline thread: surface value-revealed input errors on the training thread
         if decoded.input_errors and self._pending_error is None:
             self._pending_error = InputError(decoded.input_errors[0])
+        engine = self._engine
+        if engine is None:
+            return
+        records = decoded.records
+        if any(r.rank == ALL_RANKS for r in records):
+            records = [r for r in records if r.rank == ALL_RANKS]  # rules judge the reduced rows
+        before = engine.cleared_through
+        decisions = engine.process(records)
+        decoded.events.extend(engine.take_events())
+        if decisions or engine.cleared_through != before:
+            self._inbox.append((decisions, engine.cleared_through))
 
     def _on_pipeline_error(self, exc: BaseException) -> None:
         if self._pending_error is None:
