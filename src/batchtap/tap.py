@@ -28,8 +28,12 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
+import signal
+import threading
 import time
 import uuid
+from pathlib import Path
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -51,6 +55,7 @@ from batchtap.pipeline.decode import Decoded, Decoder
 from batchtap.pipeline.dispatch import Backpressure, Dispatcher
 from batchtap.pipeline.harvest import Harvester, RunPipeline
 from batchtap.pipeline.reduce import Reducer, new_group
+from batchtap.pipeline.resilient import ResilientSink
 from batchtap.records import ALL_RANKS, Event, EventKind, RunInfo, RunStatus
 from batchtap.rules.actions import ActionRunner
 from batchtap.rules.builtin import NonFinite
@@ -79,6 +84,11 @@ class _Capture:
     guard: LossGuard | None
     pipeline: RunPipeline
     autocast_device: str
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived inside ``run()`` (a BaseException, like KeyboardInterrupt, so training code's
+    ``except Exception`` does not swallow it)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -132,6 +142,11 @@ class Tap:
         rules: anomaly rules (see :mod:`batchtap.rules`), run on the pipeline thread on every
             block of records; their actions are applied on the training thread at its next step.
         rollback: the :class:`~batchtap.rules.Rollback` that ``rollback`` actions restore from.
+        spool_dir: wrap every sink in a :class:`~batchtap.pipeline.resilient.ResilientSink` that
+            spools to this folder while the sink fails and replays when it recovers (or at the next
+            start), so an outage loses nothing.
+        handle_sigterm: inside ``run()``, turn SIGTERM into a final flush (run stored as
+            ``stopped``), then end the process as SIGTERM would.
         per_rank_rows: in a process group, also store every rank's own rows (``rank`` column)
             besides the reduced ones.
         collective_timeout: seconds a cross-rank exchange may take before the run fails with
@@ -160,6 +175,8 @@ class Tap:
         backpressure: Backpressure = "block",
         rules: Sequence[RuleLike] = (),
         rollback: Rollback | None = None,
+        spool_dir: str | os.PathLike[str] | None = None,
+        handle_sigterm: bool = True,
         per_rank_rows: bool = False,
         collective_timeout: float = 300.0,
     ) -> None:
@@ -205,6 +222,12 @@ class Tap:
             if not callable(getattr(sink, "write", None)):
                 raise ConfigError(f"sinks must be batchtap.sinks.Sink objects, got {type(sink).__name__}")
         self.sinks = list(sinks)
+        if spool_dir is not None:
+            self.sinks = [
+                ResilientSink(sink, spool_path=Path(spool_dir) / f"{i:02d}-{type(sink).__name__.lower()}.rank{_dist.rank()}.jsonl")
+                for i, sink in enumerate(self.sinks)
+            ]
+        self.handle_sigterm = handle_sigterm
         self._dispatcher = Dispatcher(self.sinks, maxsize=queue_size, policy=backpressure)
         self._harvester = Harvester(self._dispatcher, on_block=[self._on_block], on_error=self._on_pipeline_error)
         self._block_hooks = self._harvester.on_block  # rules add theirs here
@@ -219,12 +242,17 @@ class Tap:
     # ------------------------------------------------------------------ life cycle
 
     @contextlib.contextmanager
-    def run(self, name: str | None = None, *, config: Mapping[str, Any] | None = None) -> Iterator[RunInfo]:
+    def run(
+        self, name: str | None = None, *, config: Mapping[str, Any] | None = None, resume: str | None = None
+    ) -> Iterator[RunInfo]:
         """Context of one training run. Leaving it, however it is left, stores every captured step.
 
         Args:
             name: a label for the run (several runs may share one).
             config: JSON-serialisable settings stored with the run.
+            resume: id of an earlier run to continue: the run keeps that id and its step count
+                continues after the last step a sink (SQLite, PostgreSQL) has stored, so a restart
+                after a crash neither duplicates nor skips keys.
 
         Yields:
             the run's :class:`~batchtap.RunInfo`.
@@ -239,15 +267,16 @@ class Tap:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"run config must be JSON-serialisable: {exc}; convert values to str/float/int") from exc
         started = time.time()
+        first_step = 0 if resume is None else self._resume_point(resume)
         info = RunInfo(
-            id=uuid.uuid4().hex,
+            id=resume or uuid.uuid4().hex,
             name=name or time.strftime("run-%Y%m%d-%H%M%S", time.localtime(started)),
             config=config,
             started_at=started,
             world_size=_dist.world_size(),
             environment=_env.environment(),
         )
-        self._state = _RunState(info, group=self._group())
+        self._state = _RunState(info, step=first_step, group=self._group())
         self._stop_reason = None
         self._local_stop = None
         self._pending_error = None
@@ -258,8 +287,12 @@ class Tap:
         self.steps_recorded = 0
         self._harvester.start_run(dataclasses.replace(info), writes=self._writes(self._state))
         status, reason = RunStatus.FINISHED, None
+        terminated = False
+        previous_handler = self._catch_sigterm()
         try:
             yield info
+        except _Terminated:
+            status, reason, terminated = RunStatus.STOPPED, "SIGTERM", True
         except KeyboardInterrupt:
             status, reason = RunStatus.STOPPED, "KeyboardInterrupt"
             raise
@@ -269,7 +302,36 @@ class Tap:
         finally:
             if status is RunStatus.FINISHED and self._stop_reason is not None:
                 status, reason = RunStatus.STOPPED, self._stop_reason
-            self._finish(status, reason)
+            try:
+                self._finish(status, reason)
+            finally:
+                if previous_handler is not None:
+                    signal.signal(signal.SIGTERM, previous_handler)
+        if terminated:
+            # Everything is stored: now end the way SIGTERM ends this process without us.
+            self.close()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _catch_sigterm(self) -> Any:
+        """Install the SIGTERM handler for a run; returns the previous one (None when not installed)."""
+        if not self.handle_sigterm or threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_sigterm(signum: int, frame: object) -> None:
+            raise _Terminated()
+
+        return signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _resume_point(self, run_id: str) -> int:
+        """The first step of a resumed run: one after the last step any sink has stored."""
+        self._dispatcher.flush()  # sink workers idle: the sinks can be asked directly
+        stored = [s for s in (sink.last_step(run_id) for sink in self.sinks) if s is not None]
+        if not stored:
+            raise ConfigError(
+                f"cannot resume run {run_id!r}: no sink has stored a step of it; resume needs a sink "
+                "that can tell (bt.sinks.SQLite or bt.sinks.Postgres) holding that run"
+            )
+        return max(stored) + 1
 
     def _finish(self, status: RunStatus, reason: str | None) -> None:
         state = self._state

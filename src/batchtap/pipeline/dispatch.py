@@ -152,6 +152,10 @@ class SinkWorker:
             self.failures += 1
             log.warning("batchtap sink %s failed in %s: %r", self.name, what, exc)
             self._warn(f"sink {self.name} failed in {what}: {exc!r}")
+        take_events = getattr(self.sink, "take_events", None)  # ResilientSink reports outages
+        if take_events is not None:
+            for event in take_events():
+                self._warn(event.message)
 
     def stop(self, timeout: float | None = None) -> None:
         self.put_call(_STOP)

@@ -286,6 +286,13 @@ class ResilientSink(Sink):
         except OSError:  # missing, or its directory is gone
             return False
 
+    def last_step(self, run_id: str) -> int | None:
+        """The wrapped sink's last stored step for ``run_id`` (None while it is down)."""
+        try:
+            return self.sink.last_step(run_id)
+        except Exception:  # down: the caller treats "unknown" as such
+            return None
+
     def take_events(self) -> list[Event]:
         """The WARNING events raised since the last call (sink failed, recovered, spool damaged)."""
         with self._lock:

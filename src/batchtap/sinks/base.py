@@ -50,6 +50,11 @@ class Sink:
     def flush(self) -> None:
         """Make everything written so far durable or visible."""
 
+    def last_step(self, run_id: str) -> int | None:
+        """The largest step stored for ``run_id``, or None when unknown (``tap.run(resume=...)``
+        asks the sinks that can answer: the SQL sinks)."""
+        return None
+
     def close(self) -> None:
         """Release resources. The sink is not used afterwards."""
 

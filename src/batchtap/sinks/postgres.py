@@ -175,6 +175,17 @@ class Postgres(Sink):
         """Store the run's final status, end time and stop reason."""
         self.start_run(run)
 
+    def last_step(self, run_id: str) -> int | None:
+        """The largest step stored for ``run_id`` (None when it has no values)."""
+        found: list[int | None] = []
+
+        def body(conn: Any) -> None:
+            row = conn.execute("SELECT MAX(step) FROM metrics WHERE run_id = %s", (run_id,)).fetchone()
+            found.append(None if row is None or row[0] is None else int(row[0]))
+
+        self._transact(f"read the last step of run {run_id}", body)
+        return found[0]
+
     def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
         """Store one block in one transaction (all of it or, on error, none of it)."""
         if not records and not events:

@@ -109,6 +109,11 @@ class SQLite(Sink):
                 "the block was not stored (nothing partial); fix: check free disk space and permissions"
             ) from exc
 
+    def last_step(self, run_id: str) -> int | None:
+        """The largest step stored for ``run_id`` (None when it has no values)."""
+        row = self._connection().execute("SELECT MAX(step) FROM metrics WHERE run_id = ?", (run_id,)).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
     def flush(self) -> None:
         """Nothing to do: every block is committed when ``write()`` returns."""
 
