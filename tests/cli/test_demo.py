@@ -16,7 +16,7 @@ def test_demo_trains_and_stores_metrics(tmp_path) -> None:
     done = _demo(tmp_path)
     assert done.returncode == 0, done.stderr
     assert "epoch 1 batch 40: loss=" in done.stderr
-    assert f"metrics written to {tmp_path}" in done.stdout
+    assert f"metrics stored in {tmp_path / 'batchtap.db'}" in done.stdout
     rows = [json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in rows if r["type"] == "record"]
     assert len(records) == 2 * 45
@@ -32,6 +32,22 @@ def test_demo_inject_nan_stops_at_once(tmp_path) -> None:
     assert records[-1]["step"] <= 32 and records[-1]["loss"] == "nan"
     assert rows[-1]["status"] == "stopped" and "non-finite loss" in rows[-1]["stop_reason"]
     assert "stopped at step" in done.stdout
+
+
+def test_demo_inject_spike_rolls_back_and_recovers(tmp_path) -> None:
+    done = _demo(tmp_path, "--inject-spike-at", "50", "--epochs", "3")
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
+    actions = [r["message"] for r in rows if r["type"] == "event" and r["kind"] == "action"]
+    assert any("restored" in m for m in actions), actions
+    assert any("skipped batches" in m for m in actions)
+    records = [r for r in rows if r["type"] == "record"]
+    assert rows[-1]["status"] == "finished" and records[-1]["loss"] < 1.0
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "batchtap.db") as conn:
+        kinds = {k for (k,) in conn.execute("SELECT kind FROM events")}
+    assert {"action", "anomaly"} <= kinds
 
 
 def test_cli_without_command_prints_usage() -> None:

@@ -1,8 +1,12 @@
 """``batchtap demo``: a real training run with live metrics.
 
 A small CNN learns scikit-learn's bundled 8x8 digits (no download) for a few epochs, on CUDA when
-present and on the CPU otherwise. Metrics stream to the console and are stored under ``runs/``.
-``--inject-nan-at STEP`` poisons the loss at one step to show the NaN guard stopping the run.
+present and on the CPU otherwise. Metrics stream to the console and are stored in SQLite
+(``runs/batchtap.db``) and JSONL (``runs/<name>/metrics.jsonl``).
+
+``--inject-nan-at STEP`` poisons the loss at one step: the NaN rule stops the run at once.
+``--inject-spike-at STEP`` blows up the weights at one step: the spike rule rolls back to the last
+good snapshot, halves the learning rate, skips a few batches and training recovers.
 """
 
 from __future__ import annotations
@@ -62,7 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs", help="folder for the run's files (default runs/)")
     parser.add_argument("--name", default="demo", help="run name (default demo)")
     parser.add_argument("--inject-nan-at", type=int, metavar="STEP", help="make the loss NaN at this global step")
-    parser.add_argument("--flush-every", type=int, default=20, help="steps between host transfers (default 20)")
+    parser.add_argument("--inject-spike-at", type=int, metavar="STEP",
+                        help="scale the weights x30 after this global step (a loss spike; rolled back)")
+    parser.add_argument("--db", default=None, help="SQLite file or postgresql:// URL (default OUT/batchtap.db)")
+    parser.add_argument("--flush-every", type=int, default=5, help="steps between host transfers (default 5)")
     parser.add_argument("--print-every", type=int, default=10, help="console line every N batches (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
 
@@ -97,7 +104,15 @@ def main(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     jsonl_path = out / args.name / "metrics.jsonl"
-    sinks: list[bt.sinks.Sink] = [bt.sinks.Console(every=args.print_every), bt.sinks.JSONL(jsonl_path)]
+    db = args.db or str(out / "batchtap.db")
+    store: bt.sinks.Sink = bt.sinks.Postgres(db) if db.startswith("postgres") else bt.sinks.SQLite(db)
+    sinks: list[bt.sinks.Sink] = [bt.sinks.Console(every=args.print_every), bt.sinks.JSONL(jsonl_path), store]
+    rollback = bt.Rollback(model, optimizer, scheduler, every=10, keep=2, lr_factor=0.5, skip_batches=3,
+                           max_retries=3)
+    rules = [
+        bt.NonFinite("loss", action="stop"),
+        bt.Spike("loss", ratio=4.0, window=20, patience=1, warmup=30, action="rollback"),
+    ]
     tap = bt.Tap(
         metrics=[
             bt.metrics.Loss(),
@@ -110,8 +125,11 @@ def main(args: argparse.Namespace) -> int:
             bt.metrics.Memory(),
         ],
         sinks=sinks,
+        rules=rules,
+        rollback=rollback,
         flush_every=args.flush_every,
         flush_seconds=0.5,
+        spool_dir=out / "spool",
     )
     config = {k: v for k, v in vars(args).items() if k != "func"}
     started = time.perf_counter()
@@ -132,6 +150,10 @@ def main(args: argparse.Namespace) -> int:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+                if step == args.inject_spike_at:
+                    with torch.no_grad():  # what a bad update looks like: the next loss explodes
+                        for p in model.parameters():
+                            p.mul_(30.0)
                 tap.step(loss=loss, outputs=outputs, targets=targets)  # records the lr this step used
                 scheduler.step()
                 step += 1
@@ -143,7 +165,7 @@ def main(args: argparse.Namespace) -> int:
             say(f"batchtap demo: epoch {epoch} test accuracy {evaluate(model, test, device):.2%}")
     say(f"batchtap demo: {step} steps in {time.perf_counter() - started:.1f} s; "
         f"anomalies: {sum(tap.anomaly_counts.values())}")
-    say(f"batchtap demo: metrics written to {jsonl_path}")
+    say(f"batchtap demo: metrics stored in {db} (run {run.id[:8]}) and {jsonl_path}")
     if world > 1:
         dist.destroy_process_group()
     return 0
