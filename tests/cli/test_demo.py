@@ -30,7 +30,7 @@ def test_demo_inject_nan_stops_at_once(tmp_path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in rows if r["type"] == "record"]
     assert records[-1]["step"] <= 32 and records[-1]["loss"] == "nan"
-    assert rows[-1]["status"] == "stopped" and "non-finite loss" in rows[-1]["stop_reason"]
+    assert rows[-1]["status"] == "stopped" and "nonfinite(loss) at step 30" in rows[-1]["stop_reason"]
     assert "stopped at step" in done.stdout
 
 
