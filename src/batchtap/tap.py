@@ -99,7 +99,7 @@ class _Group:
     world_size: int
     agreement: Any  # training thread: stop agreement at flush steps
     reduce: Any  # pipeline thread: one exchange per flushed block
-    agree: torch.Tensor  # [stop?, -lowest stopping rank], reused every flush
+    agree: torch.Tensor  # [stop?, -lowest stopping rank, -rule messages received], reused every flush
     agree_np: Any  # numpy view of ``agree``: read without a torch host read
 
 
@@ -714,7 +714,10 @@ class Tap:
         finally:
             self._send(state, runner.take_events())
         if runner.stop_requested and self._local_stop is None:
-            self.request_stop(runner.stop_reason or "a rule asked to stop")
+            reason = runner.stop_reason or "a rule asked to stop"
+            self.request_stop(reason)
+            # every rank applied the same decisions at this same step: the stop is already agreed
+            self._stop_reason = self._stop_reason or reason
 
     def _send(self, state: _RunState, events: list[Event]) -> None:
         if events:
@@ -726,7 +729,7 @@ class Tap:
         if self._groups is None:
             # collective calls: every rank makes them at its first run, in the same order
             self._groups = (new_group(self.collective_timeout), new_group(self.collective_timeout))
-        agree = torch.zeros(2, dtype=torch.float64)
+        agree = torch.zeros(3, dtype=torch.float64)
         return _Group(_dist.rank(), _dist.world_size(), *self._groups, agree, agree.numpy())
 
     def _writes(self, state: _RunState) -> bool:

@@ -31,7 +31,8 @@ def main(scenario: str, out: Path) -> None:
     timeout = 5.0 if scenario == "kill" else 60.0
     sinks = [bt.sinks.JSONL(out / "metrics.jsonl")]
     metrics = [bt.metrics.Loss(), bt.metrics.Accuracy(), bt.metrics.StepTime(), bt.metrics.Throughput()]
-    tap = bt.Tap(metrics, sinks, flush_every=5, per_rank_rows=per_rank, collective_timeout=timeout)
+    rules = [bt.Threshold("loss", above=0.0, patience=12, action="stop")] if scenario == "rule" else []
+    tap = bt.Tap(metrics, sinks, flush_every=5, per_rank_rows=per_rank, collective_timeout=timeout, rules=rules)
     local = []
     try:
         with tap, tap.run(name=scenario):

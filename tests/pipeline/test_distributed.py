@@ -78,6 +78,14 @@ def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> No
     assert math.isnan(float(_records(lines)[7]["loss"]))
 
 
+def test_a_rule_decision_acts_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    results, lines, _ = _launch("rule", 3, tmp_path)
+    stops = {res["stopped_at"] for res in results}
+    assert len(stops) == 1 and 11 <= stops.pop() <= 24  # fires on step 11's record; agreed at a flush step
+    assert all("threshold(loss>0.0) at step 11" in res["reason"] for res in results)
+    assert [r for r in lines if r["type"] == "run_end"][0]["status"] == "stopped"
+
+
 def test_a_killed_rank_makes_the_others_fail_within_the_timeout(tmp_path: Path) -> None:
     results, lines, elapsed = _launch("kill", 3, tmp_path)
     assert results[2].get("code") == 3
