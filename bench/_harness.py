@@ -472,7 +472,7 @@ class Batchtap(Variant):
                     t_exit = perf()
                 out.exit_s = perf() - t_exit  # leaving the run: final flush, pipeline drain, sinks flushed
         except RuntimeError as exc:
-            if not spec.sync_debug:
+            if not (spec.sync_debug and wl.device.type == "cuda"):
                 raise
             out.error = f"sync debug mode raised: {str(exc).splitlines()[0][:120]}"
         return out
@@ -648,6 +648,7 @@ class Row:
     exit_ms: list[float] = dataclasses.field(default_factory=list)
     flusher_waits: int = 0
     note: str = ""
+    sync_debug: str = ""  # under set_sync_debug_mode("error"): what happened
 
     @property
     def median_ms(self) -> float:
@@ -687,10 +688,13 @@ def run_suite(
     warmup: int,
     count_steps: int,
     nan_at: int,
+    nan_epoch_len: int | None = None,
     sync_debug_for: Callable[[Variant], bool] = lambda v: False,
 ) -> list[Row]:
     """Run every variant on every workload: interleaved timed reps, then one counting run and one
-    NaN run each. ``steps`` maps workload name to timed steps per rep."""
+    NaN run each (two epochs of ``nan_epoch_len`` batches, default the workload's epoch).
+    ``steps`` maps workload name to timed steps per rep; ``sync_debug_for`` says which variants run
+    under ``torch.cuda.set_sync_debug_mode("error")`` (CUDA only)."""
     rows: list[Row] = []
     for wl in workloads:
         active = [v for v in variants if v.unavailable() is None]
@@ -699,6 +703,8 @@ def run_suite(
             reason = v.unavailable()
             if reason:
                 table[v.name].note = reason
+            elif sync_debug_for(v) and wl.device.type == "cuda":
+                table[v.name].sync_debug = "armed, nothing raised"
         n_steps = steps[wl.name]
         for rep in range(reps):
             order = active[rep % len(active) :] + active[: rep % len(active)]
@@ -708,7 +714,7 @@ def run_suite(
                 o = _one(v, wl, dict(warmup=warmup, steps=n_steps, sync_debug=sync_debug_for(v)))
                 row = table[v.name]
                 if o.error:
-                    row.note = o.error
+                    row.sync_debug = o.error
                     continue
                 row.ms.append(o.ms_per_step)
                 row.step_host_us += [1e6 * s for s in o.step_host_s]
@@ -724,14 +730,18 @@ def run_suite(
             _log(f"  {wl.name} rep {rep + 1}/{reps}: " + ", ".join(f"{k} {v:.2f}" for k, v in per_rep.items()))
         for v in active:
             row = table[v.name]
+            armed = sync_debug_for(v)
             with HostReadCounter() as counter:
-                o = _one(v, wl, dict(warmup=warmup, steps=count_steps, counter=counter))
+                o = _one(v, wl, dict(warmup=warmup, steps=count_steps, counter=counter, sync_debug=armed))
             if o.reads is not None and o.steps:
                 row.reads_per_step = o.reads / o.steps
                 row.nonblocking_per_step = counter.nonblocking_copies / o.steps
                 row.reads_by_op = dict(counter.by_op)
             if v.has_nan_stop:
-                o = _one(v, wl, dict(warmup=0, steps=2 * wl.epoch_len, epoch_len=wl.epoch_len, nan_at=nan_at))
+                epoch = nan_epoch_len or wl.epoch_len
+                o = _one(v, wl, dict(warmup=0, steps=2 * epoch, epoch_len=epoch, nan_at=nan_at, sync_debug=armed))
+                if o.error:
+                    row.sync_debug = o.error
                 if o.stopped_at is None:
                     row.nan_note = "never stopped"
                 else:
@@ -756,10 +766,12 @@ def format_table(rows: Sequence[Row], *, nan_at: int, extra: Sequence[str] = ())
     head = ["workload", "variant", "ms/step (median)", "min–max", "× bare", "host reads/step", f"NaN stop latency (NaN at step {nan_at})"]
     if "step_us" in extra:
         head += ["tap.step() host µs median / p90 / mean"]
+    if "sync_debug" in extra:
+        head += ['set_sync_debug_mode("error")']
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         if not r.ms:
-            cells = [r.workload, r.variant, r.note or "no data", "", "", "", ""]
+            cells = [r.workload, r.variant, r.note or r.sync_debug or "no data", "", "", "", ""]
         else:
             if r.nan_latency is not None:
                 nan = f"{r.nan_latency} steps"
@@ -781,6 +793,8 @@ def format_table(rows: Sequence[Row], *, nan_at: int, extra: Sequence[str] = ())
             cells.append(
                 f"{statistics.median(us):.1f} / {percentile(us, 0.9):.1f} / {statistics.fmean(us):.1f}" if us else "—"
             )
+        if "sync_debug" in extra:
+            cells.append(r.sync_debug or "not armed")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
