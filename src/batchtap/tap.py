@@ -91,7 +91,7 @@ class _Terminated(BaseException):
     ``except Exception`` does not swallow it)."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class _Group:
     """This process's place in a process group, and batchtap's own gloo groups."""
 
@@ -99,8 +99,10 @@ class _Group:
     world_size: int
     agreement: Any  # training thread: stop agreement at flush steps
     reduce: Any  # pipeline thread: one exchange per flushed block
-    agree: torch.Tensor  # [stop?, -lowest stopping rank, -rule messages received], reused every flush
+    agree: torch.Tensor  # [2, 3]: per buffer [stop?, -lowest stopping rank, -rule messages received]
     agree_np: Any  # numpy view of ``agree``: read without a torch host read
+    turn: int = 0  # the buffer of the exchange in flight
+    pending: Any = None  # that exchange's Work, completed at the next flush
 
 
 @dataclasses.dataclass(slots=True)
@@ -337,6 +339,12 @@ class Tap:
         state = self._state
         assert state is not None
         try:
+            group = state.group
+            if group is not None and group.pending is not None:
+                pending, group.pending = group.pending, None
+                with contextlib.suppress(Exception):  # a failed exchange was reported at the flush
+                    # sync: end of run — complete the last agreement so every rank's groups stay in step
+                    pending.wait()
             capture = state.capture
             if capture is not None:
                 # in a process group an empty last block still carries late events through the reducer
@@ -672,23 +680,35 @@ class Tap:
             self._stop_reason = reason  # one process: nobody to agree with
 
     def _agree(self, state: _RunState, group: _Group) -> None:
-        """Agree with every rank, at a flush step, whether to stop (same step on all ranks)."""
-        buf = group.agree_np
+        """Agree with every rank, at flush steps, whether to stop and which rule decisions to apply.
+
+        Each flush completes the exchange issued at the previous flush and issues the next one with
+        ``async_op=True``. The previous one has had a whole flush interval to finish, so completing it
+        normally returns at once: the training thread does not wait for the slowest rank. Every
+        rank acts on the same agreed values at the same flush step, one flush after they were sent.
+        """
+        if group.pending is not None:
+            try:
+                # sync: completes the CPU collective issued one flush ago (normally already done)
+                group.pending.wait()
+            except Exception as exc:
+                group.pending = None
+                self._collective_failed(state, group, exc)
+            group.pending = None
+            self._act_on_agreement(state, group, group.agree_np[group.turn])
+        group.turn ^= 1
+        buf = group.agree_np[group.turn]
         buf[0] = 1.0 if self._local_stop else 0.0
         buf[1] = -(group.rank if self._local_stop else group.world_size)  # MAX of -rank = lowest rank
         buf[2] = -self._received_total()  # MAX of -count = the rule messages every rank has
         try:
-            # sync: a CPU collective on batchtap's gloo group, once per flush, so ranks stop together
-            dist.all_reduce(group.agree, op=dist.ReduceOp.MAX, group=group.agreement)
+            group.pending = dist.all_reduce(
+                group.agree[group.turn], op=dist.ReduceOp.MAX, group=group.agreement, async_op=True
+            )
         except Exception as exc:
-            capture = state.capture
-            if capture is not None and capture.pipeline.reducer is not None:
-                capture.pipeline.reducer.broken = "the agreement exchange failed"
-            raise DistributedError(
-                f"rank {group.rank}: ranks could not agree at step {state.step - 1} within "
-                f"{self.collective_timeout:g} s ({type(exc).__name__}: {exc}); a rank probably died or "
-                "stalled. Every step captured so far is being stored."
-            ) from exc
+            self._collective_failed(state, group, exc)
+
+    def _act_on_agreement(self, state: _RunState, group: _Group, buf: Any) -> None:
         if buf[0] > 0 and self._stop_reason is None:
             stopper = int(-buf[1])
             if self._local_stop is not None and stopper == group.rank:
@@ -698,6 +718,16 @@ class Tap:
         if self._runner is not None:
             # every rank applies the same rule decisions at the same step
             self._apply_decisions(state, int(-buf[2]) - self._applied)
+
+    def _collective_failed(self, state: _RunState, group: _Group, exc: Exception) -> None:
+        capture = state.capture
+        if capture is not None and capture.pipeline.reducer is not None:
+            capture.pipeline.reducer.broken = "the agreement exchange failed"
+        raise DistributedError(
+            f"rank {group.rank}: ranks could not agree at step {state.step - 1} within "
+            f"{self.collective_timeout:g} s ({type(exc).__name__}: {exc}); a rank probably died or "
+            "stalled. Every step captured so far is being stored."
+        ) from exc
 
     def _received_total(self) -> int:
         return self._applied + len(self._inbox)
@@ -729,7 +759,7 @@ class Tap:
         if self._groups is None:
             # collective calls: every rank makes them at its first run, in the same order
             self._groups = (new_group(self.collective_timeout), new_group(self.collective_timeout))
-        agree = torch.zeros(3, dtype=torch.float64)
+        agree = torch.zeros((2, 3), dtype=torch.float64)  # two buffers: one in flight, one being read
         return _Group(_dist.rank(), _dist.world_size(), *self._groups, agree, agree.numpy())
 
     def _writes(self, state: _RunState) -> bool:
