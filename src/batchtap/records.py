@@ -101,8 +101,8 @@ class Event:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict (``raw_value`` NaN/inf become the strings ``"nan"``/``"inf"``)."""
         raw: float | str | None = self.raw_value
-        if raw is not None and not math.isfinite(raw):
-            raw = repr(raw)
+        if self.raw_value is not None and not math.isfinite(self.raw_value):
+            raw = repr(self.raw_value)
         return {
             "run_id": self.run_id,
             "step": self.step,

@@ -16,6 +16,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
     device, rank, world = _setup_distributed(args.device)
     say = print if rank == 0 else (lambda *a, **k: None)
     train, test = load_digits(args.seed)
-    sampler = DistributedSampler(train, seed=args.seed) if world > 1 else None
+    sampler: DistributedSampler[Any] | None = DistributedSampler(train, seed=args.seed) if world > 1 else None
     loader = DataLoader(train, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
                         generator=torch.Generator().manual_seed(args.seed))
     model: nn.Module = DigitsCNN().to(device)

@@ -33,7 +33,7 @@ class StepInputs:
     loss: torch.Tensor | None
     outputs: torch.Tensor | None
     targets: torch.Tensor | None
-    batch_size: int
+    batch_size: float  #: samples in the batch (NaN when no tensor tells)
     extra: Mapping[str, torch.Tensor | float] = dataclasses.field(default_factory=dict)
 
 

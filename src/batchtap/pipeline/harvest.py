@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from batchtap.capture.flush import Block, Flusher
 from batchtap.pipeline.decode import Decoded, Decoder
@@ -124,7 +125,9 @@ class Harvester:
             if run.writes:
                 self.dispatcher.write(decoded.records, decoded.events)
             return
-        kind, payload = item  # type: ignore[misc]
+        assert isinstance(item, tuple)
+        kind: str = item[0]
+        payload: Any = item[1]
         if kind == "events":
             events, run_pipeline = payload
             if run_pipeline is not None and run_pipeline.reducer is not None and not run_pipeline.reducer.broken:
