@@ -222,6 +222,7 @@ class Outcome:
     seconds: float = math.nan  # wall time of the window
     steps: int = 0  # steps inside the window
     reads: int | None = None  # host reads inside the window (counting runs only)
+    reads_by_op: dict[str, int] = dataclasses.field(default_factory=dict)  # the same, by kind
     stopped_at: int | None = None  # global step at which the loop's NaN stop fired
     step_host_s: list[float] = dataclasses.field(default_factory=list)  # per-call host time of tap.step()
     exit_s: float = math.nan  # leaving the run: final flush + drain (batchtap only)
@@ -266,6 +267,7 @@ class Window:
         self.outcome.steps = steps
         if self.counter is not None:
             self.outcome.reads = self.counter.count
+            self.outcome.reads_by_op = dict(self.counter.by_op)
 
 
 @contextlib.contextmanager
@@ -736,7 +738,7 @@ def run_suite(
             if o.reads is not None and o.steps:
                 row.reads_per_step = o.reads / o.steps
                 row.nonblocking_per_step = counter.nonblocking_copies / o.steps
-                row.reads_by_op = dict(counter.by_op)
+                row.reads_by_op = o.reads_by_op  # inside the window, like reads_per_step
             if v.has_nan_stop:
                 epoch = nan_epoch_len or wl.epoch_len
                 o = _one(v, wl, dict(warmup=0, steps=2 * epoch, epoch_len=epoch, nan_at=nan_at, sync_debug=armed))
