@@ -19,8 +19,8 @@ The figure is the median of ``--runs`` runs (>= 5); min and max show the spread.
 * ``... replay``: the same blocks written a second time into the same store (the upsert path of a
   spool replay).
 
-The training-thread side of the storage goal (per-step cost with all sinks attached equal to the
-cost without) needs the Tap: see :func:`bench_training_thread_cost`.
+Then the training-thread side of the goal (per-step cost with every sink attached equal to the cost
+without): :func:`bench_training_thread_cost`.
 """
 
 from __future__ import annotations
@@ -78,15 +78,79 @@ def time_sink(make: Callable[[], Sink], run: RunInfo, blocks: list[list[Record]]
     return time.perf_counter() - t0
 
 
-def bench_training_thread_cost() -> None:
-    """TODO(core): per-step cost on the training thread with every sink attached vs none.
+def bench_training_thread_cost(pg_dsn: str, reps: int = 5, steps: int = 300) -> None:
+    """Per-step cost on the training thread: ``Tap(sinks=[])`` vs every sink attached, interleaved.
 
-    Needs the Tap (capture + dispatcher), which lives outside the storage package. Intended shape:
-    run the same small model for N steps with ``Tap(sinks=[])`` and with
-    ``Tap(sinks=[SQLite, Postgres, CSV, TensorBoard])``, interleaved, and report the median
-    per-step time of each and their ratio (goal: ratio ~1.0, storage is never the bottleneck).
+    A small CNN step (digits-sized, a few ms on a CPU) so the sinks' threads compete with real
+    work. For each repetition both variants run (order rotated) for ``steps`` timed steps after a
+    warm-up; reported: the median over repetitions of each variant's median step time, the median of
+    the per-repetition ratios, and the median host time of ``tap.step()`` itself.
     """
-    print("training-thread cost with sinks: not measured here (needs the Tap; see bench_training_thread_cost)")
+    import torch
+    import torch.nn.functional as F
+
+    import batchtap as bt
+    from batchtap.cli.demo import DigitsCNN
+
+    tmp = Path(tempfile.mkdtemp(prefix="bt-bench-steps-"))
+    torch.manual_seed(0)
+    model = DigitsCNN(width=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = [(torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))) for _ in range(16)]
+    schema = "bt_bench_steps_" + uuid.uuid4().hex[:8]
+
+    def all_sinks(i: int) -> list[Sink]:
+        sinks: list[Sink] = [bt.sinks.SQLite(tmp / f"s{i}.db"), bt.sinks.CSV(tmp / f"c{i}" / "m.csv"),
+                             bt.sinks.JSONL(tmp / f"j{i}.jsonl")]
+        try:
+            sinks.append(bt.sinks.TensorBoard(tmp / f"tb{i}"))
+        except ImportError:
+            pass
+        if pg_dsn:
+            try:
+                sinks.append(bt.sinks.Postgres(pg_dsn, schema=schema))
+            except Exception:  # noqa: BLE001 - report without PostgreSQL
+                pass
+        return sinks
+
+    def one(sinks: list[Sink]) -> tuple[float, float]:
+        step_times, call_times = [], []
+        with bt.Tap(sinks=sinks, flush_every=50) as tap, tap.run(name="bench"):
+            for i in range(steps + 20):
+                x, y = data[i % len(data)]
+                t0 = time.perf_counter()
+                out = model(x)
+                loss = F.cross_entropy(out, y)
+                opt.zero_grad(); loss.backward(); opt.step()
+                t1 = time.perf_counter()
+                tap.step(loss=loss, outputs=out, targets=y)
+                t2 = time.perf_counter()
+                if i >= 20:
+                    step_times.append(t2 - t0)
+                    call_times.append(t2 - t1)
+        return statistics.median(step_times), statistics.median(call_times)
+
+    results: dict[str, list[tuple[float, float]]] = {"no sinks": [], "all sinks": []}
+    for rep in range(reps):
+        order = ["no sinks", "all sinks"] if rep % 2 == 0 else ["all sinks", "no sinks"]
+        for variant in order:
+            results[variant].append(one([] if variant == "no sinks" else all_sinks(rep)))
+    ratios = [b[0] / a[0] for a, b in zip(results["no sinks"], results["all sinks"])]
+    print(f"\ntraining-thread cost, {reps} interleaved reps x {steps} steps (DigitsCNN width 32, batch 64):")
+    print(f"{'variant':<12}{'ms/step':>10}{'tap.step() us':>16}")
+    for name, rows in results.items():
+        print(f"{name:<12}{statistics.median(r[0] for r in rows) * 1e3:>10.3f}"
+              f"{statistics.median(r[1] for r in rows) * 1e6:>16.1f}")
+    print(f"ratio all sinks / no sinks (median of per-rep ratios): {statistics.median(ratios):.3f} "
+          f"[{', '.join(f'{r:.3f}' for r in ratios)}]")
+    if pg_dsn:
+        try:
+            import psycopg
+
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             with psycopg.connect(args.pg_dsn, autocommit=True) as conn:
                 for s in schemas:
                     conn.execute(f'DROP SCHEMA IF EXISTS "{s}" CASCADE')
-    bench_training_thread_cost()
+    if not args.only or "steps" in args.only:
+        bench_training_thread_cost(args.pg_dsn)
     return 0
 
 

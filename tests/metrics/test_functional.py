@@ -47,11 +47,13 @@ def test_topk_dense_prediction() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 50), classes=st.integers(1, 10), seed=st.integers(0, 2**31 - 1))
-def test_invalid_targets_counts_out_of_range(n, classes, seed) -> None:
+def test_target_range_and_top1_match_reference(n, classes, seed) -> None:
     g = torch.Generator().manual_seed(seed)
     targets = torch.randint(-3, classes + 3, (n,), generator=g)
-    expected = int(((targets < 0) | (targets >= classes)).sum())
-    assert F.invalid_targets(targets, classes).item() == expected
+    low, high = F.target_range(targets)
+    assert (low.item(), high.item()) == (targets.min().item(), targets.max().item())
+    scores = torch.randn(n, classes, generator=g)
+    assert F.top1_correct(scores, targets).item() == (scores.argmax(1) == targets).sum().item()
 
 
 @pytest.mark.parametrize("with_missing", [False, True], ids=["all-grads", "some-none"])

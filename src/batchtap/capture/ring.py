@@ -69,6 +69,13 @@ class MetricRing:
         self.samples = np.zeros(capacity)
         self.data_time = np.full(capacity, math.nan)
         self.host_values = np.zeros((capacity, host_width))
+        # Views made once: slicing costs a dispatcher call per view, and step() runs every batch.
+        self._rows = [self.device_rows.select(0, i) for i in range(capacity)]
+        self._guard_pairs = (
+            [(self.guard.narrow(0, i, 1), self._rows[i].narrow(0, guard_column, 1)) for i in range(capacity)]
+            if guard_column is not None and device_width
+            else None
+        )
 
     def write(
         self,
@@ -85,10 +92,10 @@ class MetricRing:
     ) -> None:
         """Store one step in ``slot``: one device op for the row, one tiny copy for the guard."""
         if self.device_width:
-            torch.stack(list(device_values), out=self.device_rows.select(0, slot))
-            if self.guard_column is not None:
-                source = self.device_rows.select(0, slot).narrow(0, self.guard_column, 1)
-                self.guard.narrow(0, slot, 1).copy_(source, non_blocking=self.non_blocking)
+            torch.stack(device_values, out=self._rows[slot])
+            if self._guard_pairs is not None:
+                target, source = self._guard_pairs[slot]
+                target.copy_(source, non_blocking=self.non_blocking)
         self.host_values[slot] = host_values
         self.step[slot] = step
         self.epoch[slot] = epoch

@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from batchtap.cli import demo
+from batchtap.cli import audit, compare, demo, export, plot, runs, show, tail, tensorboard
+from batchtap.cli._common import CLIError
 
 __all__ = ["main", "build_parser"]
+
+EXAMPLES = """examples:
+  batchtap demo --epochs 3                    # train, store runs/batchtap.db
+  batchtap runs                               # list the stored runs
+  batchtap tail demo                          # follow a run live until it ends
+  batchtap plot demo -m loss -m accuracy -o loss.png
+  batchtap audit train.py                     # find hidden .item() / if loss > x: syncs
+
+Store: --db URL on each subcommand, else $BATCHTAP_DB, else runs/batchtap.db.
+Exit status: 0 ok, 1 user error (unknown run, not a batchtap store, ...), 2 usage error."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="batchtap",
         description="Per-batch training metrics for PyTorch: capture, validate, store, act.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo_parser = commands.add_parser(
@@ -26,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=demo.main)
+    for module in (runs, show, tail, plot, compare, export, tensorboard, audit):
+        module.register(commands)
     return parser
 
 
@@ -35,7 +51,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except CLIError as exc:
+        if exc.code == 2:
+            parser.error(str(exc))  # exits 2 with the usage line, as argparse does
+        print(f"batchtap: error: {exc}", file=sys.stderr)
+        return exc.code
+    except BrokenPipeError:
+        # `batchtap export ... | head`: the reader left; that is not an error of ours.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ __all__ = [
 
 
 def _float32(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to(torch.float32)
+    # Called under no_grad (Tap.step), so no detach is needed; a float32 tensor goes in as it is.
+    return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
 class Loss(Metric):
@@ -93,14 +94,14 @@ class Accuracy(Metric):
     """
 
     requires: ClassVar[frozenset[Requirement]] = frozenset({"outputs", "targets"})
-    host_width = 1  # number of scored positions: a shape fact, known on the host
+    host_width = 2  # scored positions and classes: shape facts, known on the host
 
     def __init__(self, topk: Sequence[int] = (1,)) -> None:
         ks = tuple(sorted(set(int(k) for k in topk)))
         if not ks or ks[0] < 1 or 1 not in ks:
             raise ConfigError(f"Accuracy topk must be positive and contain 1, got {tuple(topk)}; e.g. topk=(1, 5)")
         self.topk = ks
-        self.device_width = len(ks) + 1  # correct counts per k, then the invalid-target count
+        self.device_width = len(ks) + 2  # correct counts per k, then the smallest and largest target
 
     def outputs(self) -> tuple[Output, ...]:
         return tuple(
@@ -116,6 +117,9 @@ class Accuracy(Metric):
                 f"Accuracy needs tensors for outputs and targets, got {type(outputs).__name__} and "
                 f"{type(targets).__name__}"
             )
+        if outputs.shape[0] == 0:
+            raise InputError("Accuracy got an empty batch (outputs of shape {}); skip empty batches".format(
+                tuple(outputs.shape)))
         if outputs.dim() < 2 or not outputs.is_floating_point():
             raise InputError(
                 f"Accuracy expects floating-point class scores of shape [N, C] (or [N, C, ...]), got "
@@ -144,25 +148,30 @@ class Accuracy(Metric):
             )
 
     def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
-        assert inputs.outputs is not None and inputs.targets is not None
-        counts = F.topk_correct(inputs.outputs.detach(), inputs.targets, self.topk)
-        invalid = F.invalid_targets(inputs.targets, inputs.outputs.shape[1])
-        return (*counts.unbind(0), invalid)
+        outputs, targets = inputs.outputs, inputs.targets
+        assert outputs is not None and targets is not None
+        if self.topk == (1,) and outputs.dim() == 2:
+            counts: Sequence[torch.Tensor] = (F.top1_correct(outputs, targets),)  # the common case, fewest ops
+        else:
+            counts = F.topk_correct(outputs, targets, self.topk).unbind(0)
+        return (*counts, *F.target_range(targets))
 
     def read_host(self, inputs: StepInputs) -> Sequence[float]:
-        assert inputs.targets is not None
-        return (float(inputs.targets.numel()),)
+        assert inputs.targets is not None and inputs.outputs is not None
+        return (float(inputs.targets.numel()), float(inputs.outputs.shape[1]))
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        *correct, _invalid, positions = raw
-        return [c / positions if positions else None for c in correct]
+        positions = raw[-2]
+        return [c / positions if positions else None for c in raw[: len(self.topk)]]
 
     def input_error(self, raw: Sequence[float]) -> str | None:
-        invalid = raw[len(self.topk)]
-        if invalid > 0:
+        k = len(self.topk)
+        low, high, classes = raw[k], raw[k + 1], raw[-1]
+        if low < 0 or high >= classes:
             return (
-                f"{int(invalid)} target(s) are class indices outside [0, C) for the outputs' C classes; "
-                "check the labels (or the model's number of outputs)"
+                f"targets hold class indices outside [0, {int(classes)}) (smallest {int(low)}, largest "
+                f"{int(high)}) for outputs with {int(classes)} classes; check the labels (or the "
+                "model's number of outputs)"
             )
         return None
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["topk_correct", "invalid_targets", "global_grad_norm"]
+__all__ = ["topk_correct", "top1_correct", "target_range", "global_grad_norm"]
 
 
 def topk_correct(outputs: torch.Tensor, targets: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
@@ -43,15 +43,28 @@ def topk_correct(outputs: torch.Tensor, targets: torch.Tensor, ks: Sequence[int]
     return torch.stack([cumulative.select(0, k - 1) for k in ks])
 
 
-def invalid_targets(targets: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Number of target indices outside ``[0, num_classes)``, as a float32 0-dim tensor.
+def top1_correct(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Number of samples whose highest score is the target: three device ops, float32 0-dim.
 
     Example:
-        >>> invalid_targets(torch.tensor([0, 2, 3, -1]), num_classes=3)
+        >>> top1_correct(torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]]), torch.tensor([1, 1, 1]))
         tensor(2.)
     """
-    bad = targets.lt(0) | targets.ge(num_classes)
-    return bad.sum(dtype=torch.float32)
+    return outputs.argmax(1).eq(targets).sum(dtype=torch.float32)
+
+
+def target_range(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smallest and largest target index as float32 0-dim tensors, in one device op.
+
+    The host compares them with the number of classes once the row arrived, which is cheaper per
+    step than counting the offending targets on the device.
+
+    Example:
+        >>> target_range(torch.tensor([3, 0, 7]))
+        (tensor(0.), tensor(7.))
+    """
+    low, high = torch.aminmax(targets.to(torch.float32))  # exact for indices below 2**24
+    return low, high
 
 
 def global_grad_norm(parameters: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:

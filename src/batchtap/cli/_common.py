@@ -1,0 +1,269 @@
+"""What the store-reading subcommands share: ``--db``, opening the store, resolving ``RUN``, tables.
+
+Every subcommand reports a user error by raising :class:`CLIError`; ``main`` prints it and exits
+with its code (1), so a subcommand never calls ``sys.exit`` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo
+from batchtap.store import RunNotFound, StoreError
+
+if TYPE_CHECKING:
+    from batchtap.store import RunRow, Store
+
+__all__ = [
+    "DEFAULT_DB",
+    "CLIError",
+    "add_db_arguments",
+    "db_url",
+    "open_store",
+    "resolve_run",
+    "pick_metrics",
+    "run_info",
+    "run_records",
+    "events_by_kind",
+    "fmt_value",
+    "fmt_duration",
+    "fmt_time",
+    "fmt_rank",
+    "table",
+    "short_id",
+]
+
+#: Where ``batchtap demo`` stores its runs, relative to the working directory.
+DEFAULT_DB = os.path.join("runs", "batchtap.db")
+
+
+class CLIError(Exception):
+    """A user error: printed as ``batchtap: error: <message>``, exit status ``code``."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def add_db_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--db`` and ``--schema`` to a subcommand that reads a store."""
+    parser.add_argument(
+        "--db",
+        metavar="URL",
+        default=None,
+        help=f"store: SQLite path, sqlite:///path or postgresql://user@host/db "
+        f"(default: $BATCHTAP_DB, else {DEFAULT_DB})",
+    )
+    parser.add_argument(
+        "--schema",
+        default=None,
+        help="PostgreSQL schema holding the tables (default: $BATCHTAP_DB_SCHEMA, else the server's search_path)",
+    )
+
+
+def db_url(args: argparse.Namespace) -> str:
+    """The store URL: ``--db``, else ``$BATCHTAP_DB``, else :data:`DEFAULT_DB`."""
+    return str(args.db or os.environ.get("BATCHTAP_DB") or DEFAULT_DB)
+
+
+def open_store(args: argparse.Namespace) -> Store:
+    """Open the store named by ``--db``/``--schema`` (or their environment variables).
+
+    Raises:
+        CLIError: the store is missing, unreachable, or not a batchtap store.
+    """
+    import batchtap.store
+
+    url = db_url(args)
+    schema = args.schema or os.environ.get("BATCHTAP_DB_SCHEMA") or None
+    try:
+        return batchtap.store.open(url, schema=schema)
+    except StoreError as exc:
+        hint = ""
+        if url == DEFAULT_DB and not os.path.exists(url):
+            hint = " (the default store; run `batchtap demo` to make one, or pass --db / set BATCHTAP_DB)"
+        raise CLIError(f"{exc}{hint}") from None
+
+
+def resolve_run(store: Store, ref: str) -> RunRow:
+    """The run ``ref`` names: an id, a unique id prefix, or a name (the latest run of it wins).
+
+    Raises:
+        CLIError: no run matches (the message lists the closest names) or the prefix is ambiguous.
+    """
+    try:
+        return store.run(ref)
+    except RunNotFound as exc:
+        raise CLIError(str(exc)) from None
+
+
+def pick_metrics(store: Store, run: RunRow, wanted: Sequence[str] | None, default: Sequence[str]) -> list[str]:
+    """The metrics to show: ``wanted`` (each must exist), else those of ``default`` the run has,
+    else its first stored metric.
+
+    Raises:
+        CLIError: a wanted metric has no values in the run, or the run has none at all.
+    """
+    present = store.metric_names(run.id)
+    if wanted:
+        missing = [m for m in wanted if m not in present]
+        if missing:
+            raise CLIError(
+                f"run {run.name!r} ({short_id(run.id)}) has no values for {', '.join(map(repr, missing))}; "
+                f"it has {', '.join(present) or 'no metrics yet'}; fix: pick one of those with -m"
+            )
+        return list(dict.fromkeys(wanted))
+    chosen = [m for m in default if m in present]
+    if not chosen and present:
+        chosen = present[:1]
+    if not chosen:
+        raise CLIError(f"run {run.name!r} ({short_id(run.id)}) has no stored metric values yet")
+    return chosen
+
+
+def run_info(run: RunRow) -> RunInfo:
+    """The :class:`~batchtap.records.RunInfo` a sink would have been given for a stored run."""
+    return RunInfo(
+        id=run.id,
+        name=run.name,
+        config=dict(run.config),
+        started_at=run.started_at,
+        status=run.status,
+        ended_at=run.ended_at,
+        stop_reason=run.stop_reason,
+        world_size=run.world_size,
+        environment=dict(run.environment),
+        metrics=tuple(run.metrics),
+    )
+
+
+def run_records(
+    store: Store, run: RunRow, metrics: Sequence[str] | None = None, rank: int | None = None
+) -> list[Record]:
+    """A stored run turned back into the records its sinks were given, in (step, rank) order.
+
+    Args:
+        store: the open store.
+        run: the run.
+        metrics: which metrics (default: all with stored values).
+        rank: one rank only (``-1`` for the all-ranks rows); default every rank stored.
+    """
+    names = list(metrics) if metrics else store.metric_names(run.id)
+    wanted = set(names)
+    # The reading API gives positions (epoch, batch, wall time) per (metric, rank) series, so find
+    # which ranks each metric has first; one pass over the run's values.
+    pairs: dict[tuple[str, int], None] = {}
+    for metric, _step, r, _value in store.iter_metrics(run.id):
+        if metric in wanted and (rank is None or r == rank):
+            pairs[(metric, r)] = None
+    rows: dict[tuple[int, int], tuple[int, int, float, dict[str, float]]] = {}
+    order = {name: i for i, name in enumerate(names)}
+    for metric, r in sorted(pairs, key=lambda p: (order[p[0]], p[1])):
+        for p in store.series(run.id, metric, rank=r):
+            key = (p.step, r)
+            if key not in rows:
+                rows[key] = (p.epoch, p.batch, p.wall_time, {})
+            rows[key][3][metric] = p.value
+    return [
+        Record(run.id, step=step, epoch=e, batch=b, rank=r, wall_time=w, values=values)
+        for (step, r), (e, b, w, values) in sorted(rows.items())
+    ]
+
+
+def events_by_kind(events: Sequence[Event]) -> dict[EventKind, int]:
+    """How many events of each kind."""
+    counts = {kind: 0 for kind in EventKind}
+    for e in events:
+        counts[e.kind] += 1
+    return counts
+
+
+def short_id(run_id: str) -> str:
+    """The first 8 characters of a run id (enough for ``RUN`` as a unique prefix, usually)."""
+    return run_id[:8]
+
+
+def fmt_value(x: float | None) -> str:
+    """A metric value in at most ~9 characters.
+
+    Example:
+        >>> [fmt_value(x) for x in (0.23456, 134.314, 31420.5, 2.2e-06, float("nan"), None)]
+        ['0.2346', '134.3', '31420', '2.2e-06', 'nan', '-']
+    """
+    if x is None:
+        return "-"
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x == 0:
+        return "0"
+    if 1000 <= abs(x) < 1e6:
+        return f"{x:.0f}"
+    if 1e-3 <= abs(x) < 1000:
+        return f"{x:.4g}"
+    return f"{x:.3g}"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """``12.3s``, ``4m05s``, ``2h13m``; ``-`` when unknown.
+
+    Example:
+        >>> fmt_duration(245.2), fmt_duration(7980), fmt_duration(None)
+        ('4m05s', '2h13m', '-')
+    """
+    if seconds is None or math.isnan(seconds):
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        m, s = divmod(int(round(seconds)), 60)
+        return f"{m}m{s:02d}s"
+    h, rest = divmod(int(round(seconds)), 3600)
+    return f"{h}h{rest // 60:02d}m"
+
+
+def fmt_time(t: float | None) -> str:
+    """A ``time.time()`` value as local ``YYYY-MM-DD HH:MM:SS``; ``-`` when unknown."""
+    if t is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def fmt_rank(rank: int) -> str:
+    """``all`` for the reduced rows, else the rank number."""
+    return "all" if rank == ALL_RANKS else str(rank)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[bool] | None = None) -> Iterator[str]:
+    """Lines of a plain text table with columns padded to their widest cell.
+
+    Args:
+        header: column titles.
+        rows: cells, already formatted.
+        right: per column, align right (numbers) instead of left.
+
+    Example:
+        >>> print("\\n".join(table(["name", "n"], [["a", "1"], ["bb", "22"]], right=[False, True])))
+        name   n
+        a      1
+        bb    22
+    """
+    right = list(right) if right is not None else [False] * len(header)
+    widths = [len(h) for h in header]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)]
+        return "  ".join(parts).rstrip()
+
+    yield line(header)
+    for row in rows:
+        yield line(row)

@@ -1,0 +1,220 @@
+"""Drawing shared by ``batchtap plot`` and ``batchtap compare``: sizes, smoothing, markers.
+
+matplotlib is imported inside the functions that draw (Agg backend, no display needed), so
+importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from batchtap.cli._common import CLIError
+from batchtap.records import Event
+
+if TYPE_CHECKING:
+    from batchtap.store import Point
+
+__all__ = [
+    "parse_size",
+    "smooth",
+    "epoch_spans",
+    "new_figure",
+    "save",
+    "draw_events",
+    "add_size_arguments",
+    "x_of",
+    "anomaly_y",
+    "ANOMALY_COLOR",
+    "ACTION_COLOR",
+]
+
+#: Anomaly markers: a pure red that the curves' default colours never use.
+ANOMALY_COLOR = "#ff0000"
+#: Action lines.
+ACTION_COLOR = "#8e24aa"
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """``"1200x700"`` -> ``(1200, 700)`` pixels (argparse type; a bad value is a usage error).
+
+    Example:
+        >>> parse_size("800x450")
+        (800, 450)
+    """
+    parts = text.lower().split("x")
+    try:
+        w, h = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT in pixels like 1200x700, got {text!r}") from None
+    if not (100 <= w <= 10000 and 100 <= h <= 10000):
+        raise argparse.ArgumentTypeError(f"width and height must be within 100..10000 pixels, got {w}x{h}")
+    return w, h
+
+
+def _smoothing(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"smoothing must be in [0, 1) (0 = none, 0.9 = strong), got {value}")
+    return value
+
+
+def add_size_arguments(parser: argparse.ArgumentParser, *, default_smooth: float) -> None:
+    """``-m``, ``--smooth``, ``--x``, ``-o`` and ``--size``, common to plot and compare."""
+    parser.add_argument("-m", "--metric", action="append", dest="metrics", metavar="NAME", help="metric to plot, one panel each (repeatable; default loss, accuracy)")
+    parser.add_argument("--smooth", type=_smoothing, default=default_smooth, metavar="W", help=f"exponential smoothing weight in [0, 1), TensorBoard-style; the raw curve stays faint behind (default {default_smooth})")
+    parser.add_argument("--x", choices=("step", "time"), default="step", help="x axis: global step or seconds since the run started (default step)")
+    parser.add_argument("-o", "--output", metavar="FILE", help="PNG to write (default: <run name>.png)")
+    parser.add_argument("--size", type=parse_size, default=(1200, 700), metavar="WxH", help="image size in pixels (default 1200x700)")
+
+
+def smooth(values: Sequence[float], weight: float) -> list[float]:
+    """Debiased exponential moving average (TensorBoard's smoothing); NaN stays NaN and is skipped.
+
+    Example:
+        >>> [round(v, 3) for v in smooth([1.0, float("nan"), 3.0], 0.5)]
+        [1.0, nan, 2.333]
+    """
+    if weight <= 0:
+        return list(values)
+    out: list[float] = []
+    last, n = 0.0, 0
+    for v in values:
+        if not math.isfinite(v):
+            out.append(v)
+            continue
+        n += 1
+        last = last * weight + (1 - weight) * v
+        # Divide out the weight the zero start still holds, so the first points are not pulled to 0.
+        out.append(last / (1 - weight**n))
+    return out
+
+
+def epoch_spans(points: Sequence[Point], xs: Sequence[float]) -> list[tuple[int, float, float]]:
+    """``(epoch, x_start, x_end)`` for each run of equal epochs, ends at the next epoch's start.
+
+    Example:
+        >>> from batchtap.store import Point
+        >>> pts = [Point(s, 0.0, 0.0, s // 2, s % 2) for s in range(5)]
+        >>> epoch_spans(pts, [float(p.step) for p in pts])
+        [(0, 0.0, 2.0), (1, 2.0, 4.0), (2, 4.0, 4.0)]
+    """
+    spans: list[tuple[int, float, float]] = []
+    for p, x in zip(points, xs):
+        if spans and spans[-1][0] == p.epoch:
+            continue
+        if spans:
+            e, start, _ = spans[-1]
+            spans[-1] = (e, start, x)
+        spans.append((p.epoch, x, x))
+    if spans and xs:
+        e, start, _ = spans[-1]
+        spans[-1] = (e, start, xs[-1])
+    return spans
+
+
+def x_of(points: Sequence[Point], axis: str, t0: float) -> list[float]:
+    """The x coordinates of ``points``: their step, or seconds since ``t0``."""
+    if axis == "time":
+        return [p.wall_time - t0 for p in points]
+    return [float(p.step) for p in points]
+
+
+def anomaly_y(event: Event, points: Sequence[Point], ys: Sequence[float]) -> float | None:
+    """Where on a curve to mark an anomaly: its raw value when finite and within twice the curve's
+    range, else the curve's nearest finite value at or before the event's step (``None``: nowhere
+    sensible, mark it at the top of the panel)."""
+    finite = [y for y in ys if math.isfinite(y)]
+    raw = event.raw_value
+    if raw is not None and math.isfinite(raw) and finite:
+        lo, hi = min(finite), max(finite)
+        pad = max(hi - lo, 1e-12)
+        if lo - pad <= raw <= hi + pad:
+            return raw
+    best: float | None = None
+    for p, y in zip(points, ys):
+        if p.step > event.step:
+            break
+        if math.isfinite(y):
+            best = y
+    return best
+
+
+def new_figure(size: tuple[int, int], panels: int) -> tuple[Any, list[Any]]:
+    """A figure of exactly ``size`` pixels (at 100 dpi) with ``panels`` stacked axes sharing x."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise CLIError(
+            "batchtap plot needs the optional package 'matplotlib', which is not installed; "
+            "install it with: pip install 'batchtap[plot]'"
+        ) from None
+    matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+    import matplotlib.pyplot as plt
+
+    w, h = size
+    fig, axes = plt.subplots(panels, 1, figsize=(w / 100, h / 100), dpi=100, sharex=True, squeeze=False)
+    return fig, [row[0] for row in axes]
+
+
+def save(fig: Any, path: str) -> None:
+    """Write the figure as PNG at exactly its pixel size, and free it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        # No bbox_inches="tight": that would change the pixel size the user asked for.
+        fig.savefig(path, dpi=100, format="png")
+    except OSError as exc:
+        raise CLIError(f"cannot write {path}: {exc.strerror or exc}; fix: choose another -o or fix its folder") from None
+    finally:
+        plt.close(fig)
+
+
+def draw_events(
+    ax: Any, events: Sequence[Event], metric: str | None, points: Sequence[Point], xs: Sequence[float],
+    ys: Sequence[float], axis: str, t0: float, *, actions: bool,
+) -> tuple[int, int]:
+    """Mark anomalies (red X on the curve, or a red triangle at the top of the panel) and, with
+    ``actions``, actions (dashed purple lines) on one panel.
+
+    Args:
+        ax: the matplotlib axes.
+        events: the run's events.
+        metric: the panel's metric: its anomalies go on the curve. ``None``: the panel marks the
+            anomalies of every metric not on a panel of its own, at its top edge.
+        points, xs, ys: the panel's curve (``ys`` as drawn, smoothed or not).
+        axis: ``"step"`` or ``"time"``.
+        t0: the run's start time, for ``axis="time"``.
+        actions: also draw the actions.
+
+    Returns:
+        (anomalies marked, actions marked).
+    """
+    from batchtap.records import EventKind
+
+    x_by_step = {p.step: x for p, x in zip(points, xs)}
+
+    def x_at(e: Event) -> float:
+        if axis == "step":
+            return float(e.step)
+        return x_by_step.get(e.step, e.wall_time - t0)
+
+    anomalies = n_actions = 0
+    top = ax.get_xaxis_transform()  # x in data, y in axes fraction
+    for e in events:
+        if e.kind is EventKind.ANOMALY and (e.metric == metric or metric is None):
+            y = anomaly_y(e, points, ys) if metric is not None else None
+            if y is None:
+                ax.plot([x_at(e)], [0.96], marker="v", ms=9, color=ANOMALY_COLOR, transform=top, zorder=5, clip_on=False)
+            else:
+                ax.plot([x_at(e)], [y], marker="X", ms=10, color=ANOMALY_COLOR, mec=ANOMALY_COLOR, zorder=5)
+            anomalies += 1
+        elif e.kind is EventKind.ACTION and actions:
+            ax.axvline(x_at(e), color=ACTION_COLOR, ls="--", lw=1.2, zorder=4)
+            n_actions += 1
+    return anomalies, n_actions

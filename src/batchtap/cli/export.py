@@ -1,0 +1,133 @@
+"""``batchtap export RUN --format csv|jsonl [-o FILE]``: a stored run as CSV or JSON lines.
+
+The files are written by batchtap's own CSV and JSONL sinks, so an export reads back with
+:func:`batchtap.sinks.csv.read_records` (or any CSV/JSON reader) exactly like a sink's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from batchtap.cli._common import CLIError, add_db_arguments, open_store, resolve_run, run_info, run_records
+from batchtap.errors import SinkError
+from batchtap.records import RunStatus
+
+__all__ = ["register", "main", "export_run"]
+
+EXAMPLE = """examples:
+  batchtap export demo --format csv -o demo.csv      # also writes demo.events.csv
+  batchtap export demo --format jsonl > demo.jsonl
+  batchtap export 3f2a9c --format csv -m loss -m accuracy --rank all -o loss.csv
+
+CSV: one row per (step, rank), columns run_id,step,epoch,batch,rank,wall_time,<metrics>; empty
+cell = no value, 'nan' = a value that failed validation; events go to <FILE stem>.events.csv
+(with -o only). JSONL: run_start, record, event and run_end lines (NaN as the string "nan")."""
+
+Format = Literal["csv", "jsonl"]
+
+
+def _rank(text: str) -> int:
+    if text == "all":
+        return -1
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a rank number or 'all', got {text!r}") from None
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``export`` subcommand."""
+    parser = commands.add_parser(
+        "export",
+        help="write a run's values and events as CSV or JSON lines",
+        description="Write a stored run's metric values and events as CSV or JSON lines, to FILE or stdout.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("run", metavar="RUN", help="run id, unique id prefix, or name")
+    parser.add_argument("--format", "-f", choices=("csv", "jsonl"), required=True, help="output format")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    parser.add_argument("--force", action="store_true", help="replace FILE (and its CSV parts/events) if it exists")
+    parser.add_argument("-m", "--metric", action="append", dest="metrics", metavar="NAME", help="only this metric (repeatable; default all)")
+    parser.add_argument("--rank", type=_rank, default=None, help="only this rank ('all' = the reduced rows; default every rank)")
+    add_db_arguments(parser)
+    parser.set_defaults(func=main)
+
+
+def _outputs(path: Path, fmt: Format) -> list[Path]:
+    """Every file an export to ``path`` writes (CSV: parts ``x.2.csv``... and ``x.events.csv``)."""
+    if fmt == "jsonl":
+        return [path]
+    from batchtap.sinks.csv import part_paths
+
+    events = path.with_name(f"{path.stem}.events{path.suffix or '.csv'}")
+    return [*part_paths(path), events] if path.exists() else [events]
+
+
+def export_run(args: argparse.Namespace, fmt: Format, path: Path) -> tuple[int, int]:
+    """Write the run named by ``args.run`` to ``path``; returns (records, events) written."""
+    with open_store(args) as store:
+        run = resolve_run(store, args.run)
+        if args.metrics:
+            present = store.metric_names(run.id)
+            missing = [m for m in args.metrics if m not in present]
+            if missing:
+                raise CLIError(
+                    f"run {run.name!r} has no values for {', '.join(map(repr, missing))}; it has "
+                    f"{', '.join(present) or 'none'}; fix: pick one of those with -m"
+                )
+        records = run_records(store, run, args.metrics, args.rank)
+        events = store.events(run.id)
+    if args.rank is not None:
+        events = [e for e in events if e.rank == args.rank]
+    if fmt == "csv":
+        from batchtap.sinks.csv import CSV as Writer
+    else:
+        from batchtap.sinks.jsonl import JSONL as Writer  # type: ignore[assignment]
+    info = run_info(run)
+    try:
+        sink = Writer(path)
+    except SinkError as exc:  # names the path and the fix
+        raise CLIError(str(exc)) from None
+    try:
+        sink.start_run(info)
+        # One block: the CSV header then holds every metric, so the export is a single file.
+        sink.write(records, events)
+        if run.status is not RunStatus.RUNNING:
+            sink.end_run(info)
+    finally:
+        sink.close()
+    return len(records), len(events)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Export one run; returns the exit status."""
+    fmt: Format = args.format
+    if args.output and args.output != "-":
+        path = Path(args.output)
+        existing = [p for p in _outputs(path, fmt) if p.exists()]
+        if existing and not args.force:
+            # The sinks append; exporting onto an old file would mix two exports.
+            raise CLIError(
+                f"{existing[0]} exists; expected a new file; fix: pass --force to replace it or choose another -o"
+            )
+        for p in existing:
+            p.unlink()
+        n, m = export_run(args, fmt, path)
+        print(f"wrote {n} records and {m} events to {path}", file=sys.stderr)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="batchtap-export-") as tmp:
+        path = Path(tmp) / f"export.{fmt}"
+        export_run(args, fmt, path)
+        with path.open("rb") as src:
+            shutil.copyfileobj(src, sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+        if fmt == "csv" and os.path.exists(path.with_name("export.events.csv")):
+            print("(events are not in CSV on stdout; use -o FILE to get FILE.events.csv)", file=sys.stderr)
+    return 0

@@ -1,0 +1,115 @@
+"""``batchtap show RUN``: one run in detail: config, environment, metric summary, events."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from batchtap.cli._common import (
+    add_db_arguments,
+    events_by_kind,
+    fmt_duration,
+    fmt_rank,
+    fmt_time,
+    fmt_value,
+    open_store,
+    resolve_run,
+    table,
+)
+from batchtap.records import EventKind
+
+__all__ = ["register", "main"]
+
+EXAMPLE = """examples:
+  batchtap show demo                 # the latest run named demo
+  batchtap show 3f2a9c               # a unique id prefix
+  batchtap show demo --events 100    # list up to 100 events"""
+
+# Shown first, in this order, when present; the rest of the environment follows sorted.
+_ENV_ORDER = ("host", "pid", "device", "python", "torch", "cuda", "cudnn", "git_commit", "cwd", "argv")
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``show`` subcommand."""
+    parser = commands.add_parser(
+        "show",
+        help="show one run: config, environment, metrics, events",
+        description="Show one run: status, config, environment, each metric's last / min / max, and "
+        "the anomalies, actions and warnings with their steps. RUN is an id, a unique id prefix, "
+        "or a name (the latest run of that name).",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("run", metavar="RUN", help="run id, unique id prefix, or name")
+    add_db_arguments(parser)
+    parser.add_argument("--events", type=int, default=30, metavar="N", help="list at most N events (default 30)")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print one run; returns the exit status."""
+    with open_store(args) as store:
+        run = resolve_run(store, args.run)
+        metrics = store.metric_names(run.id)
+        series = {m: [p.value for p in store.series(run.id, m)] for m in metrics}
+        events = store.events(run.id)
+    out: list[str] = []
+    out.append(f"run {run.name}  (id {run.id})")
+    status = run.status.value + (f" - {run.stop_reason}" if run.stop_reason else "")
+    out.append(f"  status       {status}")
+    out.append(f"  started      {fmt_time(run.started_at)}")
+    out.append(f"  ended        {fmt_time(run.ended_at)}")
+    out.append(f"  duration     {fmt_duration(run.duration)}")
+    steps = f"{run.steps}" + (f" (steps {run.first_step}..{run.last_step})" if run.first_step is not None else "")
+    out.append(f"  steps        {steps}")
+    out.append(f"  world size   {run.world_size}")
+    out.append("config")
+    if run.config:
+        out.extend("  " + line for line in json.dumps(run.config, indent=2, sort_keys=True, default=str).splitlines())
+    else:
+        out.append("  (none)")
+    out.append("environment")
+    env = run.environment
+    keys = [k for k in _ENV_ORDER if k in env] + sorted(k for k in env if k not in _ENV_ORDER)
+    for key in keys:
+        value = env[key]
+        text = " ".join(map(str, value)) if isinstance(value, list) else str(value)
+        out.append(f"  {key:<12} {text}")
+    if not keys:
+        out.append("  (none recorded)")
+    out.append("metrics")
+    if metrics:
+        rows = []
+        for m in metrics:
+            values = series[m]
+            finite = [v for v in values if not math.isnan(v)]
+            rows.append(
+                [
+                    "  " + m,
+                    fmt_value(values[-1]) if values else "-",
+                    fmt_value(min(finite)) if finite else "-",
+                    fmt_value(max(finite)) if finite else "-",
+                    str(len(values)),
+                    str(len(values) - len(finite)),
+                ]
+            )
+        out.extend(table(["  name", "last", "min", "max", "values", "nan"], rows, right=[False] + [True] * 5))
+    else:
+        out.append("  (no values stored)")
+    counts = events_by_kind(events)
+    out.append(
+        f"events: {counts[EventKind.ANOMALY]} anomalies, {counts[EventKind.ACTION]} actions, "
+        f"{counts[EventKind.WARNING]} warnings"
+    )
+    limit = max(args.events, 0)
+    if events and limit:
+        rows = []
+        for e in events[:limit]:
+            raw = "" if e.raw_value is None else f"raw={e.raw_value!r}"
+            rows.append(["  " + str(e.step), e.kind.value, fmt_rank(e.rank), e.metric or "", raw, e.message])
+        out.extend(table(["  step", "kind", "rank", "metric", "value", "message"], rows, right=[True] + [False] * 5))
+        if len(events) > limit:
+            out.append(f"  ... {len(events) - limit} more (--events N shows more)")
+    print("\n".join(out))
+    return 0

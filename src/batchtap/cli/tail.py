@@ -1,0 +1,318 @@
+"""``batchtap tail RUN``: follow a run live from the store until it ends.
+
+Polls the store (SQLite or PostgreSQL) while another process writes it. Each poll reads the run's
+row first — its status and largest stored step in one statement — and then only the values up to
+that step. A block of records is committed whole, so every step at or below that step is complete
+when it is read, and a run seen as ended has all of its values stored: the last poll prints them
+and ``tail`` exits.
+
+On a terminal the view is a live table redrawn in place; otherwise (a pipe, a file, ``--plain``)
+it is one line per step, ``step=12 epoch=0 batch=12 loss=0.4127 ...``, and one ``!`` line per
+event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TextIO
+
+from batchtap.cli._common import (
+    CLIError,
+    add_db_arguments,
+    fmt_duration,
+    fmt_rank,
+    fmt_value,
+    open_store,
+    resolve_run,
+    short_id,
+    table,
+)
+from batchtap.records import Event, RunStatus
+
+if TYPE_CHECKING:
+    from batchtap.store import RunRow, Store
+
+__all__ = ["register", "main", "Row", "Follower"]
+
+EXAMPLE = """examples:
+  batchtap tail demo                            # follow the latest run named demo
+  batchtap tail demo --wait 120 &               # start before training; waits for the run to begin
+  batchtap tail 3f2a9c -m loss -m lr --plain    # chosen columns, one line per step
+  batchtap tail demo --db postgresql://postgres@db/train
+
+Exits 0 when the run's status is no longer 'running'; 1 when the run is not found, or when the
+process that writes it (on this host) is gone while the run still says 'running'."""
+
+#: Columns shown when -m is not given, those the run has, in this order.
+DEFAULT_COLUMNS = ("loss", "accuracy", "lr", "grad_norm", "step_time", "throughput")
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``tail`` subcommand."""
+    parser = commands.add_parser(
+        "tail",
+        help="follow a running run live until it ends",
+        description="Follow a run live from the store while training writes it (SQLite or PostgreSQL): "
+        "a live table on a terminal, one line per step otherwise. Exits when the run ends.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("run", metavar="RUN", help="run id, unique id prefix, or name (the latest run of that name)")
+    add_db_arguments(parser)
+    parser.add_argument("-m", "--metric", action="append", dest="metrics", metavar="NAME", help="column to show (repeatable; default: " + ", ".join(DEFAULT_COLUMNS) + " where present)")
+    parser.add_argument("-n", "--lines", type=int, default=10, metavar="N", help="steps already stored to print first (default 10)")
+    parser.add_argument("--rank", type=int, default=None, help="rank to follow (default: the all-ranks rows, else the lowest rank)")
+    parser.add_argument("--interval", type=float, default=0.5, metavar="S", help="seconds between polls (default 0.5)")
+    parser.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for the store and a running (or new) run RUN to appear (default 0)")
+    parser.add_argument("--stale", type=float, default=30.0, metavar="S", help="after S seconds without new rows, check that the writing process is alive (default 30)")
+    parser.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
+    parser.set_defaults(func=main)
+
+
+class Row(NamedTuple):
+    """One step as ``tail`` shows it: position and the chosen metrics' values."""
+
+    step: int
+    epoch: int
+    batch: int
+    wall_time: float
+    values: dict[str, float]
+
+
+class Follower:
+    """Reads what a run stored since the last poll.
+
+    Args:
+        store: an open store.
+        run_id: the run.
+        wanted: columns asked for (``None``: :data:`DEFAULT_COLUMNS` present in the run).
+        rank: rank to read (``None``: the store's default series).
+        after: only steps above this (``-1``: from the start).
+    """
+
+    def __init__(self, store: Store, run_id: str, wanted: Sequence[str] | None, rank: int | None, after: int = -1) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.wanted = list(wanted) if wanted else None
+        self.rank = rank
+        self.last_step = after
+        self.columns: list[str] | None = None
+        self._seen_events: set[tuple[object, ...]] = set()
+
+    def _choose_columns(self) -> list[str] | None:
+        present = self.store.metric_names(self.run_id)
+        if not present:
+            return None  # nothing stored yet: decide at a later poll
+        if self.wanted:
+            return self.wanted
+        return [m for m in DEFAULT_COLUMNS if m in present] or present[:6]
+
+    def poll(self) -> tuple[RunRow, list[Row], list[Event]]:
+        """The run's row (status read before the data) and the rows and events new since the last poll."""
+        run = self.store.run(self.run_id)
+        cap = run.last_step
+        rows: list[Row] = []
+        if self.columns is None:
+            self.columns = self._choose_columns()
+        if self.columns is not None and cap is not None and cap > self.last_step:
+            # Only steps <= cap: a later step may be committed between our per-metric reads, and
+            # printing it now could show it with some metrics missing.
+            found: dict[int, Row] = {}
+            for metric in self.columns:
+                for p in self.store.series(self.run_id, metric, rank=self.rank):
+                    if self.last_step < p.step <= cap:
+                        row = found.get(p.step)
+                        if row is None:
+                            row = found[p.step] = Row(p.step, p.epoch, p.batch, p.wall_time, {})
+                        row.values[metric] = p.value
+            rows = [found[s] for s in sorted(found)]
+            self.last_step = cap
+        events = []
+        for e in self.store.events(self.run_id):
+            key = (e.step, e.kind, e.metric, e.message, e.wall_time, e.rank)
+            if key not in self._seen_events:
+                self._seen_events.add(key)
+                events.append(e)
+        return run, rows, events
+
+    def skip_events(self) -> None:
+        """Mark the events stored so far as seen (used with ``-n``: old events are not replayed)."""
+        for e in self.store.events(self.run_id):
+            self._seen_events.add((e.step, e.kind, e.metric, e.message, e.wall_time, e.rank))
+
+
+class View(Protocol):
+    """Where ``tail`` shows what it reads."""
+
+    def update(self, run: RunRow, columns: list[str] | None, rows: list[Row], events: list[Event]) -> None: ...
+
+    def close(self, run: RunRow) -> None: ...
+
+
+def _event_line(e: Event) -> str:
+    where = f" {e.metric}" if e.metric else ""
+    rank = "" if e.rank == 0 else f" rank {fmt_rank(e.rank)}"
+    return f"! step {e.step} {e.kind.value}{where}{rank}: {e.message}"
+
+
+def _end_line(run: RunRow) -> str:
+    last = "no steps" if run.last_step is None else f"step {run.last_step}"
+    reason = f": {run.stop_reason}" if run.stop_reason else ""
+    return f"# run {run.name} ({short_id(run.id)}) {run.status.value} at {last} after {fmt_duration(run.duration)}{reason}"
+
+
+class PlainView:
+    """One line per step and per event; flushed per poll so a pipe reader sees them at once."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self._started = False
+
+    def update(self, run: RunRow, columns: list[str] | None, rows: list[Row], events: list[Event]) -> None:
+        lines = []
+        if not self._started:
+            lines.append(f"# run {run.name} ({run.id}) {run.status.value}")
+            self._started = True
+        for r in rows:
+            values = " ".join(f"{m}={fmt_value(r.values.get(m))}" for m in columns or ())
+            lines.append(f"step={r.step} epoch={r.epoch} batch={r.batch} {values}".rstrip())
+        lines.extend(_event_line(e) for e in events)
+        if lines:
+            self.out.write("\n".join(lines) + "\n")
+            self.out.flush()
+
+    def close(self, run: RunRow) -> None:
+        self.out.write(_end_line(run) + "\n")
+        self.out.flush()
+
+
+class LiveView:
+    """A table of the latest steps, redrawn in place with ANSI cursor moves (no curses needed)."""
+
+    def __init__(self, out: TextIO, keep: int) -> None:
+        self.out = out
+        self.keep = keep
+        self.rows: collections.deque[Row] = collections.deque(maxlen=max(keep, 1))
+        self.events: collections.deque[Event] = collections.deque(maxlen=3)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._drawn = 0
+        self._t_rate: tuple[float, int] | None = None
+        self._rate: float | None = None
+
+    def update(self, run: RunRow, columns: list[str] | None, rows: list[Row], events: list[Event]) -> None:
+        self.rows.extend(rows)
+        self.events.extend(events)
+        self.counts.update(e.kind.value for e in events)
+        if rows:
+            now, step = time.monotonic(), rows[-1].step
+            if self._t_rate is not None and now > self._t_rate[0]:
+                self._rate = (step - self._t_rate[1]) / (now - self._t_rate[0])
+            self._t_rate = (now, step)
+        self._draw(run, columns or [])
+
+    def _draw(self, run: RunRow, columns: list[str]) -> None:
+        width = shutil.get_terminal_size((100, 24)).columns
+        rate = f"  {self._rate:.1f} steps/s" if self._rate is not None else ""
+        step = "-" if run.last_step is None else str(run.last_step)
+        lines = [f"{run.name} ({short_id(run.id)})  {run.status.value}  step {step}{rate}  elapsed {fmt_duration(run.duration)}"]
+        body = [[str(r.step), str(r.epoch), str(r.batch), *(fmt_value(r.values.get(m)) for m in columns)] for r in self.rows]
+        lines.extend(table(["step", "epoch", "batch", *columns], body, right=[True] * (3 + len(columns))))
+        lines.append(
+            f"anomalies {self.counts['anomaly']}  actions {self.counts['action']}  warnings {self.counts['warning']}"
+        )
+        lines.extend(_event_line(e) for e in self.events)
+        text = "".join(line[:width] + "\x1b[K\n" for line in lines)
+        # Back to the top of what we drew last time, then clear below: a redraw without flicker.
+        prefix = f"\x1b[{self._drawn}F\x1b[J" if self._drawn else ""
+        self.out.write(prefix + text)
+        self.out.flush()
+        self._drawn = len(lines)
+
+    def close(self, run: RunRow) -> None:
+        self.out.write(_end_line(run) + "\n")
+        self.out.flush()
+
+
+def _writer_gone(run: RunRow) -> bool:
+    """True when the run was written from this host by a process that no longer exists."""
+    env = run.environment
+    pid, host = env.get("pid"), env.get("host") or env.get("hostname")
+    if not isinstance(pid, int) or host != socket.gethostname():
+        return False  # another machine: we cannot tell
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # exists, owned by someone else
+    return False
+
+
+def _find(args: argparse.Namespace, started: float) -> tuple[Store, RunRow, bool]:
+    """Open the store and resolve RUN, waiting up to ``--wait`` seconds; returns (store, run, is_new)."""
+    deadline = time.monotonic() + max(args.wait, 0.0)
+    store: Store | None = None
+    while True:
+        try:
+            if store is None:
+                store = open_store(args)
+            run = resolve_run(store, args.run)
+            # A run that began after we did is the one we were started to watch, even if it is
+            # already over; an older run of the same name that has ended is not, while we may wait.
+            is_new = run.started_at >= started - 1.0
+            if run.status is RunStatus.RUNNING or is_new or time.monotonic() >= deadline:
+                return store, run, is_new
+        except CLIError:
+            if time.monotonic() >= deadline:
+                if store is not None:
+                    store.close()
+                raise
+        time.sleep(max(args.interval, 0.05))
+
+
+def main(args: argparse.Namespace) -> int:
+    """Follow one run until it ends; returns the exit status."""
+    if args.interval <= 0:
+        raise CLIError(f"--interval must be > 0 seconds, got {args.interval}", code=2)
+    store, run, is_new = _find(args, time.time())
+    with store:
+        live = sys.stdout.isatty() and not args.plain and os.environ.get("TERM") != "dumb"
+        view: View = LiveView(sys.stdout, keep=max(args.lines, shutil.get_terminal_size().lines - 8, 5)) if live else PlainView(sys.stdout)
+        present = store.metric_names(run.id)
+        missing = [m for m in args.metrics or () if present and m not in present]
+        if missing:
+            raise CLIError(
+                f"run {run.name!r} ({short_id(run.id)}) has no values for {', '.join(map(repr, missing))}; "
+                f"it has {', '.join(present)}; fix: pick one of those with -m"
+            )
+        follower = Follower(store, run.id, args.metrics, args.rank)
+        if not is_new and run.last_step is not None:
+            # Like tail(1): the last N stored steps, then what comes.
+            follower.last_step = run.last_step - max(args.lines, 0)
+            follower.skip_events()
+        last_new = time.monotonic()
+        while True:
+            run, rows, events = follower.poll()
+            view.update(run, follower.columns, rows, events)
+            if run.status is not RunStatus.RUNNING:
+                view.close(run)
+                return 0
+            now = time.monotonic()
+            if rows:
+                last_new = now
+            elif now - last_new > args.stale and _writer_gone(run):
+                print(
+                    f"batchtap: error: run {run.name!r} ({short_id(run.id)}) still says 'running' but its process "
+                    f"(pid {run.environment.get('pid')} on this host) is gone; it will never end; "
+                    "fix: resume it with tap.run(resume=ID) or ignore it",
+                    file=sys.stderr,
+                )
+                return 1
+            time.sleep(args.interval)
