@@ -179,7 +179,7 @@ def draw_events(
     ax: Any, events: Sequence[Event], metric: str | None, points: Sequence[Point], xs: Sequence[float],
     ys: Sequence[float], axis: str, t0: float, *, actions: bool,
 ) -> tuple[int, int]:
-    """Mark anomalies (red X on the curve, or a red triangle at the top of the panel) and, with
+    """Mark anomalies (one red X per step and metric on the curve, or a red triangle at the top of the panel) and, with
     ``actions``, actions (dashed purple lines) on one panel.
 
     Args:
@@ -206,7 +206,14 @@ def draw_events(
 
     anomalies = n_actions = 0
     top = ax.get_xaxis_transform()  # x in data, y in axes fraction
+    # Validation and a rule often both report the same bad value, and a stop is both requested and
+    # taken: one mark per anomalous (step, metric), one line per step with actions.
+    marked: set[tuple[int, str | None, str]] = set()
     for e in events:
+        key = (e.step, e.metric if e.kind is EventKind.ANOMALY else None, e.kind.value)
+        if key in marked:
+            continue
+        marked.add(key)
         if e.kind is EventKind.ANOMALY and (e.metric == metric or metric is None):
             y = anomaly_y(e, points, ys) if metric is not None else None
             if y is None:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from batchtap.cli._common import CLIError, add_db_arguments, open_store, resolve_run, short_id
 from batchtap.cli._plotting import ANOMALY_COLOR, add_size_arguments, draw_events, new_figure, save, smooth, x_of
+
+if TYPE_CHECKING:
+    from batchtap.store import RunRow
 
 __all__ = ["register", "main"]
 
@@ -37,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
     """Overlay runs; returns the exit status."""
     wanted = list(dict.fromkeys(args.metrics or ["loss"]))
     with open_store(args) as store:
-        runs = []
+        runs: list[RunRow] = []
         for ref in args.runs:
             run = resolve_run(store, ref)
             if any(r.id == run.id for r in runs):

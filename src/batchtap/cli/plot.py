@@ -112,7 +112,7 @@ def _legend(ax: object, anomalies: int, actions: int, *, smoothed: bool) -> None
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Line2D([], [], color="C0", lw=1.6, label="value (smoothed)" if smoothed else "value")]
+    handles: list[Line2D | Patch] = [Line2D([], [], color="C0", lw=1.6, label="value (smoothed)" if smoothed else "value")]
     if anomalies:
         handles.append(Line2D([], [], color=ANOMALY_COLOR, marker="X", ls="", label="anomaly"))
     if actions:
