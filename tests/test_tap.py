@@ -111,7 +111,6 @@ def test_watch_times_the_data_wait_and_counts_batches(sink: ListSink) -> None:
                     tap.step(loss=x.mean().abs(), batch_size=16)
     assert [(r.epoch, r.batch) for r in sink.records] == [(e, b) for e in range(2) for b in range(4)]
     assert all(r.values["data_time"] >= 0.015 for r in sink.records)
-    assert all(r.values["data_time"] < 0.015 or r.values.get("step_time", 0) < 0.015 for r in sink.records)
     timed = [r for r in sink.records if "step_time" in r.values]
     assert len(timed) == 7  # the first step of a run has no measured start
     for r in timed:

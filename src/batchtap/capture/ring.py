@@ -71,11 +71,15 @@ class MetricRing:
         self.host_values = np.zeros((capacity, host_width))
         # Views made once: slicing costs a dispatcher call per view, and step() runs every batch.
         self._rows = [self.device_rows.select(0, i) for i in range(capacity)]
-        self._guard_pairs = (
-            [(self.guard.narrow(0, i, 1), self._rows[i].narrow(0, guard_column, 1)) for i in range(capacity)]
-            if guard_column is not None and device_width
-            else None
-        )
+        self._guard_pairs = None
+        if guard_column is not None and device_width:
+            if device.type == "cpu":
+                # The ring already is host memory: the guard reads the loss column in place.
+                self.guard_np = self.device_rows.numpy()[:, guard_column]
+            else:
+                self._guard_pairs = [
+                    (self.guard.narrow(0, i, 1), self._rows[i].narrow(0, guard_column, 1)) for i in range(capacity)
+                ]
 
     def write(
         self,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from batchtap.cli._common import CLIError, table
 
 if TYPE_CHECKING:
-    from batchtap.hostreads import HostRead
+    from batchtap.hostreads import HostRead, HostReadCounter
 
 __all__ = ["register", "main", "Finding", "summarize", "report_lines"]
 
@@ -147,25 +147,48 @@ def _script_context(script: Path, args: Sequence[str]) -> Iterator[None]:
         sys.path[:] = saved_path
 
 
+class _StepCount:
+    """Calls to ``Tap.step`` seen, and the host reads made inside batchtap's own step code."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.internal = 0
+
+
 @contextmanager
-def _counting_steps() -> Iterator[list[int]]:
-    """Count calls to ``Tap.step`` while active (``box[0]``).
+def _counting_steps(counter: HostReadCounter) -> Iterator[_StepCount]:
+    """Count calls to ``Tap.step`` while active, and take batchtap's own reads out of ``counter``.
 
     Tap has no step hook, and the audit must not ask users to change their script; so the method
     is wrapped for the audit's duration only and restored after, like the counter's own wrappers.
+
+    A read made inside batchtap during a step is attributed to the user's ``tap.step(...)`` line
+    (the counter skips batchtap frames). Those are the ring's one-time host-buffer views
+    (``pinned.numpy()``), not device reads (tests/test_no_sync.py proves steps free of them), so
+    they are moved out of the report into a count of their own. Reads in a user's own metric code
+    called by the step keep their own file:line and stay in the report.
     """
     from batchtap.tap import Tap
 
-    box = [0]
+    seen = _StepCount()
     original: Callable[..., Any] = Tap.step
 
     def step(self: Tap, *args: Any, **kwargs: Any) -> Any:
-        box[0] += 1
-        return original(self, *args, **kwargs)
+        seen.steps += 1
+        caller = sys._getframe(1)
+        where = (caller.f_code.co_filename, caller.f_lineno)
+        before = len(counter.reads)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            new = counter.reads[before:]
+            keep = [r for r in new if (r.filename, r.lineno) != where]
+            seen.internal += len(new) - len(keep)
+            counter.reads[before:] = keep
 
     Tap.step = step  # type: ignore[method-assign]
     try:
-        yield box
+        yield seen
     finally:
         Tap.step = original  # type: ignore[method-assign]
 
@@ -195,13 +218,16 @@ def main(args: argparse.Namespace) -> int:
         raise CLIError(f"no script {args.script!r}: expected a Python file to run; fix: check the path")
     from batchtap.hostreads import HostReadCounter
 
-    with _script_context(script, args.args), _counting_steps() as steps:
-        with HostReadCounter(locate=True) as counter:
+    counter = HostReadCounter(locate=True)
+    with _script_context(script, args.args), _counting_steps(counter) as seen:
+        with counter:
             status = _run_script(script)
     sys.stdout.flush()
     findings = summarize(counter.reads)
     print()
-    print("\n".join(report_lines(str(script), findings, steps[0], top=args.top)))
+    print("\n".join(report_lines(str(script), findings, seen.steps, top=args.top)))
+    if seen.internal:
+        print(f"({seen.internal} reads inside batchtap's Tap.step not listed: its one-time host-buffer setup, not device reads)")
     if status != 0:
         print(f"batchtap: note: {script} exited with status {status}; counts cover what ran", file=sys.stderr)
         return 1

@@ -29,8 +29,9 @@ __all__ = [
 
 
 def _float32(t: torch.Tensor) -> torch.Tensor:
-    # Called under no_grad (Tap.step), so no detach is needed; a float32 tensor goes in as it is.
-    return t if t.dtype == torch.float32 else t.to(torch.float32)
+    # No op of its own: the ring row is float32 and torch.stack(out=row) casts on the way in (exact
+    # for fp16/bf16). Called under no_grad (Tap.step), so no detach is needed either.
+    return t
 
 
 class Loss(Metric):
