@@ -84,7 +84,7 @@ class MetricRing:
     def write(
         self,
         slot: int,
-        device_values: Sequence[torch.Tensor],
+        device_values: list[torch.Tensor],
         host_values: Sequence[float],
         *,
         step: int,
