@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> str:
         print(info.id, flush=True)
         for epoch in range(args.epochs):
             if epoch == 1 and args.go_file:
+                tap.flush()  # epoch 0 is stored whole before the pause
+                print("paused", flush=True)
                 while not Path(args.go_file).exists():
                     time.sleep(0.05)
             if tap.should_stop:

@@ -20,12 +20,13 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TextIO
 
 from batchtap.cli._common import (
     CLIError,
     add_db_arguments,
+    db_url,
     fmt_duration,
     fmt_rank,
     fmt_value,
@@ -35,6 +36,7 @@ from batchtap.cli._common import (
     table,
 )
 from batchtap.records import Event, RunStatus
+from batchtap.store import redact_dsn
 
 if TYPE_CHECKING:
     from batchtap.store import RunRow, Store
@@ -104,6 +106,8 @@ class Follower:
         self.rank = rank
         self.last_step = after
         self.columns: list[str] | None = None
+        #: events of the run by kind, those skipped by ``-n`` included
+        self.counts: collections.Counter[str] = collections.Counter()
         self._seen_events: set[tuple[object, ...]] = set()
 
     def _choose_columns(self) -> list[str] | None:
@@ -139,19 +143,25 @@ class Follower:
             key = (e.step, e.kind, e.metric, e.message, e.wall_time, e.rank)
             if key not in self._seen_events:
                 self._seen_events.add(key)
+                self.counts[e.kind.value] += 1
                 events.append(e)
         return run, rows, events
 
     def skip_events(self) -> None:
         """Mark the events stored so far as seen (used with ``-n``: old events are not replayed)."""
         for e in self.store.events(self.run_id):
-            self._seen_events.add((e.step, e.kind, e.metric, e.message, e.wall_time, e.rank))
+            key = (e.step, e.kind, e.metric, e.message, e.wall_time, e.rank)
+            if key not in self._seen_events:
+                self._seen_events.add(key)
+                self.counts[e.kind.value] += 1
 
 
 class View(Protocol):
     """Where ``tail`` shows what it reads."""
 
-    def update(self, run: RunRow, columns: list[str] | None, rows: list[Row], events: list[Event]) -> None: ...
+    def update(
+        self, run: RunRow, columns: list[str] | None, rows: list[Row], events: list[Event], counts: Mapping[str, int]
+    ) -> None: ...
 
     def close(self, run: RunRow) -> None: ...
 
@@ -175,7 +185,9 @@ class PlainView:
         self.out = out
         self._started = False
 
-    def update(self, run: RunRow, columns: list[str] | None, rows: list[Row], events: list[Event]) -> None:
+    def update(
+        self, run: RunRow, columns: list[str] | None, rows: list[Row], events: list[Event], counts: Mapping[str, int]
+    ) -> None:
         lines = []
         if not self._started:
             lines.append(f"# run {run.name} ({run.id}) {run.status.value}")
@@ -201,15 +213,17 @@ class LiveView:
         self.keep = keep
         self.rows: collections.deque[Row] = collections.deque(maxlen=max(keep, 1))
         self.events: collections.deque[Event] = collections.deque(maxlen=3)
-        self.counts: collections.Counter[str] = collections.Counter()
+        self.counts: dict[str, int] = {}
         self._drawn = 0
         self._t_rate: tuple[float, int] | None = None
         self._rate: float | None = None
 
-    def update(self, run: RunRow, columns: list[str] | None, rows: list[Row], events: list[Event]) -> None:
+    def update(
+        self, run: RunRow, columns: list[str] | None, rows: list[Row], events: list[Event], counts: Mapping[str, int]
+    ) -> None:
         self.rows.extend(rows)
         self.events.extend(events)
-        self.counts.update(e.kind.value for e in events)
+        self.counts = dict(counts)
         if rows:
             now, step = time.monotonic(), rows[-1].step
             if self._t_rate is not None and now > self._t_rate[0]:
@@ -225,7 +239,8 @@ class LiveView:
         body = [[str(r.step), str(r.epoch), str(r.batch), *(fmt_value(r.values.get(m)) for m in columns)] for r in self.rows]
         lines.extend(table(["step", "epoch", "batch", *columns], body, right=[True] * (3 + len(columns))))
         lines.append(
-            f"anomalies {self.counts['anomaly']}  actions {self.counts['action']}  warnings {self.counts['warning']}"
+            f"anomalies {self.counts.get('anomaly', 0)}  actions {self.counts.get('action', 0)}  "
+            f"warnings {self.counts.get('warning', 0)}"
         )
         lines.extend(_event_line(e) for e in self.events)
         text = "".join(line[:width] + "\x1b[K\n" for line in lines)
@@ -259,6 +274,7 @@ def _find(args: argparse.Namespace, started: float) -> tuple[Store, RunRow, bool
     """Open the store and resolve RUN, waiting up to ``--wait`` seconds; returns (store, run, is_new)."""
     deadline = time.monotonic() + max(args.wait, 0.0)
     store: Store | None = None
+    told = False
     while True:
         try:
             if store is None:
@@ -274,6 +290,13 @@ def _find(args: argparse.Namespace, started: float) -> tuple[Store, RunRow, bool
                 if store is not None:
                     store.close()
                 raise
+        if not told:
+            print(
+                f"batchtap: waiting up to {args.wait:g}s for run {args.run!r} to start in {redact_dsn(db_url(args))}",
+                file=sys.stderr,
+                flush=True,
+            )
+            told = True
         time.sleep(max(args.interval, 0.05))
 
 
@@ -300,7 +323,7 @@ def main(args: argparse.Namespace) -> int:
         last_new = time.monotonic()
         while True:
             run, rows, events = follower.poll()
-            view.update(run, follower.columns, rows, events)
+            view.update(run, follower.columns, rows, events, follower.counts)
             if run.status is not RunStatus.RUNNING:
                 view.close(run)
                 return 0
