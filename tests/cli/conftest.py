@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,3 +53,14 @@ def cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, 
 
 def popen(argv: Sequence[str], **kwargs: object) -> subprocess.Popen[str]:
     return subprocess.Popen(list(argv), text=True, env=cli_env(), **kwargs)  # type: ignore[call-overload]
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test starts; any still running at its end is killed (only these, by handle)."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

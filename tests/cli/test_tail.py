@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -75,24 +74,17 @@ def writer_proc(db: Path | str, name: str, *extra: str) -> subprocess.Popen[str]
     return popen([sys.executable, str(TRAIN), "--db", str(db), "--name", name, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for p in started:  # only the processes this test started
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-
-
-def follow_from_before_the_run(db: Path | str, procs: list[subprocess.Popen[str]], *writer_args: str) -> None:
+def follow_from_before_the_run(
+    db: Path | str, procs: list[subprocess.Popen[str]], *, schema: str | None = None
+) -> None:
     """Start tail first (it waits for the run), then the writer; tail prints every step once and exits."""
     name = f"tail-{uuid.uuid4().hex[:8]}"
-    tail = tail_proc(db, name, "--wait", str(TIMEOUT))
+    where = ("--schema", schema) if schema else ()
+    tail = tail_proc(db, name, "--wait", str(TIMEOUT), *where)
     procs.append(tail)
     Lines(tail.stderr).wait_for("waiting up to")  # tail is polling: nothing has been written yet
     out = Lines(tail.stdout)
-    writer = writer_proc(db, name, "--sleep", "0.02", "--nan-at", "5", *writer_args)
+    writer = writer_proc(db, name, "--sleep", "0.02", "--nan-at", "5", *where)
     procs.append(writer)
     assert writer.wait(timeout=TIMEOUT) == 0, writer.stderr.read() if writer.stderr else ""
     lines = out.rest()
