@@ -27,6 +27,7 @@ __all__ = [
     "add_size_arguments",
     "x_of",
     "anomaly_y",
+    "robust_limits",
     "ANOMALY_COLOR",
     "ACTION_COLOR",
 ]
@@ -125,23 +126,53 @@ def x_of(points: Sequence[Point], axis: str, t0: float) -> list[float]:
     return [float(p.step) for p in points]
 
 
-def anomaly_y(event: Event, points: Sequence[Point], ys: Sequence[float]) -> float | None:
-    """Where on a curve to mark an anomaly: its raw value when finite and within twice the curve's
-    range, else the curve's nearest finite value at or before the event's step (``None``: nowhere
-    sensible, mark it at the top of the panel)."""
+def robust_limits(values: Sequence[float], *, factor: float = 5.0) -> tuple[float, float] | None:
+    """Y limits for the bulk of a curve when a few values would squash it flat, else ``None``.
+
+    A diverged step (loss 1e31) makes the rest of a linear axis a flat line at zero. When the full
+    range is more than ``factor`` times the range of the 5th..95th percentiles, the axis shows that
+    middle range widened by its own width on each side, and the values beyond are off scale.
+
+    Example:
+        >>> robust_limits([1.0, 0.9, 0.8] * 20 + [1e31]) is not None
+        True
+        >>> robust_limits([1.0, 0.5, 0.25]) is None
+        True
+    """
+    finite = sorted(v for v in values if math.isfinite(v))
+    if len(finite) < 10:
+        return None
+    lo, hi = finite[int(0.05 * (len(finite) - 1))], finite[int(round(0.95 * (len(finite) - 1)))]
+    bulk = hi - lo
+    if bulk <= 0:
+        return None
+    shown = (max(lo - bulk, finite[0]), min(hi + bulk, finite[-1]))
+    if finite[-1] - finite[0] <= factor * (shown[1] - shown[0]):
+        return None
+    pad = 0.05 * (shown[1] - shown[0])
+    return shown[0] - pad, shown[1] + pad
+
+
+def anomaly_y(event: Event, points: Sequence[Point], ys: Sequence[float], ylim: tuple[float, float] | None = None) -> float | None:
+    """Where on a curve to mark an anomaly: its raw value when finite and within the axis range
+    (``ylim``, else twice the curve's range), else the curve's nearest finite value at or before
+    the event's step. ``None``: nowhere on the axis; mark it at the top of the panel."""
     finite = [y for y in ys if math.isfinite(y)]
-    raw = event.raw_value
-    if raw is not None and math.isfinite(raw) and finite:
+    if ylim is None and finite:
         lo, hi = min(finite), max(finite)
         pad = max(hi - lo, 1e-12)
-        if lo - pad <= raw <= hi + pad:
-            return raw
+        ylim = (lo - pad, hi + pad)
+    raw = event.raw_value
+    if raw is not None and math.isfinite(raw) and ylim is not None and ylim[0] <= raw <= ylim[1]:
+        return raw
     best: float | None = None
     for p, y in zip(points, ys):
         if p.step > event.step:
             break
         if math.isfinite(y):
             best = y
+    if best is not None and ylim is not None and not ylim[0] <= best <= ylim[1]:
+        return None
     return best
 
 
@@ -177,7 +208,7 @@ def save(fig: Any, path: str) -> None:
 
 def draw_events(
     ax: Any, events: Sequence[Event], metric: str | None, points: Sequence[Point], xs: Sequence[float],
-    ys: Sequence[float], axis: str, t0: float, *, actions: bool,
+    ys: Sequence[float], axis: str, t0: float, *, actions: bool, ylim: tuple[float, float] | None = None,
 ) -> tuple[int, int]:
     """Mark anomalies (one red X per step and metric on the curve, or a red triangle at the top of the panel) and, with
     ``actions``, actions (dashed purple lines) on one panel.
@@ -191,6 +222,7 @@ def draw_events(
         axis: ``"step"`` or ``"time"``.
         t0: the run's start time, for ``axis="time"``.
         actions: also draw the actions.
+        ylim: the panel's y limits when clipped (see :func:`robust_limits`).
 
     Returns:
         (anomalies marked, actions marked).
@@ -215,7 +247,7 @@ def draw_events(
             continue
         marked.add(key)
         if e.kind is EventKind.ANOMALY and (e.metric == metric or metric is None):
-            y = anomaly_y(e, points, ys) if metric is not None else None
+            y = anomaly_y(e, points, ys, ylim) if metric is not None else None
             if y is None:
                 ax.plot([x_at(e)], [0.96], marker="v", ms=9, color=ANOMALY_COLOR, transform=top, zorder=5, clip_on=False)
             else:

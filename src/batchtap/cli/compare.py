@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import TYPE_CHECKING
 
 from batchtap.cli._common import CLIError, add_db_arguments, open_store, resolve_run, short_id
-from batchtap.cli._plotting import ANOMALY_COLOR, add_size_arguments, draw_events, new_figure, save, smooth, x_of
+from batchtap.cli._plotting import (
+    ANOMALY_COLOR,
+    add_size_arguments,
+    draw_events,
+    new_figure,
+    robust_limits,
+    save,
+    smooth,
+    x_of,
+)
 
 if TYPE_CHECKING:
     from batchtap.store import RunRow
@@ -66,6 +76,7 @@ def main(args: argparse.Namespace) -> int:
     fig, axes = new_figure(args.size, len(wanted))
     anomalies = 0
     for ax, metric in zip(axes, wanted):
+        ylim = robust_limits([p.value for run in runs for p in data.get((run.id, metric), ())])
         for i, run in enumerate(runs):
             pts = data.get((run.id, metric))
             if not pts:
@@ -75,12 +86,16 @@ def main(args: argparse.Namespace) -> int:
             color = f"C{i % 10}"
             if args.smooth > 0:
                 ax.plot(xs, raw, color=color, alpha=0.25, lw=1)
-            ys = smooth(raw, args.smooth)
+            # as in plot: off-scale values stay out of the smoothed curve
+            kept = raw if ylim is None else [v if ylim[0] <= v <= ylim[1] else math.nan for v in raw]
+            ys = smooth(kept, args.smooth) if args.smooth > 0 else raw
             ax.plot(xs, ys, color=color, lw=1.6, label=f"{run.name} ({short_id(run.id)})")
-            a, _ = draw_events(ax, events[run.id], metric, pts, xs, ys, args.x, run.started_at, actions=False)
+            a, _ = draw_events(ax, events[run.id], metric, pts, xs, ys, args.x, run.started_at, actions=False, ylim=ylim)
             anomalies += a
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
     from matplotlib.lines import Line2D
 
     handles, labels = axes[0].get_legend_handles_labels()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 from batchtap.cli._common import add_db_arguments, open_store, pick_metrics, resolve_run, short_id
@@ -13,6 +14,7 @@ from batchtap.cli._plotting import (
     draw_events,
     epoch_spans,
     new_figure,
+    robust_limits,
     save,
     smooth,
     x_of,
@@ -29,7 +31,8 @@ EXAMPLE = """examples:
   batchtap plot 3f2a9c -m grad_norm -m lr --smooth 0 -o grad.png
 
 Red X: an anomaly on that metric's curve (a red triangle at the top: an anomaly of a metric not
-plotted, or one with nothing to place it at). Dashed purple line: an action (stop, rollback, ...).
+plotted, or one off the scale). When a few values (a divergence) would squash a curve flat, its
+y axis shows the bulk of the values and says so. Dashed purple line: an action (stop, rollback, ...).
 Grey bands: every other epoch. Prints how many anomalies and actions it marked."""
 
 
@@ -70,6 +73,7 @@ def main(args: argparse.Namespace) -> int:
     fig, axes = new_figure(args.size, len(metrics))
     t0 = run.started_at
     anomalies = actions = points = 0
+    clipped: list[str] = []
     for i, (ax, metric) in enumerate(zip(axes, metrics)):
         pts = series[metric]
         xs = x_of(pts, args.x, t0)
@@ -78,15 +82,23 @@ def main(args: argparse.Namespace) -> int:
         for epoch, a, b in epoch_spans(pts, xs):
             if epoch % 2 == 1:
                 ax.axvspan(a, b, color="0.93", lw=0, zorder=0)
+        ylim = robust_limits(raw)
+        # Off-scale values (a divergence) stay out of the smoothed curve, or its average would
+        # sit off scale for hundreds of steps after them; the faint raw curve still shows them.
+        kept = raw if ylim is None else [v if ylim[0] <= v <= ylim[1] else math.nan for v in raw]
         if args.smooth > 0:
             ax.plot(xs, raw, color="C0", alpha=0.3, lw=1)
-            ys = smooth(raw, args.smooth)
+            ys = smooth(kept, args.smooth)
         else:
             ys = raw
         ax.plot(xs, ys, color="C0", lw=1.6, label=metric)
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
-        a, k = draw_events(ax, events, metric, pts, xs, ys, args.x, t0, actions=True)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+            off = sum(1 for v in raw if not ylim[0] <= v <= ylim[1] and v == v)
+            clipped.append(f"{metric} ({off} values off scale)")
+        a, k = draw_events(ax, events, metric, pts, xs, ys, args.x, t0, actions=True, ylim=ylim)
         anomalies += a
         actions = max(actions, k)
         if i == 0:
@@ -105,6 +117,8 @@ def main(args: argparse.Namespace) -> int:
         f"wrote {out} ({w}x{h}): {len(metrics)} panel{'s' if len(metrics) != 1 else ''} ({', '.join(metrics)}), "
         f"{points} points, {anomalies} anomalies marked, {actions} actions marked"
     )
+    if clipped:
+        print(f"y axis zoomed to the bulk of the values for {', '.join(clipped)}")
     return 0
 
 
