@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -50,7 +51,10 @@ def test_threshold_stop_ends_the_run_as_stopped_with_the_reason() -> None:
             tap.step(outputs=out, targets=(out.argmax(1) + 1) % 4)  # always wrong: accuracy 0
             if tap.should_stop:
                 break
-    assert step < 10
+            time.sleep(0.001)  # a step's worth of work; the rule runs on the pipeline thread meanwhile
+    # The rule can fire at the third record (patience 3); its decision reaches the loop once the
+    # pipeline thread has seen the block, which depends on thread scheduling, hence a loose bound.
+    assert 2 <= step < 100
     assert sink.ended[0].status is RunStatus.STOPPED and "threshold(accuracy<0.5)" in sink.ended[0].stop_reason
     actions = [e for e in sink.events if e.kind is EventKind.ACTION]
     assert actions and "stop requested" in actions[0].message
