@@ -11,9 +11,10 @@ both variants run (order rotated), each for ``--steps`` timed steps after a warm
 Reported (rank 0's view, medians over repetitions):
 
 * ms/step of each variant and the ratio batchtap / bare (per repetition, then the median);
-* the collective cost per flush on the training thread: the stop-agreement all-reduce batchtap issues
-  at every flush step (a blocking CPU collective on its own gloo group), and that cost amortised per
-  step (divided by the flush interval);
+* the collective cost per flush on the training thread: at every flush step batchtap completes the
+  previous flush's stop-agreement all-reduce and issues the next one (``async_op=True`` on its own
+  gloo group), timed around that whole call, and that cost amortised per step (divided by the flush
+  interval);
 * the per-flush exchange of the block on the pipeline thread (``all_gather_object`` of the packed
   rows), which runs beside training, not in it.
 """
@@ -151,7 +152,7 @@ def main() -> None:
     print()
     print(f"| per flush | median |")
     print(f"|---|---|")
-    print(f"| stop agreement all-reduce, training thread | {r['agree_us']:.0f} µs "
+    print(f"| stop agreement (complete previous + issue next all-reduce), training thread | {r['agree_us']:.0f} µs "
           f"({r['agree_us'] / r['flush_every']:.1f} µs/step amortised; {r['agree_n']} flushes) |")
     print(f"| block exchange + reduction, pipeline thread (includes waiting for the other rank) | {r['exchange_us']:.0f} µs (beside training) |")
     print(f"per-rep ratios: {', '.join(f'{x:.3f}' for x in r['ratios'])}")
