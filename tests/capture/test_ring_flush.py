@@ -1,0 +1,176 @@
+"""The capture layer on its own: ring slots, flush scheduling, slot ownership, the loss guard."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from batchtap.capture.clock import HostClock, clock_for
+from batchtap.capture.flush import Flusher
+from batchtap.capture.guard import LossGuard
+from batchtap.capture.loader import timed_batches
+from batchtap.capture.ring import MetricRing
+
+CPU = torch.device("cpu")
+
+
+def _ring(capacity: int = 4, device_width: int = 2, host_width: int = 1, guard: int | None = 0) -> MetricRing:
+    return MetricRing(capacity=capacity, device_width=device_width, host_width=host_width, device=CPU, guard_column=guard)
+
+
+def _write(ring: MetricRing, flusher: Flusher, step: int, loss: float) -> int:
+    """What Tap.step does for one row, in the same order."""
+    slot = flusher.claim(flusher.rows)
+    flusher.clock.mark_start(slot)
+    ring.write(
+        slot, [torch.tensor(loss), torch.tensor(float(step))], [step * 10.0],
+        step=step, epoch=0, batch=step, wall_time=1000.0 + step, samples=8.0, data_time=0.001,
+    )
+    flusher.clock.mark_end(slot)
+    flusher.rows += 1
+    return slot
+
+
+def test_segments_cover_a_wrapped_block_in_row_order() -> None:
+    ring = _ring(capacity=4)
+    assert ring.segments(0, 3) == [(0, 3)]
+    assert ring.segments(3, 6) == [(3, 1), (0, 2)]
+    assert ring.slots(3, 6).tolist() == [3, 0, 1]
+    with pytest.raises(ValueError, match="cannot address 5 rows in a ring of 4"):
+        ring.segments(0, 5)
+
+
+def test_rows_survive_many_wraps_and_come_back_in_step_order() -> None:
+    ring = _ring(capacity=4)
+    flusher = Flusher(ring, HostClock(4), flush_every=2, flush_seconds=None)
+    seen: list[int] = []
+    for step in range(23):
+        _write(ring, flusher, step, loss=step / 2)
+        if flusher.due():
+            block = flusher.flush()
+            assert block is not None
+            data = flusher.read(block)
+            flusher.release(block)
+            assert data.device_values[:, 0].tolist() == [s / 2 for s in data.step.tolist()]
+            assert data.device_values[:, 1].tolist() == data.step.tolist()
+            assert data.host_values[:, 0].tolist() == [s * 10.0 for s in data.step.tolist()]
+            assert (data.step_time >= 0).all()
+            seen += data.step.tolist()
+    last = flusher.flush()
+    assert last is not None
+    seen += flusher.read(last).step.tolist()
+    assert seen == list(range(23))
+
+
+def test_a_slot_is_not_reused_before_its_row_was_released() -> None:
+    ring = _ring(capacity=2)
+    flusher = Flusher(ring, HostClock(2), flush_every=2, flush_seconds=None)
+    _write(ring, flusher, 0, 1.0)
+    _write(ring, flusher, 1, 2.0)
+    block = flusher.flush()
+    assert block is not None
+    claimed = threading.Event()
+
+    def third_row() -> None:
+        flusher.claim(2)  # slot 0 again: must wait until rows 0 and 1 were read
+        claimed.set()
+
+    writer = threading.Thread(target=third_row)
+    writer.start()
+    assert not claimed.wait(0.2), "claim() handed out a slot whose row was never read"
+    data = flusher.read(block)
+    flusher.release(block)
+    assert claimed.wait(5)
+    writer.join()
+    assert data.step.tolist() == [0, 1] and flusher.waits == 1
+
+
+def test_due_by_count_or_by_age_and_never_when_empty() -> None:
+    ring = _ring(capacity=8)
+    flusher = Flusher(ring, HostClock(8), flush_every=3, flush_seconds=0.05)
+    assert not flusher.due()
+    time.sleep(0.06)
+    assert not flusher.due(), "an empty ring is never due, however old the last flush"
+    _write(ring, flusher, 0, 1.0)
+    assert flusher.due(), "one row older than flush_seconds is due"
+    flusher.flush()
+    _write(ring, flusher, 1, 1.0)
+    _write(ring, flusher, 2, 1.0)
+    assert not flusher.due()
+    _write(ring, flusher, 3, 1.0)
+    assert flusher.due()
+    count_only = Flusher(_ring(capacity=8), HostClock(8), flush_every=3, flush_seconds=None)
+    _write(count_only.ring, count_only, 0, 1.0)
+    time.sleep(0.06)
+    assert not count_only.due(), "flush_seconds=None flushes on the count only (process groups)"
+
+
+def test_flush_with_nothing_new_returns_none_unless_asked_for_an_empty_block() -> None:
+    flusher = Flusher(_ring(), HostClock(4), flush_every=2, flush_seconds=None)
+    assert flusher.flush() is None
+    empty = flusher.flush(empty_ok=True)
+    assert empty is not None and len(flusher.read(empty)) == 0
+
+
+def test_a_step_without_a_start_mark_has_no_step_time() -> None:
+    ring = _ring(capacity=4)
+    clock = HostClock(4)
+    flusher = Flusher(ring, clock, flush_every=2, flush_seconds=None)
+    slot = flusher.claim(0)
+    ring.write(slot, [torch.tensor(1.0), torch.tensor(0.0)], [0.0], step=0, epoch=0, batch=0,
+               wall_time=0.0, samples=1.0, data_time=math.nan)
+    clock.mark_end(slot)
+    flusher.rows += 1
+    _write(ring, flusher, 1, 1.0)
+    block = flusher.flush()
+    assert block is not None
+    times = flusher.read(block).step_time
+    assert math.isnan(times[0]) and times[1] >= 0
+
+
+def test_guard_reports_the_first_non_finite_loss_once() -> None:
+    ring = _ring(capacity=4)
+    flusher = Flusher(ring, HostClock(4), flush_every=100, flush_seconds=None)
+    guard = LossGuard(ring, flusher.clock)
+    for step, loss in enumerate([0.5, 0.4, math.inf]):
+        guard.track(_write(ring, flusher, step, loss))
+    assert guard.poll() == (2, math.inf)
+    assert guard.poll() is None, "a reported slot is not reported again"
+    guard.track(_write(ring, flusher, 3, math.nan))
+    step, value = guard.poll()  # type: ignore[misc]
+    assert step == 3 and math.isnan(value)
+
+
+def test_cpu_guard_reads_the_loss_column_in_place() -> None:
+    ring = _ring(capacity=4, guard=1)
+    ring.write(2, [torch.tensor(0.25), torch.tensor(7.5)], [0.0], step=5, epoch=0, batch=5,
+               wall_time=0.0, samples=1.0, data_time=0.0)
+    assert ring.guard_np[2] == 7.5
+    assert np.shares_memory(ring.guard_np, ring.device_rows.numpy())
+
+
+def test_clock_for_picks_the_host_clock_off_cuda() -> None:
+    assert isinstance(clock_for(CPU, 4), HostClock)
+
+
+def test_timed_batches_flags_the_last_batch_with_and_without_a_length() -> None:
+    with_len = [(b, last) for b, waited, last in timed_batches([1, 2, 3], need_last=True)]
+    without_len = [(b, last) for b, waited, last in timed_batches(iter([1, 2, 3]), need_last=True)]
+    assert with_len == without_len == [(1, False), (2, False), (3, True)]
+    assert all(w >= 0 for _, w, _ in timed_batches(iter(range(5)), need_last=True))
+    assert list(timed_batches(iter([]), need_last=True)) == []
+
+
+def test_timed_batches_measures_the_wait_for_a_slow_loader() -> None:
+    def slow() -> object:
+        for i in range(2):
+            time.sleep(0.03)
+            yield i
+
+    waits = [w for _, w, _ in timed_batches(slow(), need_last=False)]
+    assert len(waits) == 2 and all(w >= 0.025 for w in waits)
