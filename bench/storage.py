@@ -90,7 +90,7 @@ def bench_training_thread_cost(pg_dsn: str, reps: int = 5, steps: int = 300) -> 
     import torch.nn.functional as F
 
     import batchtap as bt
-    from batchtap.cli.demo import DigitsCNN
+    from batchtap.cli.digits import DigitsCNN
 
     tmp = Path(tempfile.mkdtemp(prefix="bt-bench-steps-"))
     torch.manual_seed(0)

@@ -40,7 +40,7 @@ def test_dependencies_point_one_way(package: str) -> None:
 def test_sinks_never_touch_torch() -> None:
     for path in (SRC / "sinks").glob("*.py"):
         if path.name == "tensorboard.py":
-            continue  # SummaryWriter lives in torch.utils; it only gets host floats
+            continue  # its FileWriter lives in torch.utils; it only gets host floats
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -69,3 +69,25 @@ def test_every_sync_point_is_labelled() -> None:
                 continue  # file/stream flushes
             window = "\n".join(lines[max(0, node.lineno - 5) : node.lineno])
             assert "# sync:" in window, f"{path.relative_to(SRC)}:{node.lineno}: {lines[node.lineno - 1].strip()}"
+
+
+def test_the_command_line_starts_without_importing_torch() -> None:
+    """`batchtap runs/show/tail/...` only read a store; torch (seconds to import) loads only for
+    the subcommands that train or trace (demo, audit), and for `bt.Tap` and friends on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, batchtap, batchtap.cli.main\n"
+        "assert 'torch' not in sys.modules, 'importing the CLI imported torch'\n"
+        "import batchtap as bt\n"
+        "assert bt.Tap.__name__ == 'Tap' and bt.metrics.Loss and bt.sinks.SQLite and bt.NonFinite\n"
+        "assert 'torch' in sys.modules and 'Tap' in dir(bt)\n"
+        "try:\n"
+        "    bt.NoSuchThing\n"
+        "except AttributeError as e:\n"
+        "    assert 'NoSuchThing' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('bt.NoSuchThing did not raise')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

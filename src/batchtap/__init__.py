@@ -7,8 +7,12 @@ Example:
     >>> tap.close()
 """
 
-from batchtap import metrics, rules, sinks
-from batchtap.callback import MetricsCallback
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Errors and records are plain Python and cheap: imported now.
 from batchtap.errors import (
     BatchtapError,
     ConfigError,
@@ -19,19 +23,54 @@ from batchtap.errors import (
     TrainingDiverged,
 )
 from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo, RunStatus
-from batchtap.rules import (
-    AdaptiveBatchSampler,
-    BatchSizeRule,
-    NonFinite,
-    Plateau,
-    Rollback,
-    Spike,
-    StepTimeRegression,
-    Threshold,
-    debug_mode,
-    split_on_oom,
-)
-from batchtap.tap import Tap
+
+if TYPE_CHECKING:
+    from batchtap import metrics, rules, sinks
+    from batchtap.callback import MetricsCallback
+    from batchtap.rules import (
+        AdaptiveBatchSampler,
+        BatchSizeRule,
+        NonFinite,
+        Plateau,
+        Rollback,
+        Spike,
+        StepTimeRegression,
+        Threshold,
+        debug_mode,
+        split_on_oom,
+    )
+    from batchtap.tap import Tap
+
+# Everything that needs torch is imported on first use (PEP 562), so `batchtap runs` and the other
+# reading commands start in a fraction of a second instead of waiting for `import torch`.
+_LAZY = {
+    "Tap": "batchtap.tap",
+    "MetricsCallback": "batchtap.callback",
+    **{
+        name: "batchtap.rules"
+        for name in (
+            "AdaptiveBatchSampler", "BatchSizeRule", "NonFinite", "Plateau", "Rollback", "Spike",
+            "StepTimeRegression", "Threshold", "debug_mode", "split_on_oom",
+        )
+    },
+}
+_SUBMODULES = frozenset({"metrics", "rules", "sinks"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"batchtap.{name}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batchtap' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
+
 
 __version__ = "0.1.0"
 

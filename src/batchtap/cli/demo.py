@@ -7,56 +7,16 @@ present and on the CPU otherwise. Metrics stream to the console and are stored i
 ``--inject-nan-at STEP`` poisons the loss at one step: the NaN rule stops the run at once.
 ``--inject-spike-at STEP`` blows up the weights at one step: the spike rule rolls back to the last
 good snapshot, halves the learning rate, skips a few batches and training recovers.
+
+The model and the loop live in :mod:`batchtap.cli.digits`, imported only when the demo runs, so the
+other subcommands start without importing torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import time
-from pathlib import Path
-from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-import batchtap as bt
-from batchtap.sinks.base import require
-
-__all__ = ["DigitsCNN", "load_digits", "add_arguments", "main"]
-
-
-class DigitsCNN(nn.Module):
-    """Two conv layers and a small head for 1x8x8 inputs, 10 classes."""
-
-    def __init__(self, width: int = 16) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, width, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-        )
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * 16, 64), nn.ReLU(), nn.Linear(64, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
-
-
-def load_digits(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    """scikit-learn's digits as (train, test) tensor datasets: 80/20 split, pixels scaled to [0, 1]."""
-    datasets = require("sklearn.datasets", extra="demo", purpose="batchtap demo")
-    digits = datasets.load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    cut = int(0.8 * len(y))
-    train, test = order[:cut], order[cut:]
-    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
+__all__ = ["add_arguments", "main"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,106 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
 
 
-def _setup_distributed(device_arg: str) -> tuple[torch.device, int, int]:
-    """Join the process group torchrun describes in the environment, if any: (device, rank, world)."""
-    use_cuda = torch.cuda.is_available() and device_arg in ("auto", "cuda")
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return torch.device("cuda" if use_cuda else ("cpu" if device_arg == "auto" else device_arg)), 0, 1
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    return device, dist.get_rank(), dist.get_world_size()
-
 
 def main(args: argparse.Namespace) -> int:
-    torch.manual_seed(args.seed)
-    device, rank, world = _setup_distributed(args.device)
-    say = print if rank == 0 else (lambda *a, **k: None)
-    train, test = load_digits(args.seed)
-    sampler: DistributedSampler[Any] | None = DistributedSampler(train, seed=args.seed) if world > 1 else None
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
-                        generator=torch.Generator().manual_seed(args.seed))
-    model: nn.Module = DigitsCNN().to(device)
-    if world > 1:
-        model = nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
-    criterion = nn.CrossEntropyLoss()
+    """Run the demo (imports torch and trains)."""
+    from batchtap.cli import digits
 
-    out = Path(args.out)
-    jsonl_path = out / args.name / "metrics.jsonl"
-    db = args.db or str(out / "batchtap.db")
-    store: bt.sinks.Sink = bt.sinks.Postgres(db) if db.startswith("postgres") else bt.sinks.SQLite(db)
-    sinks: list[bt.sinks.Sink] = [bt.sinks.Console(every=args.print_every), bt.sinks.JSONL(jsonl_path), store]
-    rollback = bt.Rollback(model, optimizer, scheduler, every=10, keep=2, lr_factor=0.5, skip_batches=3,
-                           max_retries=3)
-    rules = [
-        bt.NonFinite("loss", action="stop"),
-        bt.Spike("loss", ratio=4.0, window=20, patience=1, warmup=30, action="rollback"),
-    ]
-    tap = bt.Tap(
-        metrics=[
-            bt.metrics.Loss(),
-            bt.metrics.Accuracy(topk=(1, 5)),
-            bt.metrics.LearningRate(optimizer),
-            bt.metrics.GradNorm(model),
-            bt.metrics.StepTime(),
-            bt.metrics.DataTime(),
-            bt.metrics.Throughput(),
-            bt.metrics.Memory(),
-        ],
-        sinks=sinks,
-        rules=rules,
-        rollback=rollback,
-        flush_every=args.flush_every,
-        flush_seconds=0.5,
-        spool_dir=out / "spool",
-    )
-    config = {k: v for k, v in vars(args).items() if k != "func"}
-    started = time.perf_counter()
-    step = 0
-    with tap, tap.run(name=args.name, config=config) as run:
-        say(f"batchtap demo: training DigitsCNN on {device} for {args.epochs} epochs "
-            f"({len(loader)} batches each{f', {world} ranks' if world > 1 else ''}), run id {run.id}")
-        for epoch in range(args.epochs):
-            model.train()
-            if sampler is not None:
-                sampler.set_epoch(epoch)
-            for inputs, targets in tap.watch(loader, epoch=epoch):
-                inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-                outputs = model(inputs)
-                loss = criterion(outputs, targets)
-                if step == args.inject_nan_at:
-                    loss = loss * math.nan  # what a diverging step looks like
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                if step == args.inject_spike_at:
-                    with torch.no_grad():  # what a bad update looks like: the next loss explodes
-                        for p in model.parameters():
-                            p.mul_(30.0)
-                tap.step(loss=loss, outputs=outputs, targets=targets)  # records the lr this step used
-                scheduler.step()
-                step += 1
-                if tap.should_stop:
-                    break
-            if tap.should_stop:
-                say(f"batchtap demo: stopped at step {step - 1}: {tap.stop_reason}")
-                break
-            say(f"batchtap demo: epoch {epoch} test accuracy {evaluate(model, test, device):.2%}")
-    say(f"batchtap demo: {step} steps in {time.perf_counter() - started:.1f} s; "
-        f"anomalies: {sum(tap.anomaly_counts.values())}")
-    say(f"batchtap demo: metrics stored in {db} (run {run.id[:8]}) and {jsonl_path}")
-    if world > 1:
-        dist.destroy_process_group()
-    return 0
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: TensorDataset, device: torch.device) -> float:
-    model.eval()
-    x, y = data.tensors
-    correct = (model(x.to(device)).argmax(1) == y.to(device)).sum()
-    return correct.item() / len(y)  # sync: once per epoch, outside the training steps
+    return digits.train(args)

@@ -15,11 +15,11 @@ naming the extra to install (see :func:`require`).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
-from types import ModuleType
 
 from batchtap.records import Event, Record, RunInfo
+
+from batchtap._optional import require  # re-exported: sinks import it from here
 
 __all__ = ["Sink", "require"]
 
@@ -57,24 +57,3 @@ class Sink:
 
     def close(self) -> None:
         """Release resources. The sink is not used afterwards."""
-
-
-def require(module: str, *, extra: str, purpose: str) -> ModuleType:
-    """Import an optional dependency or fail with the install command that fixes it.
-
-    Args:
-        module: importable module name, e.g. ``"psycopg"``.
-        extra: the batchtap extra that installs it, e.g. ``"postgres"``.
-        purpose: what needs it, e.g. ``"bt.sinks.Postgres"``.
-
-    Example:
-        >>> require("json", extra="none", purpose="doctest").dumps(1)
-        '1'
-    """
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(
-            f"{purpose} needs the optional package {module!r}, which is not installed; "
-            f"install it with: pip install 'batchtap[{extra}]'"
-        ) from exc

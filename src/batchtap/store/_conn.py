@@ -7,7 +7,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from batchtap.sinks.base import require
+from batchtap._optional import require
 from batchtap.store._errors import StoreError
 from batchtap.store._url import redact_dsn
 from batchtap.store.schema import POSTGRES, SQLITE, ensure_schema
