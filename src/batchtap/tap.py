@@ -613,6 +613,7 @@ class Tap:
         pipeline = RunPipeline(decoder, reducer, writes=self._writes(state))
         self._last_decoder = decoder
         state.info.metrics = layout.names
+        state.info.environment["device"] = str(device)  # known from the first step; stored with the run's end
         autocast_device = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else ""
         return _Capture(device, metrics, layout, ring, clock, flusher, guard, pipeline, autocast_device)
 

@@ -149,8 +149,9 @@ def train(args: argparse.Namespace) -> int:
                 say(f"batchtap demo: stopped at step {step - 1}: {tap.stop_reason}")
                 break
             say(f"batchtap demo: epoch {epoch} test accuracy {evaluate(model, test, device):.2%}")
-    say(f"batchtap demo: {step} steps in {time.perf_counter() - started:.1f} s; "
-        f"anomalies: {sum(tap.anomaly_counts.values())}")
+    show_db = "" if db == os.path.join("runs", "batchtap.db") else f" --db {db}"
+    say(f"batchtap demo: {step} steps in {time.perf_counter() - started:.1f} s; values stored as NaN "
+        f"(out of their domain): {sum(tap.anomaly_counts.values())}; `batchtap show {args.name}{show_db}` lists every event")
     say(f"batchtap demo: metrics stored in {db} (run {run.id[:8]}) and {jsonl_path}")
     if world > 1:
         dist.destroy_process_group()
