@@ -110,6 +110,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     agree, exchange = _Timer(), _Timer()
     original_reduce = Reducer.reduce
     Reducer.reduce = exchange.wrap(original_reduce)  # type: ignore[method-assign]
+    # Of the agreement call, the part that issues the next all-reduce (batchtap's only async_op
+    # all_reduce; DDP's gradient buckets go through its C++ reducer, not this function).
+    issue = _Timer()
+    all_reduce = issue.wrap(dist.all_reduce)
+    tap_module.dist.all_reduce = all_reduce  # type: ignore[attr-defined]
     results: dict[str, list[float]] = {"bare": [], "batchtap": []}
     for rep in range(args.reps):
         order = ["bare", "batchtap"] if rep % 2 == 0 else ["batchtap", "bare"]
@@ -125,10 +130,20 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             "ratios": ratios,
             "agree_us": statistics.median(agree.times) * 1e6 if agree.times else float("nan"),
             "agree_n": len(agree.times),
+            "agree_spread_us": _spread(agree.times),
+            "issue_us": statistics.median(issue.times) * 1e6 if issue.times else float("nan"),
             "exchange_us": statistics.median(exchange.times) * 1e6 if exchange.times else float("nan"),
             "flush_every": args.flush_every,
         }))
     dist.destroy_process_group()
+
+
+def _spread(times: list[float]) -> list[float]:
+    """min, 10th, 50th, 90th percentile and max, in µs."""
+    if len(times) < 2:
+        return [t * 1e6 for t in times]
+    cuts = statistics.quantiles(times, n=10, method="inclusive")
+    return [min(times) * 1e6, cuts[0] * 1e6, statistics.median(times) * 1e6, cuts[-1] * 1e6, max(times) * 1e6]
 
 
 def main() -> None:
@@ -154,7 +169,10 @@ def main() -> None:
     print(f"|---|---|")
     print(f"| stop agreement (complete previous + issue next all-reduce), training thread | {r['agree_us']:.0f} µs "
           f"({r['agree_us'] / r['flush_every']:.1f} µs/step amortised; {r['agree_n']} flushes) |")
+    print(f"| of which issuing the next all-reduce (`async_op=True`) | {r['issue_us']:.0f} µs |")
     print(f"| block exchange + reduction, pipeline thread (includes waiting for the other rank) | {r['exchange_us']:.0f} µs (beside training) |")
+    print("agreement call per flush, µs: min / p10 / median / p90 / max = "
+          + " / ".join(f"{x:.0f}" for x in r["agree_spread_us"]))
     print(f"per-rep ratios: {', '.join(f'{x:.3f}' for x in r['ratios'])}")
 
 

@@ -465,9 +465,11 @@ class Tap:
         if capture.guard is not None:
             self._poll_guard(capture.guard, state)
         if capture.flusher.due():
-            self._flush(capture)
             if state.group is not None:
+                # Agree before handing the block over: the agreement's collective calls release the
+                # GIL, and right after a hand-over the pipeline thread would take it for its decode.
                 self._agree(state, state.group)
+            self._flush(capture)
         if self._runner is not None and state.group is None:
             self._apply_decisions(state, len(self._inbox))
         if self._runner is not None:
