@@ -1,12 +1,8 @@
-"""The demo's model and training loop (``batchtap demo``; the command line is in ``demo.py``).
+"""The demo's model and training loop; ``batchtap demo`` (``demo.py``) parses the options and calls
+:func:`train`. Kept apart so that importing the command line does not import torch.
 
-A small CNN learns scikit-learn's bundled 8x8 digits (no download) for a few epochs, on CUDA when
-present and on the CPU otherwise. Metrics stream to the console and are stored in SQLite
-(``runs/batchtap.db``) and JSONL (``runs/<name>/metrics.jsonl``).
-
-``--inject-nan-at STEP`` poisons the loss at one step: the NaN rule stops the run at once.
-``--inject-spike-at STEP`` blows up the weights at one step: the spike rule rolls back to the last
-good snapshot, halves the learning rate, skips a few batches and training recovers.
+The loop is the one a user writes: ``tap.watch(loader)``, ``tap.step(loss=, outputs=, targets=)``,
+``if tap.should_stop: break``, with a NaN rule, a spike rule that rolls back, and three sinks.
 """
 
 from __future__ import annotations
