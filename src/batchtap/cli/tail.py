@@ -280,9 +280,10 @@ def _find(args: argparse.Namespace, started: float) -> tuple[Store, RunRow, bool
             if store is None:
                 store = open_store(args)
             run = resolve_run(store, args.run)
-            # A run that began after we did is the one we were started to watch, even if it is
-            # already over; an older run of the same name that has ended is not, while we may wait.
-            is_new = run.started_at >= started - 1.0
+            # With --wait, a run that began after we did is the one we were started to watch, even
+            # if it is already over (printed from its first step); an older run of the same name
+            # that has ended is not, while we may wait. Without --wait, like tail(1): last N steps.
+            is_new = args.wait > 0 and run.started_at >= started - 1.0
             if run.status is RunStatus.RUNNING or is_new or time.monotonic() >= deadline:
                 return store, run, is_new
         except CLIError:

@@ -1,0 +1,101 @@
+"""BatchtapCallback driving a real Lightning Trainer on the CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import batchtap as bt
+from batchtap.records import RunStatus
+from tests.conftest import ListSink
+
+pl = pytest.importorskip("lightning.pytorch")
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated")  # inside Lightning itself
+from batchtap.integrations.lightning import BatchtapCallback  # noqa: E402 - after the importorskip
+
+
+class _Classifier(pl.LightningModule):  # type: ignore[misc]
+    def __init__(self, nan_at: int | None = None, with_logits: bool = True) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        self.seen: list[tuple[float, float]] = []  # (loss, accuracy) read with .item(): the reference
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        if self.global_step == self.hparams.nan_at:
+            loss = loss * math.nan
+        self.seen.append((loss.item(), (logits.argmax(1) == y).float().mean().item()))
+        return {"loss": loss, "logits": logits} if self.hparams.with_logits else loss
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader(n: int = 96, batch_size: int = 16) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g))
+    return DataLoader(data, batch_size=batch_size)
+
+
+def _trainer(callback: BatchtapCallback, epochs: int = 2) -> pl.Trainer:
+    return pl.Trainer(
+        max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+    )
+
+
+def test_every_batch_is_recorded_and_equals_the_item_reference() -> None:
+    sink = ListSink()
+    tap = bt.Tap([bt.metrics.Loss(), bt.metrics.Accuracy()], [sink], flush_every=4)
+    module = _Classifier()
+    _trainer(BatchtapCallback(tap, name="lit")).fit(module, _loader())
+    tap.close()
+    assert [(r.epoch, r.batch) for r in sink.records] == [(e, b) for e in range(2) for b in range(6)]
+    assert [(r.values["loss"], r.values["accuracy"]) for r in sink.records] == [
+        (pytest.approx(loss, abs=0, rel=1e-7), acc) for loss, acc in module.seen
+    ]
+    (run,) = sink.ended
+    assert run.name == "lit" and run.status is RunStatus.FINISHED and run.config["nan_at"] is None
+
+
+def test_a_nan_loss_stops_the_trainer_within_two_steps_and_the_run_is_stored_as_stopped() -> None:
+    sink = ListSink()
+    tap = bt.Tap([bt.metrics.Loss()], [sink], flush_every=50)
+    module = _Classifier(nan_at=3)
+    trainer = _trainer(BatchtapCallback(tap), epochs=5)
+    trainer.fit(module, _loader())
+    tap.close()
+    assert 3 <= trainer.global_step - 1 <= 3 + 2
+    assert len(module.seen) <= 3 + 3  # the loop ran at most two batches past the NaN
+    assert sink.ended[0].status is RunStatus.STOPPED and "loss" in sink.ended[0].stop_reason
+    assert math.isnan(sink.records[3].values["loss"])
+
+
+def test_a_loss_only_training_step_and_the_default_tap_work() -> None:
+    module = _Classifier(with_logits=False)
+    callback = BatchtapCallback()
+    _trainer(callback, epochs=1).fit(module, _loader())
+    assert callback.tap is None  # its own Tap was closed with the run
+
+
+def test_an_exception_in_training_ends_the_run_as_failed_with_every_step_stored() -> None:
+    class Boom(_Classifier):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            if batch_idx == 4:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    sink = ListSink()
+    tap = bt.Tap([bt.metrics.Loss()], [sink], flush_every=50)
+    with pytest.raises(RuntimeError, match="boom"):
+        _trainer(BatchtapCallback(tap)).fit(Boom(), _loader())
+    tap.close()
+    assert [r.step for r in sink.records] == [0, 1, 2, 3]
+    assert sink.ended[0].status is RunStatus.FAILED
