@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import math
 from batchtap.capture.flush import BlockData
-from batchtap.metrics.base import StepTiming
+from batchtap.metrics.base import Metric, StepTiming
 from batchtap.metrics.layout import Layout
 from batchtap.records import Event, EventKind, Record
 
@@ -40,33 +40,49 @@ class Decoder:
         self.run_id = run_id
         self.rank = rank
         self.anomaly_counts: collections.Counter[str] = collections.Counter()
+        # Per metric, made once: its column ranges, whether it checks inputs at all, and per output
+        # the bounds for the in-domain fast path (a block holds flush_every rows x every value).
+        self._spans = [
+            (
+                span.metric,
+                span.device_offset,
+                span.device_offset + span.metric.device_width,
+                span.host_offset,
+                span.host_offset + span.metric.host_width,
+                type(span.metric).input_error is not Metric.input_error,
+                [(o, o.domain.low, o.domain.high, o.domain.finite) for o in span.outputs],
+            )
+            for span in layout.spans
+        ]
 
     def decode(self, data: BlockData) -> Decoded:
         out = Decoded()
         dev, host = data.device_values.tolist(), data.host_values.tolist()  # numpy, host memory
-        for i in range(len(data)):
-            step = int(data.step[i])
-            wall = float(data.wall_time[i])
-            timing = StepTiming(float(data.samples[i]), float(data.step_time[i]), float(data.data_time[i]))
+        steps, epochs, batches = data.step.tolist(), data.epoch.tolist(), data.batch.tolist()
+        walls, samples = data.wall_time.tolist(), data.samples.tolist()
+        step_times, data_times = data.step_time.tolist(), data.data_time.tolist()
+        for i in range(len(steps)):
+            step, wall, dev_row, host_row = steps[i], walls[i], dev[i], host[i]
+            timing = StepTiming(samples[i], step_times[i], data_times[i])
             values: dict[str, float] = {}
-            for span in self.layout.spans:
-                metric = span.metric
-                raw = [
-                    *dev[i][span.device_offset : span.device_offset + metric.device_width],
-                    *host[i][span.host_offset : span.host_offset + metric.host_width],
-                ]
-                problem = metric.input_error(raw)
-                if problem is not None:
-                    message = f"step {step}: {problem}"
-                    out.input_errors.append(message)
-                    for output in span.outputs:
-                        values[output.name] = math.nan
-                        self.anomaly_counts[output.name] += 1
-                        out.events.append(self._event(step, wall, output.name, None, message))
-                    continue
-                for output, value in zip(span.outputs, metric.finalize(raw, timing), strict=True):
+            for metric, d0, d1, h0, h1, checks_inputs, outputs in self._spans:
+                raw = dev_row[d0:d1] + host_row[h0:h1]
+                if checks_inputs:
+                    problem = metric.input_error(raw)
+                    if problem is not None:
+                        message = f"step {step}: {problem}"
+                        out.input_errors.append(message)
+                        for output, *_ in outputs:
+                            values[output.name] = math.nan
+                            self.anomaly_counts[output.name] += 1
+                            out.events.append(self._event(step, wall, output.name, None, message))
+                        continue
+                for (output, low, high, finite), value in zip(outputs, metric.finalize(raw, timing), strict=True):
                     if value is None:
                         continue  # not measured at this step (e.g. no watched loader)
+                    if low <= value <= high and (not finite or -math.inf < value < math.inf):
+                        values[output.name] = value  # the common case: inside the domain
+                        continue
                     why = output.domain.violation(value)
                     if why is None:
                         values[output.name] = value
@@ -78,9 +94,7 @@ class Decoder:
                         f"(expected {output.domain.describe()}); stored as NaN"
                     )
                     out.events.append(self._event(step, wall, output.name, value, message))
-            out.records.append(
-                Record(self.run_id, step, int(data.epoch[i]), int(data.batch[i]), self.rank, wall, values)
-            )
+            out.records.append(Record(self.run_id, step, epochs[i], batches[i], self.rank, wall, values))
         return out
 
     def _event(self, step: int, wall: float, metric: str, raw: float | None, message: str) -> Event:
