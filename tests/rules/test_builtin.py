@@ -60,6 +60,18 @@ def _noise(seed: int, n: int, *, center: float, amplitude: float) -> list[float]
         pytest.param(Spike(ratio=3.0, min_samples=5), [1.0] * 4 + [50.0], [], id="spike-waits-for-min-samples"),
         pytest.param(Spike(ratio=3.0, min_samples=3), [1.0] * 5 + [NAN, 5.0], [6], id="spike-ignores-nan"),
         pytest.param(
+            Spike(ratio=4.0, min_samples=5, min_excess=1.0),
+            [0.08] * 10 + [0.33, 0.08, 5.0],  # 0.33 is 4x a near-zero loss, not +1; 5.0 is both
+            [12],
+            id="spike-min-excess",
+        ),
+        pytest.param(
+            Spike(zscore=3.0, window=10, min_samples=10, min_excess=0.5),
+            [1.0, 1.01] * 10 + [1.2, 1.0, 1.6],  # 1.2 is many std above a flat history, not +0.5
+            [22],
+            id="spike-zscore-min-excess",
+        ),
+        pytest.param(
             Spike(zscore=6.0, window=20, min_samples=20),
             _noise(7, 40, center=2.0, amplitude=0.1) + [3.0],
             [40],
@@ -188,6 +200,7 @@ def test_rules_skip_records_without_their_metric():
         pytest.param(lambda: Spike(zscore=0.0), "zscore must be > 0", id="spike-zscore-0"),
         pytest.param(lambda: Spike(patience=0), "patience", id="spike-patience-0"),
         pytest.param(lambda: Spike(window=1), "window", id="spike-window-1"),
+        pytest.param(lambda: Spike(min_excess=-0.1), "min_excess must be >= 0", id="spike-negative-excess"),
         pytest.param(lambda: Plateau(window=0), "window", id="plateau-window-0"),
         pytest.param(lambda: Plateau(min_delta=-1.0), "min_delta", id="plateau-negative-delta"),
         pytest.param(lambda: Plateau(mode="up"), "mode", id="plateau-bad-mode"),

@@ -166,6 +166,9 @@ class Spike(Rule):
       rise infinite).
 
     With neither given, ``ratio=3.0``. The rule needs ``min_samples`` baseline values before it fires.
+    ``min_excess`` adds an absolute margin: a value must also exceed the baseline by that much. Use it
+    for losses that approach 0, where ordinary batch noise is many times a tiny average (late in
+    training a batch loss of 0.33 against an EMA of 0.08 is 4x, and not a divergence).
 
     Args:
         metric: the metric to watch.
@@ -174,6 +177,7 @@ class Spike(Rule):
         window: EMA span, or the z-score window.
         patience: consecutive spiking values needed.
         min_samples: baseline values needed before the rule may fire.
+        min_excess: also require ``value - baseline >= min_excess`` (>= 0; default 0: no margin).
         action: what to do when it fires.
         warmup: no firing on steps before this.
         on_alert: hook for the ``alert`` action.
@@ -196,6 +200,7 @@ class Spike(Rule):
         window: int = 50,
         patience: int = 1,
         min_samples: int = 10,
+        min_excess: float = 0.0,
         action: ActionsArg = Action.ALERT,
         warmup: int = 0,
         on_alert: AlertHook | None = None,
@@ -216,6 +221,11 @@ class Spike(Rule):
         self.window = window
         self.patience = patience
         self.min_samples = min_samples
+        self.min_excess = require_number(label, "min_excess", min_excess)
+        if self.min_excess < 0:
+            raise ConfigError(
+                f"{label}: min_excess must be >= 0, got {min_excess!r}. Fix: pass 0 (no margin) or a positive margin."
+            )
         self._alpha = 2.0 / (window + 1)
         self._ema: float | None = None
         self._recent: deque[float] = deque(maxlen=window)
@@ -230,11 +240,16 @@ class Spike(Rule):
             assert self._ema is not None
             if self._ema <= 0:
                 return None
-            return self.ratio * self._ema, f"{self.ratio:g} x EMA {self._ema:.4g}"
+            return self._with_margin(self.ratio * self._ema, self._ema, f"{self.ratio:g} x EMA {self._ema:.4g}")
         assert self.zscore is not None
         mean = statistics.fmean(self._recent)
         std = max(statistics.pstdev(self._recent, mean), 1e-6 * abs(mean), 1e-12)
-        return mean + self.zscore * std, f"mean {mean:.6g} + {self.zscore:g} x std {std:.3g}"
+        return self._with_margin(mean + self.zscore * std, mean, f"mean {mean:.6g} + {self.zscore:g} x std {std:.3g}")
+
+    def _with_margin(self, limit: float, baseline: float, how: str) -> tuple[float, str]:
+        if self.min_excess and baseline + self.min_excess > limit:
+            return baseline + self.min_excess, f"{how} and by at least {self.min_excess:g}"
+        return limit, how
 
     def _spikes(self, v: float) -> tuple[float, str] | None:
         limit = self._limit()
