@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every GPU check this project owes, as ONE command for a lent GPU machine (device tool):
+#
+#   run(command="bash bench/gpu_check.sh", timeout_s=600)
+#
+# The machine's python3 already has torch (CUDA), lightning, torchmetrics, tensorboard, pytest and
+# hypothesis; batchtap runs from src/ (nothing is installed). Results land in $OUT (the device tool
+# brings them back): nvidia-smi.txt, gpu-tests.txt, gpu-bench.md, gpu-bench.json. Budget: tests
+# ~1-2 min, bench/gpu.py < 7 min; each step is capped so the whole fits one 10-minute call.
+# Local dry run on a CPU box (tests skip, the bench runs its smoke mode):
+#   GPU_CHECK_BENCH_ARGS="--device cpu --quick" PYTHON=.venv/bin/python bash bench/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/batchtap-gpu-check}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+
+{ date -u; git log --oneline -1 2>/dev/null || true; nvidia-smi 2>&1 || echo "no nvidia-smi"; } > "$OUT/nvidia-smi.txt"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)" | tee -a "$OUT/nvidia-smi.txt"
+
+# 1. the CUDA tests: 1,000 steps under set_sync_debug_mode("error"), rollback on the GPU, and the
+#    no-host-read tests (which also run their CPU/FakeTensor halves).
+timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider -o addopts="" \
+    tests/test_tap_gpu.py tests/rules/test_rollback_gpu.py tests/test_no_sync.py 2>&1 | tee "$OUT/gpu-tests.txt"
+tests_rc=${PIPESTATUS[0]}
+
+# 2. the side-by-side table for BENCHMARKS.md
+# shellcheck disable=SC2086  # the args are meant to split
+timeout 420 "$PY" bench/gpu.py ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT/gpu-bench.json" 2>&1 | tee "$OUT/gpu-bench.md"
+bench_rc=${PIPESTATUS[0]}
+
+echo "gpu_check: tests rc=$tests_rc, bench rc=$bench_rc; files in $OUT" | tee -a "$OUT/nvidia-smi.txt"
+exit $(( tests_rc != 0 || bench_rc != 0 ))
