@@ -45,6 +45,8 @@ def main(scenario: str, out: Path) -> None:
                     loss = loss * math.nan
                 if scenario == "straggler" and rank == world - 1:
                     time.sleep(0.02)
+                if scenario == "rule":
+                    time.sleep(0.01)  # a step's worth of work: the rule decides on the pipeline thread meanwhile
                 if scenario == "kill" and rank == world - 1 and step == 12:
                     os._exit(3)  # dies without a word, like an OOM-killed worker
                 if scenario == "noread" and step > 0:

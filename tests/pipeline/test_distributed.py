@@ -82,7 +82,11 @@ def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> No
 def test_a_rule_decision_acts_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
     results, lines, _ = _launch("rule", 3, tmp_path)
     stops = {res["stopped_at"] for res in results}
-    assert len(stops) == 1 and 11 <= stops.pop() <= 29  # fires on step 11's record; agreed at a flush step
+    # The rule fires on step 11's record once the block holding it was exchanged (pipeline thread);
+    # the ranks agree on it at a later flush step. How many flushes later depends on thread
+    # scheduling (a loaded machine), so the bound only asks that it happened before the loop ended;
+    # the point is that every rank stopped at the same step.
+    assert len(stops) == 1 and 11 <= stops.pop() <= 39
     assert all("threshold(loss>0.0) at step 11" in res["reason"] for res in results)
     assert [r for r in lines if r["type"] == "run_end"][0]["status"] == "stopped"
 
