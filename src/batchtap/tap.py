@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -85,14 +85,6 @@ class _Capture:
     pipeline: RunPipeline
     autocast_device: str
     checked: tuple[Any, ...] | None = None  # signature of the last inputs that passed the checks
-    # Made once per run so the step path does not rebuild them per call.
-    computes: list[Callable[[StepInputs], Sequence[torch.Tensor]]] = dataclasses.field(default_factory=list)
-    host_reads: list[Callable[[StepInputs], Sequence[float]]] = dataclasses.field(default_factory=list)
-    no_grad: torch.no_grad = dataclasses.field(default_factory=torch.no_grad)
-
-    def __post_init__(self) -> None:
-        self.computes = [m.compute for m in self.metrics if m.device_width]
-        self.host_reads = [m.read_host for m in self.metrics if m.host_width]
 
 
 class _Terminated(BaseException):
@@ -497,14 +489,14 @@ class Tap:
             capture = state.capture = self._setup(state, inputs)
         self._check_inputs(capture, inputs)
         # no_grad: metric ops record no graph and the ring write takes tensors that require grad
-        with capture.no_grad:
+        with torch.no_grad():
             if capture.autocast_device and torch.is_autocast_enabled(capture.autocast_device):
                 # metrics in float32 whatever precision the forward pass ran in
                 with torch.autocast(capture.autocast_device, enabled=False):
-                    device_values = [v for compute in capture.computes for v in compute(inputs)]
+                    device_values = [v for m in capture.metrics for v in m.compute(inputs)]
             else:
-                device_values = [v for compute in capture.computes for v in compute(inputs)]
-            host_values = [v for read in capture.host_reads for v in read(inputs)]
+                device_values = [v for m in capture.metrics for v in m.compute(inputs)]
+            host_values = [v for m in capture.metrics for v in m.read_host(inputs)]
             if len(device_values) != capture.layout.device_width or len(host_values) != capture.layout.host_width:
                 raise ConfigError(_width_mismatch(capture.metrics, inputs))
             flusher = capture.flusher

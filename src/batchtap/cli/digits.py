@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import batchtap as bt
 from batchtap._optional import require
+from batchtap.cli._common import DEFAULT_DB
 
 __all__ = ["DigitsCNN", "load_digits", "train", "evaluate"]
 
@@ -146,7 +147,7 @@ def train(args: argparse.Namespace) -> int:
                 say(f"batchtap demo: stopped at step {step - 1}: {tap.stop_reason}")
                 break
             say(f"batchtap demo: epoch {epoch} test accuracy {evaluate(model, test, device):.2%}")
-    show_db = "" if db == os.path.join("runs", "batchtap.db") else f" --db {db}"
+    show_db = "" if db == DEFAULT_DB else f" --db {db}"
     say(f"batchtap demo: {step} steps in {time.perf_counter() - started:.1f} s; values stored as NaN "
         f"(out of their domain): {sum(tap.anomaly_counts.values())}; `batchtap show {args.name}{show_db}` lists every event")
     say(f"batchtap demo: metrics stored in {db} (run {run.id[:8]}) and {jsonl_path}")

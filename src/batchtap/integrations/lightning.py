@@ -69,16 +69,15 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         self.config = config
         self.outputs_key = outputs_key
         self.targets = targets
-        self._run: contextlib.ExitStack | None = None
+        self._run: contextlib.AbstractContextManager[Any] | None = None  # the entered tap.run()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.tap is None:
             optimizer = trainer.optimizers[0] if trainer.optimizers else None
             self.tap = Tap(optimizer=optimizer, model=pl_module)
         config = self.config if self.config is not None else dict(getattr(pl_module, "hparams", {}) or {})
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.tap.run(name=self.name or type(pl_module).__name__, config=config))
-        self._run = stack
+        self._run = self.tap.run(name=self.name or type(pl_module).__name__, config=config)
+        self._run.__enter__()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         tap = self.tap
@@ -111,10 +110,7 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
     def _end(self, exc: BaseException | None) -> None:
         run, self._run = self._run, None
         if run is not None:
-            if exc is None:
-                run.close()
-            else:
-                run.__exit__(type(exc), exc, exc.__traceback__)
+            run.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
         if self._own_tap and self.tap is not None:
             self.tap.close()
             self.tap = None

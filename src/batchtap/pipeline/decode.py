@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import math
 from batchtap.capture.flush import BlockData
-from batchtap.metrics.base import Metric, StepTiming
+from batchtap.metrics.base import StepTiming
 from batchtap.metrics.layout import Layout
 from batchtap.records import Event, EventKind, Record
 
@@ -40,17 +40,13 @@ class Decoder:
         self.run_id = run_id
         self.rank = rank
         self.anomaly_counts: collections.Counter[str] = collections.Counter()
-        # Per metric, made once: its column ranges, whether it checks inputs at all, and per output
-        # the bounds for the in-domain fast path (a block holds flush_every rows x every value).
+        # Per metric, made once: its outputs and the column ranges of its raw values.
         self._spans = [
             (
                 span.metric,
-                span.device_offset,
-                span.device_offset + span.metric.device_width,
-                span.host_offset,
-                span.host_offset + span.metric.host_width,
-                type(span.metric).input_error is not Metric.input_error,
-                [(o, o.domain.low, o.domain.high, o.domain.finite) for o in span.outputs],
+                span.outputs,
+                slice(span.device_offset, span.device_offset + span.metric.device_width),
+                slice(span.host_offset, span.host_offset + span.metric.host_width),
             )
             for span in layout.spans
         ]
@@ -65,24 +61,20 @@ class Decoder:
             step, wall, dev_row, host_row = steps[i], walls[i], dev[i], host[i]
             timing = StepTiming(samples[i], step_times[i], data_times[i])
             values: dict[str, float] = {}
-            for metric, d0, d1, h0, h1, checks_inputs, outputs in self._spans:
-                raw = dev_row[d0:d1] + host_row[h0:h1]
-                if checks_inputs:
-                    problem = metric.input_error(raw)
-                    if problem is not None:
-                        message = f"step {step}: {problem}"
-                        out.input_errors.append(message)
-                        for output, *_ in outputs:
-                            values[output.name] = math.nan
-                            self.anomaly_counts[output.name] += 1
-                            out.events.append(self._event(step, wall, output.name, None, message))
-                        continue
-                for (output, low, high, finite), value in zip(outputs, metric.finalize(raw, timing), strict=True):
+            for metric, outputs, device_cols, host_cols in self._spans:
+                raw = dev_row[device_cols] + host_row[host_cols]
+                problem = metric.input_error(raw)
+                if problem is not None:
+                    message = f"step {step}: {problem}"
+                    out.input_errors.append(message)
+                    for output in outputs:
+                        values[output.name] = math.nan
+                        self.anomaly_counts[output.name] += 1
+                        out.events.append(self._event(step, wall, output.name, None, message))
+                    continue
+                for output, value in zip(outputs, metric.finalize(raw, timing), strict=True):
                     if value is None:
                         continue  # not measured at this step (e.g. no watched loader)
-                    if low <= value <= high and (not finite or -math.inf < value < math.inf):
-                        values[output.name] = value  # the common case: inside the domain
-                        continue
                     why = output.domain.violation(value)
                     if why is None:
                         values[output.name] = value
