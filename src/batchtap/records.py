@@ -37,6 +37,8 @@ class Record:
         wall_time: ``time.time()`` when ``Tap.step()`` was called for this step.
         values: metric name -> float. A value that failed validation is ``nan`` here; its raw value
             is kept in an anomaly :class:`Event`.
+        sparse: a value logged with ``Tap.log()`` (evaluation, epoch-level) rather than a captured
+            training step: it holds only the names logged together, at the step they refer to.
 
     Example:
         >>> r = Record("r1", step=3, epoch=0, batch=3, rank=0, wall_time=0.0, values={"loss": 0.5})
@@ -51,6 +53,7 @@ class Record:
     rank: int
     wall_time: float
     values: Mapping[str, float]
+    sparse: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A flat JSON-friendly dict: the position fields followed by the metric values."""
@@ -62,6 +65,8 @@ class Record:
             "rank": self.rank,
             "wall_time": self.wall_time,
         }
+        if self.sparse:
+            out["sparse"] = True
         out.update(self.values)
         return out
 
@@ -72,6 +77,7 @@ class EventKind(str, enum.Enum):
     ANOMALY = "anomaly"  #: a value outside its metric's domain (NaN, inf, accuracy > 1, ...)
     ACTION = "action"  #: something a rule did (stop, rollback, batch-size change, ...)
     WARNING = "warning"  #: the library itself had to degrade (a sink failed, the queue blocked, ...)
+    SKIP = "skip"  #: the optimizer skipped the step (AMP GradScaler found inf/NaN gradients): expected, not an anomaly
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ Example:
 """
 
 from batchtap.metrics import functional
-from batchtap.metrics.base import Metric, StepInputs, StepTiming
+from batchtap.metrics.base import Combine, Metric, StepInputs, StepTiming
 from batchtap.metrics.builtin import (
     Accuracy,
     Custom,
@@ -27,6 +27,7 @@ __all__ = [
     "Metric",
     "StepInputs",
     "StepTiming",
+    "Combine",
     "Loss",
     "Accuracy",
     "LearningRate",

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
+import math
 from collections.abc import Mapping, Sequence
 from typing import ClassVar, Literal
 
@@ -21,9 +23,23 @@ import torch
 
 from batchtap.metrics.domain import Output
 
-__all__ = ["Metric", "StepInputs", "StepTiming", "Requirement"]
+__all__ = ["Metric", "StepInputs", "StepTiming", "Requirement", "Combine"]
 
 Requirement = Literal["loss", "outputs", "targets"]
+
+
+class Combine(str, enum.Enum):
+    """How one device column of a metric combines over the micro-batches of an optimizer step
+    (``Tap.accumulate``): on the device, before the step's row is written.
+
+    ``MEAN`` is sample-weighted: each micro-batch's value is multiplied by its sample count, summed,
+    and divided by the step's total samples.
+    """
+
+    SUM = "sum"
+    MEAN = "mean"
+    MAX = "max"
+    MIN = "min"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,6 +51,8 @@ class StepInputs:
     targets: torch.Tensor | None
     batch_size: float  #: samples in the batch (NaN when no tensor tells)
     extra: Mapping[str, torch.Tensor | float] = dataclasses.field(default_factory=dict)
+    #: the gradient norm the loop computed itself (``clip_grad_norm_``'s return value), if passed
+    grad_norm: torch.Tensor | float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,11 +63,14 @@ class StepTiming:
         samples: samples in the batch.
         step_time: seconds of compute for the step (device events on CUDA, host clock on CPU).
         data_time: seconds the loop waited for the batch (NaN when no loader is watched).
+        tokens: tokens of the step when the loop passed ``tokens=`` (NaN otherwise); throughput
+            counts them instead of samples.
     """
 
     samples: float
     step_time: float
     data_time: float
+    tokens: float = math.nan
 
 
 class Metric(abc.ABC):
@@ -67,6 +88,27 @@ class Metric(abc.ABC):
     device_width: int = 0
     #: number of floats returned by :meth:`read_host`
     host_width: int = 0
+    #: the value is computed from gradients: on a step the AMP GradScaler skipped (inf/NaN
+    #: gradients), a non-finite value is expected and left out of the record instead of flagged
+    gradient_based: ClassVar[bool] = False
+
+    @property
+    def per_micro_batch(self) -> bool:
+        """Whether :meth:`compute` runs once per micro-batch (``Tap.accumulate``) rather than once
+        per optimizer step: true for metrics of the micro-batch's loss, outputs or targets."""
+        return bool(self.requires)
+
+    def combine(self) -> tuple[Combine, ...]:
+        """How each device column combines over micro-batches (one entry per device column).
+
+        Default: sample-weighted mean of every column.
+        """
+        return (Combine.MEAN,) * self.device_width
+
+    def applies(self, inputs: StepInputs) -> bool:
+        """Whether this metric makes sense for inputs like these (used to pick the *default*
+        metrics at a run's first step, e.g. no accuracy for regression targets). Metadata only."""
+        return self.requires <= {k for k in ("loss", "outputs", "targets") if getattr(inputs, k) is not None}
 
     @abc.abstractmethod
     def outputs(self) -> tuple[Output, ...]:
@@ -89,6 +131,19 @@ class Metric(abc.ABC):
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         """Turn raw columns (device then host) into the reported values."""
         return list(raw)
+
+    def warning(self, raw: Sequence[float]) -> str | None:
+        """A message when the raw columns show the value could not be measured at this step for a
+        reason the user should fix (e.g. no gradient existed when ``Tap.step`` ran), else None.
+
+        Reported as one warning event per run and metric; :meth:`finalize` leaves the value out.
+        """
+        return None
+
+    def skipped(self, raw: Sequence[float]) -> bool:
+        """Whether the raw columns show the optimizer skipped this step (AMP GradScaler found
+        inf/NaN gradients). Such a step is reported as a ``skip`` event, not as anomalies."""
+        return False
 
     def input_error(self, raw: Sequence[float]) -> str | None:
         """A message when the raw columns show the step's inputs were invalid in a way only their
