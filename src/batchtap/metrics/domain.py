@@ -66,6 +66,8 @@ class Reduce(str, enum.Enum):
     MEAN = "mean"
     MAX = "max"
     MIN = "min"
+    #: root of the summed squares: a norm whose parts live on different ranks (sharded gradients)
+    L2 = "l2"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -11,7 +11,8 @@ decisions everywhere. Values combine by their metric's :class:`~batchtap.metrics
 
 * ``MEAN`` — weighted by each rank's samples: global accuracy = total correct / total samples,
   exact for uneven per-rank batches;
-* ``SUM`` (throughput), ``MAX`` (step time, grad norm, lr), ``MIN``.
+* ``SUM`` (throughput), ``MAX`` (step time, grad norm, lr), ``MIN``;
+* ``L2`` — the root of the summed squares: the global norm of gradients sharded over ranks.
 
 A global record also carries the straggler view: ``slowest_rank``, and ``step_time_spread`` (slowest
 over fastest rank's step time).
@@ -134,6 +135,8 @@ class Reducer:
                 values[output.name] = float(column.sum())
             elif output.reduce is Reduce.MAX:
                 values[output.name] = float(column.max())
+            elif output.reduce is Reduce.L2:
+                values[output.name] = float(np.sqrt(np.square(column).sum()))
             else:
                 values[output.name] = float(column.min())
         times = table[:, 2]
