@@ -53,6 +53,9 @@ class StepInputs:
     extra: Mapping[str, torch.Tensor | float] = dataclasses.field(default_factory=dict)
     #: the gradient norm the loop computed itself (``clip_grad_norm_``'s return value), if passed
     grad_norm: torch.Tensor | float | None = None
+    #: the run's capture device (set by the Tap; metrics without tensor inputs, e.g. a gradient
+    #: norm at the end of an accumulated step, put their values there)
+    device: torch.device | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
