@@ -125,8 +125,19 @@ def test_bad_metric_configuration() -> None:
         bt.metrics.LearningRate({})
 
 
-def test_run_config_must_be_json() -> None:
+def test_run_config_that_json_cannot_hold_is_stored_as_repr_with_a_warning() -> None:
+    # Issue 11: everyday config objects are stored, never a raw TypeError; what JSON cannot hold is
+    # stored as its repr and named in a warning event.
+    sink = ListSink()
+    with bt.Tap(sinks=[sink]) as tap:
+        with tap.run(config={"model": object(), "lr": 0.1}) as info:
+            pass
+    assert info.config["lr"] == 0.1 and info.config["model"].startswith("<object object")
+    assert any(e.kind is bt.EventKind.WARNING and "model" in e.message for e in sink.events)
+
+
+def test_run_config_that_is_not_a_mapping_is_refused() -> None:
     with bt.Tap(sinks=[]) as tap:
-        with pytest.raises(bt.ConfigError, match="run config must be JSON-serialisable"):
-            with tap.run(config={"model": object()}):
+        with pytest.raises(bt.ConfigError, match="config must be a mapping, an argparse.Namespace or a dataclass"):
+            with tap.run(config=[("lr", 0.1)]):
                 pass

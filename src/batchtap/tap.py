@@ -23,32 +23,39 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import signal
 import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from batchtap import _env
+from batchtap._config import to_json_config
+from batchtap._defaults import store_url
+from batchtap.capture.accumulate import MicroBatches
 from batchtap.capture.clock import StepClock, clock_for
 from batchtap.capture.flush import Flusher
 from batchtap.capture.guard import LossGuard
 from batchtap.capture.loader import timed_batches
+from batchtap.capture.logged import Logged
 from batchtap.capture.ring import MetricRing
 from batchtap.errors import ConfigError, DistributedError, InputError, RunStateError
 from batchtap.metrics.base import Metric, StepInputs
-from batchtap.metrics.builtin import Extra, default_metrics
+from batchtap.metrics.builtin import Extra, GradNorm, default_metrics
 from batchtap.metrics.layout import Layout
 from batchtap.pipeline import _dist
 from batchtap.pipeline.decode import Decoded, Decoder
@@ -66,6 +73,7 @@ from batchtap.sinks.base import Sink
 __all__ = ["Tap"]
 
 T = TypeVar("T")
+log = logging.getLogger("batchtap")
 
 #: Record fields that metric and extra names may not shadow.
 RESERVED_NAMES = frozenset({"run_id", "step", "epoch", "batch", "rank", "wall_time"})
@@ -84,7 +92,22 @@ class _Capture:
     guard: LossGuard | None
     pipeline: RunPipeline
     autocast_device: str
+    micro: MicroBatches  # device sums of the open optimizer step's micro-batches (accumulate())
+    device_metrics: list[Metric]  # every metric in device-column order (a plain step)
+    step_metrics: list[Metric]  # metrics computed once per optimizer step, in device-column order
+    host_spans: list[tuple[Metric, bool]]  # every metric in host-column order, and whether per micro-batch
     checked: tuple[Any, ...] | None = None  # signature of the last inputs that passed the checks
+    checked_micro: tuple[Any, ...] | None = None  # ... of the last accumulate() inputs
+
+    @property
+    def step_metrics_all(self) -> list[Metric]:
+        """The metrics an accumulated step's ``step()`` call feeds (device or host columns)."""
+        return [m for m in self.metrics if not m.per_micro_batch]
+
+
+def _eager(method: T) -> T:
+    """Exclude ``method`` from torch.compile tracing (``torch.compiler.disable``)."""
+    return torch.compiler.disable(method)  # type: ignore[arg-type,return-value]
 
 
 class _Terminated(BaseException):
@@ -119,6 +142,8 @@ class _RunState:
     data_time: float = math.nan
     capture: _Capture | None = None
     group: _Group | None = None  # process-group facts, None outside a process group
+    micro: MicroBatches | None = None  # accumulate() before the run's first step() made the capture
+    sigterm_handler: Any = None  # the SIGTERM handler run() replaced, restored at its end
 
 
 class Tap:
@@ -128,7 +153,9 @@ class Tap:
         metrics: what to measure. Default: :func:`batchtap.metrics.default_metrics` (loss, top-1
             accuracy, timings, throughput, memory, plus lr and grad norm when ``optimizer`` /
             ``model`` are given); default metrics whose inputs a step lacks are dropped.
-        sinks: where records go. Default: a :class:`~batchtap.sinks.Console`. ``[]`` for none.
+        sinks: where records go. Default: the SQLite store ``$BATCHTAP_DB`` (else
+            ``runs/batchtap.db``; a ``postgresql://`` URL there means PostgreSQL) plus a
+            :class:`~batchtap.sinks.Console`, so ``batchtap runs`` shows the run. ``[]`` for none.
         flush_every: copy captured rows to the host after this many recorded steps.
         flush_seconds: ... or when the oldest unflushed row is this many seconds old.
         sample_every: record every N-th batch (and always the last batch of a watched epoch).
@@ -138,8 +165,13 @@ class Tap:
         extras: names of values passed later as ``step(extra=...)``, mapped to ``"tensor"`` or
             ``"number"`` (a plain sequence means tensors). Extras seen at the first step are added
             automatically.
-        optimizer: adds :class:`~batchtap.metrics.LearningRate` to the default metrics.
-        model: adds :class:`~batchtap.metrics.GradNorm` to the default metrics.
+        optimizer: adds :class:`~batchtap.metrics.LearningRate` to the default metrics; a mapping
+            ``{"g": opt_g, "d": opt_d}`` adds one per optimizer (``lr_g``, ``lr_d``).
+        model: adds :class:`~batchtap.metrics.GradNorm` to the default metrics (a mapping: one
+            per model, ``grad_norm_g``...).
+        scaler: an AMP ``GradScaler``: adds :class:`~batchtap.metrics.LossScale` (the loss scale,
+            and each step the scaler skipped, as a ``skip`` event instead of anomalies) and makes
+            the gradient norm unscaled.
         queue_size: blocks queued per sink before ``backpressure`` applies.
         backpressure: ``"block"`` (lose nothing) or ``"drop_oldest"`` (never wait on sinks).
         rules: anomaly rules (see :mod:`batchtap.rules`), run on the pipeline thread on every
@@ -154,6 +186,9 @@ class Tap:
             besides the reduced ones.
         collective_timeout: seconds a cross-rank exchange may take before the run fails with
             :class:`~batchtap.DistributedError` instead of hanging (a rank died or stalled).
+        exit_timeout: at interpreter exit, a run still open (``start()`` without ``finish()``)
+            is ended as ``failed``; its captured steps are stored if the sinks take them within
+            this many seconds, and the process exits either way.
 
     In an initialized ``torch.distributed`` process group every rank runs the same code: rows are
     flushed at the same steps (``flush_seconds`` is not used there), reduced over ranks on
@@ -172,8 +207,9 @@ class Tap:
         capacity: int | None = None,
         nan_guard: bool = True,
         extras: Mapping[str, Literal["tensor", "number"]] | Sequence[str] = (),
-        optimizer: torch.optim.Optimizer | None = None,
-        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer] | None = None,
+        model: torch.nn.Module | Mapping[str, torch.nn.Module] | None = None,
+        scaler: Any = None,
         queue_size: int = 64,
         backpressure: Backpressure = "block",
         rules: Sequence[RuleLike] = (),
@@ -182,6 +218,7 @@ class Tap:
         handle_sigterm: bool = True,
         per_rank_rows: bool = False,
         collective_timeout: float = 300.0,
+        exit_timeout: float = 10.0,
     ) -> None:
         _check_int("flush_every", flush_every, 1)
         _check_int("sample_every", sample_every, 1)
@@ -214,13 +251,11 @@ class Tap:
         self._inbox: collections.deque[tuple[list[Decision], int]] = collections.deque()
         self._applied = 0  # inbox messages applied so far in this run
         self._auto_metrics = metrics is None
-        self._metrics = list(default_metrics(optimizer, model) if metrics is None else metrics)
+        self._metrics = list(default_metrics(optimizer, model, **({"scaler": scaler} if scaler is not None else {})) if metrics is None else metrics)  # SHIM
         _check_metrics(self._metrics)
         self._declared_extras = _declared_extras(extras, self._metrics)
         if sinks is None:
-            from batchtap.sinks.console import Console
-
-            sinks = [Console()]
+            sinks = _default_sinks()
         for sink in sinks:
             if not callable(getattr(sink, "write", None)):
                 raise ConfigError(f"sinks must be batchtap.sinks.Sink objects, got {type(sink).__name__}")
@@ -240,19 +275,24 @@ class Tap:
         self._local_stop: tuple[str, int] | None = None  # (reason, step) not yet agreed across ranks
         self._pending_error: BaseException | None = None
         self._closed = False
+        self.exit_timeout = float(exit_timeout)
         self.steps_recorded = 0  #: rows captured in the current (or last) run
+        _OPEN_AT_EXIT.add(self)  # weak: a run left open at interpreter exit is ended, never hangs
 
     # ------------------------------------------------------------------ life cycle
 
     @contextlib.contextmanager
     def run(
-        self, name: str | None = None, *, config: Mapping[str, Any] | None = None, resume: str | None = None
+        self, name: str | None = None, *, config: Any = None, resume: str | None = None
     ) -> Iterator[RunInfo]:
         """Context of one training run. Leaving it, however it is left, stores every captured step.
 
         Args:
-            name: a label for the run (several runs may share one).
-            config: JSON-serialisable settings stored with the run.
+            name: a label for the run (several runs may share one). Resuming without a name keeps
+                the stored run's name.
+            config: settings stored with the run: a mapping, an ``argparse.Namespace`` or a
+                dataclass; paths, enums, dtypes and devices are stored as text, anything else that
+                JSON cannot hold as its ``repr`` (with a warning).
             resume: id of an earlier run to continue: the run keeps that id and its step count
                 continues after the last step a sink (SQLite, PostgreSQL) has stored, so a restart
                 after a crash neither duplicates nor skips keys.
@@ -260,21 +300,58 @@ class Tap:
         Yields:
             the run's :class:`~batchtap.RunInfo`.
         """
+        info = self.start(name, config=config, resume=resume)
+        status, reason = RunStatus.FINISHED, None
+        terminated = False
+        try:
+            yield info
+        except _Terminated:
+            status, reason, terminated = RunStatus.STOPPED, "SIGTERM", True
+        except KeyboardInterrupt:
+            status, reason = RunStatus.STOPPED, "KeyboardInterrupt"
+            raise
+        except BaseException as exc:
+            status, reason = RunStatus.FAILED, f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if self._state is not None and self._state.info is info:  # not ended at interpreter exit
+                self.finish(status, reason=reason)
+        if terminated:
+            # Everything is stored: now end the way SIGTERM ends this process without us.
+            self.close()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def start(self, name: str | None = None, *, config: Any = None, resume: str | None = None) -> RunInfo:
+        """Begin a run without a ``with`` block (a script-level loop, a notebook); end it with
+        :meth:`finish`. Arguments as for :meth:`run`.
+
+        A run still open at interpreter exit is ended as ``failed`` (bounded by ``exit_timeout``).
+
+        Example:
+            >>> import torch, batchtap as bt
+            >>> tap = bt.Tap(sinks=[])
+            >>> info = tap.start(name="script")
+            >>> tap.step(loss=torch.tensor(0.5))
+            >>> tap.finish()
+            >>> tap.close()
+        """
         if self._closed:
             raise RunStateError("this Tap is closed; make a new one")
         if self._state is not None:
             raise RunStateError(f"run {self._state.info.name!r} is still active; runs of one Tap cannot nest")
-        config = dict(config or {})
         try:
-            json.dumps(config)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"run config must be JSON-serialisable: {exc}; convert values to str/float/int") from exc
+            config_json, as_repr = to_json_config(config)
+        except TypeError as exc:
+            raise ConfigError(str(exc)) from None
         started = time.time()
-        first_step = 0 if resume is None else self._resume_point(resume)
+        stored_name = None
+        first_step = 0
+        if resume is not None:
+            first_step, stored_name = self._resume_point(resume)
         info = RunInfo(
             id=resume or uuid.uuid4().hex,
-            name=name or time.strftime("run-%Y%m%d-%H%M%S", time.localtime(started)),
-            config=config,
+            name=name or stored_name or time.strftime("run-%Y%m%d-%H%M%S", time.localtime(started)),
+            config=config_json,
             started_at=started,
             world_size=_dist.world_size(),
             environment=_env.environment(),
@@ -289,31 +366,41 @@ class Tap:
             self._engine.reset()
         self.steps_recorded = 0
         self._harvester.start_run(dataclasses.replace(info), writes=self._writes(self._state))
-        status, reason = RunStatus.FINISHED, None
-        terminated = False
-        previous_handler = self._catch_sigterm()
+        if as_repr:
+            message = (
+                f"config values stored as their repr (JSON cannot hold them): {', '.join(as_repr)}; "
+                "pass str/int/float/bool/list/dict values to store them as such"
+            )
+            log.warning("batchtap: %s", message)
+            self._send(self._state, [Event(info.id, first_step, EventKind.WARNING, message, started)])
+        self._state.sigterm_handler = self._catch_sigterm()
+        return info
+
+    def finish(
+        self,
+        status: RunStatus | Literal["finished", "failed", "stopped"] = RunStatus.FINISHED,
+        *,
+        reason: str | None = None,
+    ) -> None:
+        """End the run begun with :meth:`start`: every captured step is stored before it returns.
+
+        Args:
+            status: how the run ended. A run that a stop rule or the NaN guard stopped is stored as
+                ``stopped`` with that reason, whatever ``finished`` says.
+            reason: why it failed or stopped, stored with the run.
+        """
+        state = self._require_run("finish()")
+        status = RunStatus(status)
+        if status is RunStatus.RUNNING:
+            raise ConfigError("finish() needs a final status: 'finished', 'failed' or 'stopped'")
+        if status is RunStatus.FINISHED and self._stop_reason is not None:
+            status, reason = RunStatus.STOPPED, self._stop_reason
+        handler, state.sigterm_handler = state.sigterm_handler, None
         try:
-            yield info
-        except _Terminated:
-            status, reason, terminated = RunStatus.STOPPED, "SIGTERM", True
-        except KeyboardInterrupt:
-            status, reason = RunStatus.STOPPED, "KeyboardInterrupt"
-            raise
-        except BaseException as exc:
-            status, reason = RunStatus.FAILED, f"{type(exc).__name__}: {exc}"
-            raise
+            self._finish(status, reason)
         finally:
-            if status is RunStatus.FINISHED and self._stop_reason is not None:
-                status, reason = RunStatus.STOPPED, self._stop_reason
-            try:
-                self._finish(status, reason)
-            finally:
-                if previous_handler is not None:
-                    signal.signal(signal.SIGTERM, previous_handler)
-        if terminated:
-            # Everything is stored: now end the way SIGTERM ends this process without us.
-            self.close()
-            os.kill(os.getpid(), signal.SIGTERM)
+            if handler is not None:
+                signal.signal(signal.SIGTERM, handler)
 
     def _catch_sigterm(self) -> Any:
         """Install the SIGTERM handler for a run; returns the previous one (None when not installed)."""
@@ -325,8 +412,9 @@ class Tap:
 
         return signal.signal(signal.SIGTERM, on_sigterm)
 
-    def _resume_point(self, run_id: str) -> int:
-        """The first step of a resumed run: one after the last step any sink has stored."""
+    def _resume_point(self, run_id: str) -> tuple[int, str | None]:
+        """The first step of a resumed run (one after the last step any sink has stored) and the
+        name the run was stored under."""
         self._dispatcher.flush()  # sink workers idle: the sinks can be asked directly
         stored = [s for s in (sink.last_step(run_id) for sink in self.sinks) if s is not None]
         if not stored:
@@ -334,9 +422,10 @@ class Tap:
                 f"cannot resume run {run_id!r}: no sink has stored a step of it; resume needs a sink "
                 "that can tell (bt.sinks.SQLite or bt.sinks.Postgres) holding that run"
             )
-        return max(stored) + 1
+        names = [n for n in (sink.run_name(run_id) for sink in self.sinks) if n is not None]
+        return max(stored) + 1, (names[0] if names else None)
 
-    def _finish(self, status: RunStatus, reason: str | None) -> None:
+    def _finish(self, status: RunStatus, reason: str | None, *, timeout: float | None = None) -> None:
         state = self._state
         assert state is not None
         try:
@@ -356,10 +445,28 @@ class Tap:
             state.info.ended_at = time.time()
             self._harvester.end_run(dataclasses.replace(state.info), writes=self._writes(state))
             # sync: end of run — every captured step must reach the sinks before run() returns.
-            self._harvester.drain()
-            self._dispatcher.flush()
+            if self._harvester.drain(timeout):
+                self._dispatcher.flush(timeout=timeout)
+            else:
+                log.warning("batchtap: run %r ended without every captured step stored (pipeline did not drain "
+                            "within %s s)", state.info.name, timeout)
         finally:
             self._state = None
+
+    def _end_at_exit(self) -> None:
+        """Interpreter exit with a run still open: end it as failed, waiting at most ``exit_timeout``."""
+        state = self._state
+        if state is None or self._closed:
+            return
+        state.sigterm_handler = None  # signal handlers no longer matter at exit
+        try:
+            self._finish(
+                RunStatus.FAILED,
+                "the process exited with the run still open (finish() was never called)",
+                timeout=self.exit_timeout,
+            )
+        except Exception:  # never turn interpreter exit into a traceback of ours
+            log.exception("batchtap: ending the open run at exit failed")
 
     def close(self) -> None:
         """Stop the pipeline and close every sink. Idempotent."""
@@ -401,12 +508,16 @@ class Tap:
                 state.batch = index
                 state.data_time = data_time
                 state.sampled = index % self.sample_every == 0 or is_last
-                if state.sampled:
-                    self._arm_start(state)
+                micro = state.capture.micro if state.capture is not None else state.micro
+                if state.sampled and (micro is None or micro.count == 0):
+                    self._arm_start(state)  # an optimizer step starts with its first micro-batch
                 yield batch
         finally:
             state.watching = False
 
+    # Runs eagerly inside a torch.compile'd function too: traced, dynamo would guard on the step
+    # counter and recompile every step (host arrays and events cannot be traced anyway).
+    @_eager
     def step(
         self,
         loss: torch.Tensor | None = None,
@@ -415,17 +526,26 @@ class Tap:
         targets: torch.Tensor | None = None,
         extra: Mapping[str, torch.Tensor | float] | None = None,
         batch_size: int | None = None,
+        tokens: int | None = None,
+        grad_norm: torch.Tensor | float | None = None,
         epoch: int | None = None,
         batch: int | None = None,
     ) -> None:
-        """Capture one training step. Launches device ops only; never reads a device value.
+        """Capture one optimizer step. Launches device ops only; never reads a device value.
+
+        With gradient accumulation, pass each micro-batch to :meth:`accumulate` and call
+        ``step()`` once per optimizer step without ``loss``/``outputs``/``targets``.
 
         Args:
-            loss: the 0-dim loss tensor of the step.
-            outputs: model outputs (class scores for accuracy).
-            targets: targets (class indices for accuracy).
+            loss: the 0-dim loss tensor of the step (the unscaled loss, not ``loss / accum``).
+            outputs: model outputs (class scores for accuracy: ``[N, C]``, ``[N, C, d...]`` or
+                ``[B, T, V]`` sequence logits).
+            targets: targets (class indices for accuracy; ``-100`` entries are ignored).
             extra: further values to record: 0-dim tensors or Python numbers.
             batch_size: samples in the batch (default: ``outputs.shape[0]``).
+            tokens: tokens in the batch; throughput then counts tokens per second.
+            grad_norm: the gradient norm the loop computed, e.g. what ``clip_grad_norm_``
+                returned (the norm before clipping): recorded as ``grad_norm``.
             epoch: epoch number, when no loader is watched.
             batch: batch index within the epoch, when no loader is watched.
 
@@ -439,6 +559,13 @@ class Tap:
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
             raise error
+        micro = state.capture.micro if state.capture is not None else state.micro
+        accumulated = micro is not None and micro.count > 0
+        if accumulated and (loss is not None or outputs is not None or targets is not None):
+            raise InputError(
+                "step() got loss/outputs/targets after accumulate() calls in the same optimizer step; pass "
+                "every micro-batch (the last one too) to accumulate() and call step() without them"
+            )
         if state.watching:
             ep, index, sampled, data_time = state.epoch, state.batch, state.sampled, state.data_time
         else:
@@ -448,8 +575,15 @@ class Tap:
             ep = epoch
         if batch is not None:
             index = batch
+        if accumulated:
+            assert micro is not None
+            sampled, data_time = True, micro.data_time  # accumulate() only sums sampled steps
         if sampled:
-            self._capture_step(state, loss, outputs, targets, extra or {}, batch_size, ep, index, data_time)
+            self._capture_step(
+                state, loss, outputs, targets, extra or {}, batch_size, tokens, grad_norm, ep, index, data_time, micro
+            )
+        if micro is not None:
+            micro.reset()
         state.step += 1
         capture = state.capture
         if capture is None:
@@ -469,6 +603,121 @@ class Tap:
         if not state.watching and state.step % self.sample_every == 0:
             self._arm_start(state)  # last, so the next step's time excludes our own flush
 
+    # Runs eagerly inside a torch.compile'd function too: traced, dynamo would guard on the step
+    # counter and recompile every step (host arrays and events cannot be traced anyway).
+    @_eager
+    def accumulate(
+        self,
+        loss: torch.Tensor | None = None,
+        *,
+        outputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        batch_size: int | None = None,
+        tokens: int | None = None,
+    ) -> None:
+        """Add one micro-batch to the optimizer step that the next :meth:`step` call closes.
+
+        Sums stay on the device (no host read). The step's record then holds the sample-weighted
+        mean of the micro-batch losses, accuracy over every counted target of every micro-batch,
+        ``step_time`` from the first micro-batch's start to ``step()``, throughput over all of the
+        step's samples (or ``tokens``), and the summed loader wait.
+
+        Pass the *unscaled* loss: nanoGPT-style loops divide it by the number of micro-batches
+        for ``backward()``; give batchtap the loss before that division.
+
+        Example:
+            >>> import torch, batchtap as bt
+            >>> tap = bt.Tap(sinks=[])
+            >>> with tap, tap.run():
+            ...     for micro_loss in (torch.tensor(1.0), torch.tensor(3.0)):
+            ...         tap.accumulate(loss=micro_loss, batch_size=8)
+            ...     tap.step()
+            >>> tap.steps_recorded
+            1
+        """
+        state = self._require_run("accumulate()")
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise error
+        if state.step % self.sample_every != 0:
+            return  # this optimizer step is not sampled
+        samples = _samples(batch_size, outputs, targets)
+        if tokens is not None:
+            _check_count("tokens", tokens)
+        inputs = StepInputs(loss, outputs, targets, samples, {})
+        capture = state.capture
+        micro = capture.micro if capture is not None else state.micro
+        if micro is None:
+            device = _device_of(inputs)
+            inputs = dataclasses.replace(inputs, device=device)
+            state.micro = micro = MicroBatches(self._select_metrics(inputs, micro=True), device)
+        else:
+            inputs = dataclasses.replace(inputs, device=micro.device)
+        signature = _signature(inputs)
+        if capture is None or signature != capture.checked_micro:
+            self._check_inputs_fully(inputs, micro.metrics, micro.device, "accumulate()")
+            if not micro.metrics and loss is None:
+                raise InputError("accumulate() got nothing to measure; pass the micro-batch's loss (and outputs/targets)")
+            if capture is not None:
+                capture.checked_micro = signature
+        if state.watching:
+            micro.add_data_time(state.data_time)
+        with torch.no_grad():
+            values = self._compute(micro.metrics, inputs, _autocast_device(micro.device))
+            for metric in micro.metrics:
+                if metric.host_width:
+                    micro.host[id(metric)] = metric.read_host(inputs)
+            micro.add(values, samples=samples, tokens=tokens)
+
+    @_eager
+    def log(self, values: Mapping[str, torch.Tensor | float], *, step: int | None = None) -> None:
+        """Record values that are not per training step: evaluation, epoch summaries, anything.
+
+        Any name, first seen at any step; stored in the same store as their own rows (not as
+        columns of every step), shown by ``batchtap show/plot/export`` and sent to TensorBoard.
+        Tensors are copied to the host asynchronously: no host read here either.
+
+        In a process group every rank may call it; rank 0's values are stored (reduce evaluation
+        values over ranks yourself, e.g. with ``all_reduce``, before logging them).
+
+        Args:
+            values: name -> Python number or 0-dim tensor.
+            step: the training step the values belong to (default: the last captured step).
+
+        Example:
+            >>> import torch, batchtap as bt
+            >>> tap = bt.Tap(sinks=[])
+            >>> with tap, tap.run():
+            ...     tap.step(loss=torch.tensor(0.7))
+            ...     tap.log({"val_loss": 0.31, "val_acc": torch.tensor(0.9)})
+        """
+        state = self._require_run("log()")
+        if not isinstance(values, Mapping) or not values:
+            raise InputError(f"log() takes a non-empty mapping of name -> number or 0-dim tensor, got {values!r}")
+        if step is not None:
+            _check_count("step", step, minimum=0)
+        taken = set(state.capture.layout.names) if state.capture is not None else set()
+        for name, value in values.items():
+            if not isinstance(name, str) or not name:
+                raise InputError(f"log() names must be non-empty strings, got {name!r}")
+            if name in taken or name in RESERVED_NAMES:
+                raise InputError(
+                    f"log() name {name!r} is already a per-step value or record field of this run; log it "
+                    f"under another name, e.g. 'eval_{name}'"
+                )
+            _check_scalar(f"log() value {name!r}", value)
+        if step is None:
+            step = max(state.step - 1, 0)
+        capture = state.capture
+        if capture is not None and state.group is None:
+            self._flush(capture)  # the steps before come first (a process group flushes at agreed steps only)
+        clock = capture.clock if capture is not None else None
+        logged = Logged.capture(
+            values, step=step, epoch=state.epoch, wall_time=time.time(), marker=lambda: _done_check(clock, values)
+        )
+        rank = state.group.rank if state.group else 0
+        self._harvester.logged(logged, run_id=state.info.id, rank=rank, writes=self._writes(state))
+
     def _capture_step(
         self,
         state: _RunState,
@@ -477,27 +726,50 @@ class Tap:
         targets: torch.Tensor | None,
         extra: Mapping[str, torch.Tensor | float],
         batch_size: int | None,
+        tokens: int | None,
+        grad_norm: torch.Tensor | float | None,
         epoch: int,
         batch: int,
         data_time: float,
+        micro: MicroBatches | None,
     ) -> None:
         wall = time.time()
-        samples = _samples(batch_size, outputs, targets)
-        inputs = StepInputs(loss, outputs, targets, samples, extra)
+        accumulated = micro is not None and micro.count > 0
+        if tokens is not None:
+            _check_count("tokens", tokens)
+        if grad_norm is not None:
+            _check_scalar("grad_norm", grad_norm)
+        if accumulated:
+            assert micro is not None
+            samples = micro.samples if batch_size is None else _samples(batch_size, None, None)
+            step_tokens = micro.tokens if tokens is None else float(tokens)
+        else:
+            samples = _samples(batch_size, outputs, targets)
+            step_tokens = math.nan if tokens is None else float(tokens)
+        inputs = StepInputs(loss, outputs, targets, samples, extra, grad_norm)
         capture = state.capture
         if capture is None:
-            capture = state.capture = self._setup(state, inputs)
-        self._check_inputs(capture, inputs)
+            capture = state.capture = self._setup(state, inputs, micro if accumulated else None)
+        inputs = dataclasses.replace(inputs, device=capture.device)
+        self._check_inputs(capture, inputs, accumulated)
         # no_grad: metric ops record no graph and the ring write takes tensors that require grad
         with torch.no_grad():
-            if capture.autocast_device and torch.is_autocast_enabled(capture.autocast_device):
-                # metrics in float32 whatever precision the forward pass ran in
-                with torch.autocast(capture.autocast_device, enabled=False):
-                    device_values = [v for m in capture.metrics for v in m.compute(inputs)]
+            if accumulated:
+                assert micro is not None
+                head: torch.Tensor | None = micro.result()
+                device_values = self._compute(capture.step_metrics, inputs, capture.autocast_device)
+                host_values = [
+                    v
+                    for metric, per_micro in capture.host_spans
+                    for v in (micro.host.get(id(metric), ()) if per_micro else metric.read_host(inputs))
+                ]
+                device_count = capture.micro.width + len(device_values)
             else:
-                device_values = [v for m in capture.metrics for v in m.compute(inputs)]
-            host_values = [v for m in capture.metrics for v in m.read_host(inputs)]
-            if len(device_values) != capture.layout.device_width or len(host_values) != capture.layout.host_width:
+                head = None
+                device_values = self._compute(capture.device_metrics, inputs, capture.autocast_device)
+                host_values = [v for metric, _ in capture.host_spans for v in metric.read_host(inputs)]
+                device_count = len(device_values)
+            if device_count != capture.layout.device_width or len(host_values) != capture.layout.host_width:
                 raise ConfigError(_width_mismatch(capture.metrics, inputs))
             flusher = capture.flusher
             row = flusher.rows
@@ -512,12 +784,21 @@ class Tap:
                 wall_time=wall,
                 samples=samples,
                 data_time=data_time,
+                tokens=step_tokens,
+                head=head,
             )
         capture.clock.mark_end(slot)
         if capture.guard is not None:
             capture.guard.track(slot)
         flusher.rows = row + 1
         self.steps_recorded += 1
+
+    def _compute(self, metrics: Sequence[Metric], inputs: StepInputs, autocast_device: str) -> list[torch.Tensor]:
+        """Every metric's device values, in float32 whatever precision the forward pass ran in."""
+        if autocast_device and torch.is_autocast_enabled(autocast_device):
+            with torch.autocast(autocast_device, enabled=False):
+                return [v for m in metrics for v in m.compute(inputs)]
+        return [v for m in metrics for v in m.compute(inputs)]
 
     @property
     def should_stop(self) -> bool:
@@ -568,13 +849,22 @@ class Tap:
             )
         return self._state
 
-    def _setup(self, state: _RunState, inputs: StepInputs) -> _Capture:
-        device = _device_of(inputs)
-        given = {k for k in ("loss", "outputs", "targets") if getattr(inputs, k) is not None}
+    def _select_metrics(self, inputs: StepInputs, *, micro: bool) -> list[Metric]:
+        """The per-micro-batch (``micro``) or per-step metrics of this run; default metrics whose
+        inputs the first call lacks (or that do not fit them, e.g. accuracy of float targets) are left out."""
+        chosen = [m for m in self._metrics if m.per_micro_batch == micro]
         if self._auto_metrics:
-            metrics = [m for m in self._metrics if m.requires <= given]
-        else:
-            metrics = list(self._metrics)
+            chosen = [m for m in chosen if m.applies(inputs)]
+        return chosen
+
+    def _setup(self, state: _RunState, inputs: StepInputs, micro: MicroBatches | None) -> _Capture:
+        device = micro.device if micro is not None else _device_of(inputs)
+        inputs = dataclasses.replace(inputs, device=device)
+        chosen = {id(m) for m in (micro.metrics if micro is not None else self._select_metrics(inputs, micro=True))}
+        chosen |= {id(m) for m in self._select_metrics(inputs, micro=False)}
+        metrics = [m for m in self._metrics if id(m) in chosen]
+        if inputs.grad_norm is not None and not any(isinstance(m, GradNorm) for m in metrics):
+            metrics.append(GradNorm())  # the loop's own norm (clip_grad_norm_'s return value)
         extras = dict(self._declared_extras)
         for name, value in inputs.extra.items():
             extras.setdefault(name, isinstance(value, torch.Tensor))
@@ -582,7 +872,10 @@ class Tap:
         for name in extras:
             _check_extra_name(name, taken)
         metrics += [Extra(name, on_device=on_device) for name, on_device in extras.items()]
+        _check_metrics(metrics)
         layout = Layout(metrics)
+        if micro is None:
+            micro = MicroBatches([sp.metric for sp in layout.device_order if sp.metric.per_micro_batch], device)
         ring = MetricRing(
             capacity=self.capacity,
             device_width=layout.device_width,
@@ -608,42 +901,58 @@ class Tap:
         self._last_decoder = decoder
         state.info.metrics = layout.names
         state.info.environment["device"] = str(device)  # known from the first step; stored with the run's end
-        autocast_device = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else ""
-        return _Capture(device, metrics, layout, ring, clock, flusher, guard, pipeline, autocast_device)
+        autocast_device = _autocast_device(device)
+        state.micro = None  # the capture owns it from here
+        return _Capture(
+            device, metrics, layout, ring, clock, flusher, guard, pipeline, autocast_device,
+            micro=micro,
+            device_metrics=[sp.metric for sp in layout.device_order],
+            step_metrics=[sp.metric for sp in layout.device_order if not sp.metric.per_micro_batch],
+            host_spans=[(m, m.per_micro_batch) for m in metrics],
+        )
 
-    def _check_inputs(self, capture: _Capture, inputs: StepInputs) -> None:
+    def _check_inputs(self, capture: _Capture, inputs: StepInputs, accumulated: bool) -> None:
         # Checks read metadata only, so inputs shaped like the last valid step's pass unchecked:
         # the signature costs a few attribute reads, the checks a few dozen microseconds.
-        signature = _signature(inputs)
+        signature = (_signature(inputs), accumulated)
         if signature == capture.checked:
             return
-        self._check_inputs_fully(capture, inputs)
+        metrics = capture.step_metrics_all if accumulated else capture.metrics
+        self._check_inputs_fully(inputs, metrics, capture.device)
+        if inputs.grad_norm is not None and not any(isinstance(m, GradNorm) for m in capture.metrics):
+            raise InputError(
+                "grad_norm= was not passed at the run's first step, which fixes the columns; pass it from "
+                "the first step on, or add bt.metrics.GradNorm() to the Tap's metrics"
+            )
         capture.checked = signature
 
-    def _check_inputs_fully(self, capture: _Capture, inputs: StepInputs) -> None:
+    def _check_inputs_fully(
+        self, inputs: StepInputs, metrics: Sequence[Metric], device: torch.device, call: str = "step()"
+    ) -> None:
         given = {k for k in ("loss", "outputs", "targets") if getattr(inputs, k) is not None}
-        for metric in capture.metrics:
+        for metric in metrics:
             missing = metric.requires - given
             if missing:
                 raise InputError(
-                    f"{type(metric).__name__} needs {', '.join(sorted(missing))}, but step() got none; "
+                    f"{type(metric).__name__} needs {', '.join(sorted(missing))}, but {call} got none; "
                     f"pass {', '.join(f'{k}=...' for k in sorted(missing))} or remove the metric"
                 )
-        known = {m.name for m in capture.metrics if isinstance(m, Extra)}
+        known = {m.name for m in metrics if isinstance(m, Extra)}
         for name in inputs.extra:
             if name not in known:
                 raise InputError(
                     f"extra {name!r} was not present at the run's first step, which fixes the columns; "
-                    f"declare it up front with Tap(extras={{{name!r}: 'tensor'}})"
+                    f"declare it up front with Tap(extras={{{name!r}: 'tensor'}}), or log values that "
+                    f"come and go with tap.log({{{name!r}: value}})"
                     + (" — it also clashes with a built-in name" if name in RESERVED_NAMES else "")
                 )
         for label, tensor in _tensors(inputs):
-            if tensor.device != capture.device:
+            if tensor.device != device:
                 raise InputError(
-                    f"{label} is on {tensor.device} but this run captures on {capture.device}; move it, "
-                    f"e.g. {label}.to({str(capture.device)!r})"
+                    f"{label} is on {tensor.device} but this run captures on {device}; move it, "
+                    f"e.g. {label}.to({str(device)!r})"
                 )
-        for metric in capture.metrics:
+        for metric in metrics:
             metric.check(inputs)
 
     def _arm_start(self, state: _RunState) -> None:
@@ -874,6 +1183,7 @@ def _signature(inputs: StepInputs) -> tuple[Any, ...]:
         _describe(inputs.outputs),
         _describe(inputs.targets),
         tuple((k, _describe(v)) for k, v in inputs.extra.items()),
+        _describe(inputs.grad_norm),
     )
 
 
@@ -899,3 +1209,76 @@ def _device_of(inputs: StepInputs) -> torch.device:
     if tensors:
         return tensors[0][1].device
     return torch.device("cpu")
+
+
+def _check_count(name: str, value: object, *, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InputError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_scalar(label: str, value: object) -> None:
+    """A Python number or a real 0-dim tensor (checked from metadata only)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
+            raise InputError(
+                f"{label} must be a real 0-dim tensor or a number, got a tensor of shape {tuple(value.shape)} "
+                f"dtype {value.dtype}; reduce it first, e.g. value.mean()"
+            )
+        if value.device.type == "meta":
+            raise InputError(f"{label} is a meta tensor (no data); pass the computed value")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(f"{label} must be a number or a 0-dim tensor, got {type(value).__name__}")
+    try:
+        float(value)
+    except OverflowError:
+        raise InputError(f"{label} = {value!r} does not fit a float; pass a float") from None
+
+
+def _done_check(clock: StepClock | None, values: Mapping[str, Any]) -> Callable[[], bool]:
+    """A "copy done?" check for ``Tap.log()`` tensors on a device: a marker of the run's clock when
+    the capture exists, else a fresh CUDA event."""
+    if clock is not None:
+        marker = clock.block_marker()
+        return lambda: clock.marker_done(marker)
+    device = next(v.device for v in values.values() if isinstance(v, torch.Tensor) and v.device.type != "cpu")
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+        return event.query
+    # sync: log() before the run's first step, on a device without CUDA events: wait for the copies.
+    torch.accelerator.synchronize(device)
+    return lambda: True
+
+
+def _autocast_device(device: torch.device) -> str:
+    return device.type if device.type in ("cuda", "cpu", "xpu", "mps") else ""
+
+
+def _default_sinks() -> list[Sink]:
+    """SQLite at ``$BATCHTAP_DB`` (else ``runs/batchtap.db``; a PostgreSQL URL there means
+    PostgreSQL) plus the console: a run is stored and visible without any configuration."""
+    from batchtap.sinks.console import Console
+
+    url = store_url()
+    store: Sink
+    if url.startswith(("postgresql://", "postgres://")):
+        from batchtap.sinks.postgres import Postgres
+
+        store = Postgres(url)
+    else:
+        from batchtap.sinks.sqlite import SQLite
+
+        store = SQLite(url.removeprefix("sqlite:///"))
+    return [store, Console()]
+
+
+#: every Tap made in this process (weakly): runs still open at interpreter exit are ended
+_OPEN_AT_EXIT: weakref.WeakSet[Tap] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_open_runs() -> None:
+    for tap in list(_OPEN_AT_EXIT):
+        tap._end_at_exit()
+

@@ -43,6 +43,7 @@ class BlockData:
     samples: np.ndarray
     data_time: np.ndarray
     step_time: np.ndarray
+    tokens: np.ndarray
 
     def __len__(self) -> int:
         return len(self.step)
@@ -134,6 +135,7 @@ class Flusher:
             samples=ring.samples[slots].copy(),
             data_time=ring.data_time[slots].copy(),
             step_time=step_time,
+            tokens=ring.tokens[slots].copy(),
         )
 
     def release(self, block: Block) -> None:

@@ -7,7 +7,7 @@
 * ``guard`` — a page-locked float per slot receiving the step's loss right away (one tiny
   non-blocking copy per step), so the host learns of a NaN within the device's lag instead of at the
   next flush.
-* host arrays — step, epoch, batch, wall time, samples, data wait and the metrics' host columns,
+* host arrays — step, epoch, batch, wall time, samples, tokens, data wait and the metrics' host columns,
   written directly by the training thread.
 
 A slot is reused ``capacity`` rows later, only once its previous row was harvested (see
@@ -68,6 +68,7 @@ class MetricRing:
         self.wall_time = np.zeros(capacity)
         self.samples = np.zeros(capacity)
         self.data_time = np.full(capacity, math.nan)
+        self.tokens = np.full(capacity, math.nan)
         self.host_values = np.zeros((capacity, host_width))
         # Views made once: slicing costs a dispatcher call per view, and step() runs every batch.
         self._rows = [self.device_rows.select(0, i) for i in range(capacity)]
@@ -93,9 +94,24 @@ class MetricRing:
         wall_time: float,
         samples: float,
         data_time: float,
+        tokens: float = math.nan,
+        head: torch.Tensor | None = None,
     ) -> None:
-        """Store one step in ``slot``: one device op for the row, one tiny copy for the guard."""
-        if self.device_width:
+        """Store one step in ``slot``: one device op for the row, one tiny copy for the guard.
+
+        ``head`` (an accumulated optimizer step) fills the row's first ``len(head)`` columns;
+        ``device_values`` then fill the rest.
+        """
+        if head is not None:
+            width = head.shape[0]
+            row = self._rows[slot]
+            row.narrow(0, 0, width).copy_(head)
+            if device_values:
+                torch.stack(device_values, out=row.narrow(0, width, self.device_width - width))
+            if self._guard_pairs is not None:
+                target, source = self._guard_pairs[slot]
+                target.copy_(source, non_blocking=self.non_blocking)
+        elif self.device_width:
             torch.stack(device_values, out=self._rows[slot])
             if self._guard_pairs is not None:
                 target, source = self._guard_pairs[slot]
@@ -107,6 +123,7 @@ class MetricRing:
         self.wall_time[slot] = wall_time
         self.samples[slot] = samples
         self.data_time[slot] = data_time
+        self.tokens[slot] = tokens
 
     def copy_rows(self, first_row: int, last_row: int) -> None:
         """Queue the device->pinned copy of rows ``[first_row, last_row)`` (at most ``capacity``)."""

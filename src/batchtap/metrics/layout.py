@@ -35,17 +35,27 @@ class Layout:
     """
 
     def __init__(self, metrics: Sequence[Metric]) -> None:
-        spans, device, host = [], 0, 0
-        guard: int | None = None
-        for metric in metrics:
-            if isinstance(metric, Loss) and guard is None:
-                guard = device
-            spans.append(Span(metric, device, host, metric.outputs()))
+        # Device columns of per-micro-batch metrics (loss, accuracy, ...) come first, so an
+        # accumulated optimizer step writes them as one contiguous block; value order is unchanged.
+        offsets: dict[int, int] = {}
+        device = 0
+        for i, metric in sorted(enumerate(metrics), key=lambda im: not im[1].per_micro_batch):
+            offsets[i] = device
             device += metric.device_width
+        spans, host = [], 0
+        guard: int | None = None
+        for i, metric in enumerate(metrics):
+            if isinstance(metric, Loss) and guard is None:
+                guard = offsets[i]
+            spans.append(Span(metric, offsets[i], host, metric.outputs()))
             host += metric.host_width
         self.spans: tuple[Span, ...] = tuple(spans)
         self.device_width = device
         self.host_width = host
+        #: device columns ``[0, micro_width)`` belong to the per-micro-batch metrics
+        self.micro_width = sum(m.device_width for m in metrics if m.per_micro_batch)
+        #: spans in device-column order: the order ``compute`` results are stacked into a row
+        self.device_order: tuple[Span, ...] = tuple(sorted(spans, key=lambda sp: sp.device_offset))
         #: device column holding the loss, copied to the host every step for the NaN guard
         self.guard_column = guard
         self.names: tuple[str, ...] = tuple(o.name for s in spans for o in s.outputs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import math
 from batchtap.capture.flush import BlockData
-from batchtap.metrics.base import StepTiming
+from batchtap.metrics.base import Metric, StepTiming
 from batchtap.metrics.layout import Layout
 from batchtap.records import Event, EventKind, Record
 
@@ -50,6 +50,11 @@ class Decoder:
             )
             for span in layout.spans
         ]
+        # Only metrics that override the optional hooks are asked, row by row.
+        self._skip_metrics_mask = [_overrides(span.metric, "skipped") for span in layout.spans]
+        self._skip_metrics = any(self._skip_metrics_mask)
+        self._warns = any(_overrides(span.metric, "warning") for span in layout.spans)
+        self._warned: set[int] = set()  # metrics whose warning was reported (once per run)
 
     def decode(self, data: BlockData) -> Decoded:
         out = Decoded()
@@ -57,12 +62,25 @@ class Decoder:
         steps, epochs, batches = data.step.tolist(), data.epoch.tolist(), data.batch.tolist()
         walls, samples = data.wall_time.tolist(), data.samples.tolist()
         step_times, data_times = data.step_time.tolist(), data.data_time.tolist()
+        tokens = data.tokens.tolist()
         for i in range(len(steps)):
             step, wall, dev_row, host_row = steps[i], walls[i], dev[i], host[i]
-            timing = StepTiming(samples[i], step_times[i], data_times[i])
+            timing = StepTiming(samples[i], step_times[i], data_times[i], tokens[i])
+            raws = [dev_row[device_cols] + host_row[host_cols] for _, _, device_cols, host_cols in self._spans]
+            skipped = self._skip_metrics and any(
+                span[0].skipped(raw) for span, asks, raw in zip(self._spans, self._skip_metrics_mask, raws) if asks
+            )
+            if skipped:
+                out.events.append(
+                    Event(
+                        self.run_id, step, EventKind.SKIP,
+                        f"step {step}: the AMP GradScaler skipped the optimizer step (inf/NaN gradients; "
+                        "the loss scale is lowered); gradient values of this step are left out",
+                        wall, rank=self.rank,
+                    )
+                )
             values: dict[str, float] = {}
-            for metric, outputs, device_cols, host_cols in self._spans:
-                raw = dev_row[device_cols] + host_row[host_cols]
+            for (metric, outputs, _, _), raw in zip(self._spans, raws):
                 problem = metric.input_error(raw)
                 if problem is not None:
                     message = f"step {step}: {problem}"
@@ -72,6 +90,13 @@ class Decoder:
                         self.anomaly_counts[output.name] += 1
                         out.events.append(self._event(step, wall, output.name, None, message))
                     continue
+                if self._warns:
+                    warning = metric.warning(raw)
+                    if warning is not None and id(metric) not in self._warned:
+                        self._warned.add(id(metric))
+                        out.events.append(
+                            Event(self.run_id, step, EventKind.WARNING, f"step {step}: {warning}", wall, rank=self.rank)
+                        )
                 for output, value in zip(outputs, metric.finalize(raw, timing), strict=True):
                     if value is None:
                         continue  # not measured at this step (e.g. no watched loader)
@@ -79,6 +104,8 @@ class Decoder:
                     if why is None:
                         values[output.name] = value
                         continue
+                    if skipped and metric.gradient_based and not math.isfinite(value):
+                        continue  # expected on a step the scaler skipped: reported by the skip event
                     values[output.name] = math.nan
                     self.anomaly_counts[output.name] += 1
                     message = (
@@ -92,3 +119,7 @@ class Decoder:
     def _event(self, step: int, wall: float, metric: str, raw: float | None, message: str) -> Event:
         return Event(self.run_id, step, EventKind.ANOMALY, message, wall, metric=metric, raw_value=raw, rank=self.rank)
 
+
+
+def _overrides(metric: Metric, hook: str) -> bool:
+    return getattr(type(metric), hook) is not getattr(Metric, hook)

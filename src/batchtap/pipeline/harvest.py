@@ -11,14 +11,16 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from batchtap.capture.flush import Block, Flusher
+from batchtap.capture.logged import Logged
 from batchtap.pipeline.decode import Decoded, Decoder
 from batchtap.pipeline.dispatch import Dispatcher
 from batchtap.pipeline.reduce import Reducer
-from batchtap.records import Event, RunInfo
+from batchtap.records import Event, Record, RunInfo
 
 __all__ = ["Harvester", "RunPipeline"]
 
@@ -44,6 +46,14 @@ class RunPipeline:
     reducer: Reducer | None = None
     writes: bool = True
     pending_events: list[Event] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _LoggedItem:
+    logged: Logged
+    run_id: str
+    rank: int
+    writes: bool
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,6 +88,10 @@ class Harvester:
         """Hand over events raised on the training thread (through ``run``'s reducer when it has one)."""
         self._queue.put(("events", (events, run)))
 
+    def logged(self, logged: Logged, *, run_id: str, rank: int, writes: bool) -> None:
+        """Hand over values from ``Tap.log()``: stored as sparse records once their copy completed."""
+        self._queue.put(_LoggedItem(logged, run_id, rank, writes))
+
     def start_run(self, run: RunInfo, *, writes: bool = True) -> None:
         if writes:
             self._queue.put(("start_run", run))
@@ -86,12 +100,17 @@ class Harvester:
         if writes:
             self._queue.put(("end_run", run))
 
-    def drain(self) -> None:
-        """Wait until everything submitted so far was decoded and handed to the sinks."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted so far was decoded and handed to the sinks.
+
+        Returns False when ``timeout`` seconds passed first (the pipeline is stuck or gone).
+        """
         done = threading.Event()
         self._queue.put(("barrier", done))
+        if not self._thread.is_alive():
+            return False
         # sync: end of run / explicit flush — the caller asked for everything captured so far.
-        done.wait()
+        return done.wait(timeout)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -124,6 +143,16 @@ class Harvester:
                 hook(decoded)
             if run.writes:
                 self.dispatcher.write(decoded.records, decoded.events)
+            return
+        if isinstance(item, _LoggedItem):
+            logged = item.logged
+            while not logged.done():
+                time.sleep(2e-4)  # like a block's marker: polled, never a blocking wait on the device
+            if item.writes:
+                record = Record(
+                    item.run_id, logged.step, logged.epoch, -1, item.rank, logged.wall_time, logged.values(), sparse=True
+                )
+                self.dispatcher.write([record], [])
             return
         assert isinstance(item, tuple)
         kind: str = item[0]

@@ -55,5 +55,10 @@ class Sink:
         asks the sinks that can answer: the SQL sinks)."""
         return None
 
+    def run_name(self, run_id: str) -> str | None:
+        """The name ``run_id`` was stored under, or None when unknown (a resumed run without a
+        ``name=`` keeps it)."""
+        return None
+
     def close(self) -> None:
         """Release resources. The sink is not used afterwards."""

@@ -1,0 +1,92 @@
+"""Device-side sums over the micro-batches of one optimizer step (gradient accumulation).
+
+``Tap.accumulate()`` computes the per-micro-batch metrics (loss, accuracy counts, custom values) of
+each micro-batch and folds them into one preallocated device vector, column by column as each metric
+declares (:class:`~batchtap.metrics.Combine`): counts add up, sample-weighted means are summed as
+``value * samples`` and divided by the step's samples when the step closes, minima and maxima combine
+as such. Nothing is read on the host; the step's row is written once, by ``Tap.step()``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from batchtap.metrics.base import Combine, Metric
+
+__all__ = ["MicroBatches"]
+
+
+class MicroBatches:
+    """The open optimizer step's micro-batches, summed on the device.
+
+    Args:
+        metrics: the per-micro-batch metrics, in the order their device columns are laid out.
+        device: the capture device.
+    """
+
+    def __init__(self, metrics: Sequence[Metric], device: torch.device) -> None:
+        self.metrics = list(metrics)
+        self.device = device
+        kinds = [kind for m in self.metrics for kind in m.combine()]
+        self.width = len(kinds)
+        self._scratch = torch.zeros(self.width, dtype=torch.float32, device=device)
+        self._acc = torch.zeros(self.width, dtype=torch.float32, device=device)
+        # Column masks, made once per run (the only host->device copies, at the run's first step).
+        self._mean = self._mask(kinds, Combine.MEAN)
+        self._min = self._mask(kinds, Combine.MIN)
+        self._max = self._mask(kinds, Combine.MAX)
+        self.host: dict[int, Sequence[float]] = {}  #: id(metric) -> its host columns (last micro-batch)
+        self.reset()
+
+    def _mask(self, kinds: list[Combine], kind: Combine) -> torch.Tensor | None:
+        if kind not in kinds:
+            return None
+        return torch.tensor([k is kind for k in kinds], dtype=torch.bool, device=self.device)
+
+    def reset(self) -> None:
+        """Forget the sums (the step was written); the device buffers are reused."""
+        self.count = 0
+        self.samples = 0.0  # NaN once a micro-batch of unknown size was added
+        self.weight = 0.0  # what means are divided by: samples, or micro-batches when sizes are unknown
+        self.tokens = math.nan
+        self.data_time = math.nan
+
+    def add(self, values: Sequence[torch.Tensor], *, samples: float, tokens: float | None) -> None:
+        """Fold one micro-batch's device values (``width`` 0-dim tensors) into the sums."""
+        weight = samples if math.isfinite(samples) else 1.0
+        if self.width:
+            torch.stack(list(values), out=self._scratch)  # casts to float32 on the way in
+            row = self._scratch
+            if self._mean is not None:
+                row = torch.where(self._mean, row * weight, row)
+            acc = self._acc
+            if self.count == 0:
+                acc.copy_(row)
+            elif self._min is None and self._max is None:
+                acc.add_(row)
+            else:
+                combined = acc + row
+                if self._min is not None:
+                    combined = torch.where(self._min, torch.minimum(acc, row), combined)
+                if self._max is not None:
+                    combined = torch.where(self._max, torch.maximum(acc, row), combined)
+                acc.copy_(combined)
+        self.count += 1
+        self.samples += samples
+        self.weight += weight
+        if tokens is not None:
+            self.tokens = float(tokens) + (0.0 if math.isnan(self.tokens) else self.tokens)
+
+    def add_data_time(self, seconds: float) -> None:
+        """Add one micro-batch's loader wait (NaN when none was measured)."""
+        if not math.isnan(seconds):
+            self.data_time = seconds + (0.0 if math.isnan(self.data_time) else self.data_time)
+
+    def result(self) -> torch.Tensor:
+        """The step's values: ``[width]`` float32, sample-weighted means divided through."""
+        if self._mean is None:
+            return self._acc
+        return torch.where(self._mean, self._acc / self.weight, self._acc)
