@@ -71,6 +71,12 @@ def _seed() -> None:
     torch.manual_seed(1234)
 
 
+@pytest.fixture(autouse=True)
+def _default_store(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Tap without ``sinks=`` stores to $BATCHTAP_DB: a fresh file per test, never the checkout."""
+    monkeypatch.setenv("BATCHTAP_DB", str(tmp_path_factory.mktemp("store") / "batchtap.db"))
+
+
 def classifier(features: int = 8, classes: int = 5) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = torch.nn.Sequential(torch.nn.Linear(features, 16), torch.nn.ReLU(), torch.nn.Linear(16, classes))
     return model, torch.optim.SGD(model.parameters(), lr=0.05)

@@ -293,6 +293,13 @@ class ResilientSink(Sink):
         except Exception:  # down: the caller treats "unknown" as such
             return None
 
+    def run_name(self, run_id: str) -> str | None:
+        """The wrapped sink's stored name of ``run_id`` (None while it is down)."""
+        try:
+            return self.sink.run_name(run_id)
+        except Exception:  # down: the caller treats "unknown" as such
+            return None
+
     def take_events(self) -> list[Event]:
         """The WARNING events raised since the last call (sink failed, recovered, spool damaged)."""
         with self._lock:

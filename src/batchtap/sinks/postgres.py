@@ -186,6 +186,17 @@ class Postgres(Sink):
         self._transact(f"read the last step of run {run_id}", body)
         return found[0]
 
+    def run_name(self, run_id: str) -> str | None:
+        """The name ``run_id`` is stored under (None when this store does not hold it)."""
+        found: list[str | None] = []
+
+        def body(conn: Any) -> None:
+            row = conn.execute("SELECT name FROM runs WHERE id = %s", (run_id,)).fetchone()
+            found.append(None if row is None else str(row[0]))
+
+        self._transact(f"read the name of run {run_id}", body)
+        return found[0]
+
     def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
         """Store one block in one transaction (all of it or, on error, none of it)."""
         if not records and not events:

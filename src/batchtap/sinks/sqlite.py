@@ -114,6 +114,11 @@ class SQLite(Sink):
         row = self._connection().execute("SELECT MAX(step) FROM metrics WHERE run_id = ?", (run_id,)).fetchone()
         return None if row is None or row[0] is None else int(row[0])
 
+    def run_name(self, run_id: str) -> str | None:
+        """The name ``run_id`` is stored under (None when this store does not hold it)."""
+        row = self._connection().execute("SELECT name FROM runs WHERE id = ?", (run_id,)).fetchone()
+        return None if row is None else str(row[0])
+
     def flush(self) -> None:
         """Nothing to do: every block is committed when ``write()`` returns."""
 
