@@ -146,7 +146,10 @@ def train(args: argparse.Namespace) -> int:
             if tap.should_stop:
                 say(f"batchtap demo: stopped at step {step - 1}: {tap.stop_reason}")
                 break
-            say(f"batchtap demo: epoch {epoch} test accuracy {evaluate(model, test, device):.2%}")
+            test_accuracy = evaluate(model, test, device)
+            tap.log({"test_accuracy": test_accuracy})  # stored with the run, beside the per-step values
+            # sync: once per epoch, outside the training steps, to print it
+            say(f"batchtap demo: epoch {epoch} test accuracy {test_accuracy.item():.2%}")
     show_db = "" if db == DEFAULT_DB else f" --db {db}"
     say(f"batchtap demo: {step} steps in {time.perf_counter() - started:.1f} s; values stored as NaN "
         f"(out of their domain): {sum(tap.anomaly_counts.values())}; `batchtap show {args.name}{show_db}` lists every event")
@@ -157,8 +160,9 @@ def train(args: argparse.Namespace) -> int:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: TensorDataset, device: torch.device) -> float:
+def evaluate(model: nn.Module, data: TensorDataset, device: torch.device) -> torch.Tensor:
+    """Accuracy on ``data`` as a 0-dim device tensor (nothing read on the host)."""
     model.eval()
     x, y = data.tensors
     correct = (model(x.to(device)).argmax(1) == y.to(device)).sum()
-    return correct.item() / len(y)  # sync: once per epoch, outside the training steps
+    return correct / len(y)
