@@ -1,16 +1,18 @@
-"""The built-in metrics: loss, accuracy, learning rate, gradient norm, timings, throughput, memory."""
+"""The built-in metrics: loss, accuracy, learning rate, gradient norm, AMP loss scale, timings,
+throughput, memory."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
 from batchtap.errors import ConfigError, InputError
 from batchtap.metrics import functional as F
-from batchtap.metrics.base import Metric, Requirement, StepInputs, StepTiming
+from batchtap.metrics.base import Combine, Metric, Requirement, StepInputs, StepTiming
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Output, Reduce
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "Accuracy",
     "LearningRate",
     "GradNorm",
+    "LossScale",
     "StepTime",
     "DataTime",
     "Throughput",
@@ -32,6 +35,23 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
     # No op of its own: the ring row is float32 and torch.stack(out=row) casts on the way in (exact
     # for fp16/bf16). Called under no_grad (Tap.step), so no detach is needed either.
     return t
+
+
+class _Filled:
+    """0-dim float32 tensors of fixed values, made once per value and device: a constant column
+    (a placeholder, a host-known count) costs no device op per step. Holds a few at a time."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+    def __call__(self, value: float, device: torch.device) -> torch.Tensor:
+        key = (value, device)  # math.nan is one object, so its key is found again
+        made = self._made.get(key)
+        if made is None:
+            if len(self._made) >= 8:  # e.g. a count that changes with the sequence length
+                self._made.clear()
+            made = self._made[key] = torch.full((), value, dtype=torch.float32, device=device)
+        return made
 
 
 class Loss(Metric):
@@ -55,6 +75,9 @@ class Loss(Metric):
 
     def outputs(self) -> tuple[Output, ...]:
         return (Output("loss", self._domain, Reduce.MEAN),)
+
+    def combine(self) -> tuple[Combine, ...]:
+        return (Combine.MEAN,)  # sample-weighted over the micro-batches of an optimizer step
 
     def check(self, inputs: StepInputs) -> None:
         loss = inputs.loss
@@ -83,31 +106,74 @@ class Accuracy(Metric):
     """Top-k classification accuracy from class scores and integer targets.
 
     Reports ``accuracy`` for top-1 and ``accuracy_top{k}`` for every other k, as fractions in
-    [0, 1]. On the device it keeps counts of correct samples, never means, so values reduce exactly
-    over ranks with uneven batches.
+    [0, 1] of the *kept* targets: targets equal to ``ignore_index`` (padding, prompt tokens) are
+    left out, as ``F.cross_entropy`` leaves them out of the loss. On the device it keeps counts
+    (correct per k, kept), never means, so values add up exactly over the micro-batches of an
+    optimizer step; a step whose targets are all ignored has no accuracy (left out of the record).
+
+    Accepted layouts, taken as they are (no reshaping needed):
+
+    * scores ``[N, C]`` with targets ``[N]``;
+    * scores ``[N, C, d1, ...]`` with targets ``[N, d1, ...]`` (classes at dim 1, the
+      ``F.cross_entropy`` layout: segmentation, ...);
+    * sequence logits ``[B, T, V]`` with targets ``[B, T]`` (classes last, as a causal LM gives them).
+
+    When targets fit both readings of 3+-dim scores (e.g. ``[B, T, V]`` with ``T == V``), classes
+    are taken to be last: language models are by far the more common case.
 
     Args:
         topk: the k values, e.g. ``(1, 5)``. Must contain 1.
+        ignore_index: target value that is not counted (``-100``, like ``F.cross_entropy``);
+            ``None`` counts every target.
 
     Example:
         >>> [o.name for o in Accuracy(topk=(1, 5)).outputs()]
         ['accuracy', 'accuracy_top5']
+        >>> acc = Accuracy()
+        >>> logits = torch.tensor([[[2.0, 0.0], [0.0, 2.0], [2.0, 0.0]]])  # [B=1, T=3, V=2]
+        >>> inputs = StepInputs(None, logits, torch.tensor([[0, 0, -100]]), 1.0)
+        >>> raw = [float(v) for v in acc.compute(inputs)] + list(acc.read_host(inputs))
+        >>> acc.finalize(raw, StepTiming(1.0, 0.1, math.nan))  # 1 of the 2 kept tokens
+        [0.5]
     """
 
     requires: ClassVar[frozenset[Requirement]] = frozenset({"outputs", "targets"})
-    host_width = 2  # scored positions and classes: shape facts, known on the host
+    host_width = 1  # number of classes: a shape fact, known on the host
 
-    def __init__(self, topk: Sequence[int] = (1,)) -> None:
+    def __init__(self, topk: Sequence[int] = (1,), *, ignore_index: int | None = -100) -> None:
         ks = tuple(sorted(set(int(k) for k in topk)))
         if not ks or ks[0] < 1 or 1 not in ks:
             raise ConfigError(f"Accuracy topk must be positive and contain 1, got {tuple(topk)}; e.g. topk=(1, 5)")
+        if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+            raise ConfigError(f"Accuracy ignore_index must be an integer or None, got {ignore_index!r}")
         self.topk = ks
-        self.device_width = len(ks) + 2  # correct counts per k, then the smallest and largest target
+        self.ignore_index = ignore_index
+        # counts (correct per k, then kept) as float32 low parts, the same counts' high parts
+        # (nonzero only past 2**24 targets per step), then the smallest and largest kept target
+        self._counts = len(ks) + 1
+        self.device_width = 2 * self._counts + 2
+        self._fill = _Filled()
 
     def outputs(self) -> tuple[Output, ...]:
         return tuple(
             Output("accuracy" if k == 1 else f"accuracy_top{k}", UNIT_INTERVAL, Reduce.MEAN, unit="%")
             for k in self.topk
+        )
+
+    def combine(self) -> tuple[Combine, ...]:
+        # accuracy over every kept target of every micro-batch: counts add, the range widens
+        return (Combine.SUM,) * (2 * self._counts) + (Combine.MIN, Combine.MAX)
+
+    def applies(self, inputs: StepInputs) -> bool:
+        outputs, targets = inputs.outputs, inputs.targets
+        return (
+            isinstance(outputs, torch.Tensor)
+            and isinstance(targets, torch.Tensor)
+            and outputs.is_floating_point()
+            and outputs.dim() >= 2
+            and not targets.is_floating_point()
+            and not targets.is_complex()
+            and targets.dtype != torch.bool
         )
 
     def check(self, inputs: StepInputs) -> None:
@@ -118,79 +184,161 @@ class Accuracy(Metric):
                 f"Accuracy needs tensors for outputs and targets, got {type(outputs).__name__} and "
                 f"{type(targets).__name__}"
             )
-        if outputs.shape[0] == 0:
-            raise InputError("Accuracy got an empty batch (outputs of shape {}); skip empty batches".format(
-                tuple(outputs.shape)))
         if outputs.dim() < 2 or not outputs.is_floating_point():
             raise InputError(
-                f"Accuracy expects floating-point class scores of shape [N, C] (or [N, C, ...]), got "
-                f"shape {tuple(outputs.shape)} dtype {outputs.dtype}; pass the model's logits"
+                f"Accuracy expects floating-point class scores of shape [N, C] (or [N, C, ...], or "
+                f"[B, T, V] sequence logits), got shape {tuple(outputs.shape)} dtype {outputs.dtype}; "
+                "pass the model's logits"
             )
-        if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        if outputs.shape[0] == 0:
             raise InputError(
-                f"Accuracy expects integer class indices as targets, got dtype {targets.dtype}; "
-                "for one-hot targets pass targets.argmax(1)"
+                f"Accuracy got an empty batch (outputs of shape {tuple(outputs.shape)}); skip empty batches"
             )
-        expected = (outputs.shape[0], *outputs.shape[2:])
-        if tuple(targets.shape) != expected:
-            if targets.shape[:1] != outputs.shape[:1]:
-                raise InputError(
-                    f"outputs and targets disagree on batch size: {outputs.shape[0]} vs "
-                    f"{targets.shape[0] if targets.dim() else 'a 0-dim tensor'}; pass the targets of the same batch"
-                )
+        if targets.is_floating_point() or targets.is_complex():
             raise InputError(
-                f"targets must have shape {list(expected)} for outputs of shape {list(outputs.shape)}, "
-                f"got {list(targets.shape)}"
+                f"Accuracy needs integer class indices as targets, got {_dtype_name(targets.dtype)} targets: "
+                "for regression leave Accuracy out (the default metrics leave it out by themselves for "
+                "floating-point targets); for one-hot or soft labels pass targets.argmax(-1)"
             )
-        if self.topk[-1] > outputs.shape[1]:
+        if targets.dtype == torch.bool:
+            raise InputError(
+                "Accuracy needs integer class indices as targets, got bool targets; for two classes "
+                "pass targets.long() with scores of shape [N, 2]"
+            )
+        if targets.shape[:1] != outputs.shape[:1]:
+            raise InputError(
+                f"outputs and targets disagree on batch size: {outputs.shape[0]} vs "
+                f"{targets.shape[0] if targets.dim() else 'a 0-dim tensor'}; pass the targets of the same batch"
+            )
+        class_dim = _class_dim(outputs, targets)
+        if class_dim is None:
+            raise InputError(_layout_error(outputs, targets))
+        classes = outputs.shape[class_dim]
+        if self.topk[-1] > classes:
             raise InputError(
                 f"Accuracy(topk={self.topk}) needs at least {self.topk[-1]} classes, outputs have "
-                f"{outputs.shape[1]}; lower topk"
+                f"{classes}; lower topk"
             )
 
     def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
         outputs, targets = inputs.outputs, inputs.targets
         assert outputs is not None and targets is not None
-        if self.topk == (1,) and outputs.dim() == 2:
-            counts: Sequence[torch.Tensor] = (F.top1_correct(outputs, targets),)  # the common case, fewest ops
+        class_dim = _class_dim(outputs, targets)
+        assert class_dim is not None  # check() ran
+        device = outputs.device
+        keep = F.kept_mask(targets, self.ignore_index)
+        n = targets.numel()
+        exact = n <= F.EXACT_FLOAT32  # host-known: float32 sums are exact, no high parts needed
+        dtype = torch.float32 if exact else torch.int64
+        if self.topk == (1,):  # the common case, fewest ops: argmax, eq, sum
+            correct: Sequence[torch.Tensor] = (F.top1_correct(outputs, targets, class_dim=class_dim, dtype=dtype),)
         else:
-            counts = F.topk_correct(outputs, targets, self.topk).unbind(0)
-        return (*counts, *F.target_range(targets))
+            correct = F.topk_correct(outputs, targets, self.topk, class_dim=class_dim, dtype=dtype).unbind(0)
+        low, high = F.target_range(targets, keep)
+        if exact:
+            kept = self._fill(float(n), device) if keep is None else keep.sum(dtype=torch.float32)
+            zero = self._fill(0.0, device)
+            return (*correct, kept, *(zero,) * self._counts, low, high)
+        # Past 2**24 targets float32 sums lose counts: int64 counts, each split in two exact parts.
+        parts = [F.split_count(c) for c in correct]
+        if keep is None:  # every target counts: the count is the host-known numel
+            high_n, low_n = divmod(n, F.EXACT_FLOAT32)
+            kept_parts = (self._fill(float(low_n), device), self._fill(float(high_n), device))
+        else:
+            kept_parts = F.split_count(keep.sum())
+        parts.append(kept_parts)
+        return (*(p[0] for p in parts), *(p[1] for p in parts), low, high)
 
     def read_host(self, inputs: StepInputs) -> Sequence[float]:
-        assert inputs.targets is not None and inputs.outputs is not None
-        return (float(inputs.targets.numel()), float(inputs.outputs.shape[1]))
+        outputs, targets = inputs.outputs, inputs.targets
+        assert outputs is not None and targets is not None
+        class_dim = _class_dim(outputs, targets)
+        return (float(outputs.shape[class_dim if class_dim is not None else 1]),)
+
+    def _kept_and_counts(self, raw: Sequence[float]) -> list[float]:
+        n = self._counts
+        return [hi * F.EXACT_FLOAT32 + lo for lo, hi in zip(raw[:n], raw[n : 2 * n])]
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        positions = raw[-2]
-        return [c / positions if positions else None for c in raw[: len(self.topk)]]
+        counts = self._kept_and_counts(raw)
+        kept = counts[-1]
+        if not kept > 0:  # every target ignored: no accuracy at this step
+            return [None] * len(self.topk)
+        return [c / kept for c in counts[:-1]]
 
     def input_error(self, raw: Sequence[float]) -> str | None:
-        k = len(self.topk)
-        low, high, classes = raw[k], raw[k + 1], raw[-1]
+        if not self._kept_and_counts(raw)[-1] > 0:
+            return None  # nothing was counted, so no index was used
+        low, high, classes = raw[2 * self._counts], raw[2 * self._counts + 1], raw[-1]
         if low < 0 or high >= classes:
+            ignored = "" if self.ignore_index is None else f" (targets equal to {self.ignore_index} left out)"
             return (
                 f"targets hold class indices outside [0, {int(classes)}) (smallest {int(low)}, largest "
-                f"{int(high)}) for outputs with {int(classes)} classes; check the labels (or the "
-                "model's number of outputs)"
+                f"{int(high)}) for outputs with {int(classes)} classes{ignored}; check the labels (or the "
+                "model's number of outputs, or Accuracy(ignore_index=...) for the padding value)"
             )
         return None
+
+
+def _class_dim(outputs: torch.Tensor, targets: torch.Tensor) -> int | None:
+    """Where the classes are in ``outputs`` for targets of this shape, or None when they do not fit.
+
+    Classes last wins when both layouts fit (``[B, T, V]`` with ``T == V``): LMs are the common case.
+    """
+    shape = tuple(targets.shape)
+    if outputs.dim() >= 2 and shape == tuple(outputs.shape[:-1]):
+        return -1
+    if outputs.dim() >= 3 and shape == (outputs.shape[0], *outputs.shape[2:]):
+        return 1
+    return None
+
+
+def _layout_error(outputs: torch.Tensor, targets: torch.Tensor) -> str:
+    got, out = list(targets.shape), list(outputs.shape)
+    if outputs.dim() == 2:
+        fix = f"targets must have shape {out[:1]} for outputs of shape {out}, got {got}"
+    else:
+        fix = (
+            f"targets of shape {got} fit neither layout Accuracy takes for outputs of shape {out}: "
+            f"{out[:-1]} (classes last, sequence logits [B, T, V] with targets [B, T]) or "
+            f"{[out[0], *out[2:]]} (classes at dim 1, [N, C, d1, ...] with targets [N, d1, ...] as "
+            "for F.cross_entropy)"
+        )
+    if got == out:
+        fix += "; for one-hot targets pass targets.argmax(-1)"
+    return fix
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class LearningRate(Metric):
     """The optimizer's learning rate, read on the host (it is a Python float there).
 
-    Reports ``lr`` for the first parameter group and ``lr_group{i}`` for the others.
+    Reports ``name`` for the first parameter group and ``{name}_group{i}`` for the others, one
+    value per param group where groups differ: a group's value is recorded only at steps where it
+    differs from group 0's (the common case of equal groups stores one value).
+
+    Args:
+        optimizer: the optimizer whose ``param_groups`` are read.
+        name: the value's name, e.g. ``"lr_g"`` for a GAN's generator.
 
     Example:
-        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-        >>> LearningRate(opt).read_host(None)
-        (0.1,)
+        >>> w, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+        >>> opt = torch.optim.SGD([{"params": [w]}, {"params": [b], "lr": 0.01}], lr=0.1)
+        >>> lr = LearningRate(opt)
+        >>> [o.name for o in lr.outputs()], lr.read_host(None)
+        (['lr', 'lr_group1'], (0.1, 0.01))
+        >>> lr.finalize([0.1, 0.1], StepTiming(1.0, 0.1, math.nan))  # equal groups: one value
+        [0.1, None]
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, name: str = "lr") -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"LearningRate needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not name or not isinstance(name, str):
+            raise ConfigError(f"LearningRate name must be a non-empty string, got {name!r}")
         for i, group in enumerate(optimizer.param_groups):
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
@@ -199,40 +347,299 @@ class LearningRate(Metric):
                     "device every step. Use a float lr, or record it with bt.metrics.Custom"
                 )
         self.optimizer = optimizer
+        self.name = name
         self.host_width = len(optimizer.param_groups)
 
     def outputs(self) -> tuple[Output, ...]:
         return tuple(
-            Output("lr" if i == 0 else f"lr_group{i}", NONNEGATIVE, Reduce.MAX) for i in range(self.host_width)
+            Output(self.name if i == 0 else f"{self.name}_group{i}", NONNEGATIVE, Reduce.MAX)
+            for i in range(self.host_width)
         )
 
     def read_host(self, inputs: StepInputs | None) -> Sequence[float]:
         # A CPU tensor lr (allowed above) is read without any device involvement.
         return tuple(float(group["lr"]) for group in self.optimizer.param_groups[: self.host_width])
 
+    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
+        first = raw[0]
+        return [first, *(None if v == first else v for v in raw[1:])]
+
+
+# GradNorm's host state column: where this step's value is, or why there is none
+_NORM_ON_DEVICE, _NORM_ON_HOST, _NORM_NOT_PASSED, _NORM_NO_GRADIENT = 1.0, 2.0, 0.0, -1.0
+
 
 class GradNorm(Metric):
     """Global L2 norm of the gradients, as ``torch.nn.utils.clip_grad_norm_`` computes it.
 
-    Call ``tap.step()`` after ``backward()`` and before ``zero_grad()`` of the next step.
+    The norm comes from the loop when it passes one — ``tap.step(grad_norm=total_norm)`` with what
+    ``clip_grad_norm_`` returned, the norm *before* clipping, as a tensor (no sync) or a Python
+    float — and is computed from ``model``'s gradients otherwise: float32 accumulation whatever the
+    gradients' dtype, a constant number of device ops however many parameters there are. A passed
+    value is taken as it is (clip after ``scaler.unscale_``, as AMP clipping must) and goes to the
+    value named ``grad_norm``: a ``GradNorm`` with another ``name`` always computes its own.
+
+    Call ``tap.step()`` after ``backward()`` and before ``zero_grad()``. When no parameter has a
+    gradient at that point (``zero_grad(set_to_none=True)`` ran first) the value is left out and
+    the run gets one warning saying so — never a norm of 0.
+
+    With a ``scaler`` (``torch.amp.GradScaler``) the recorded norm is of the *unscaled* gradients:
+    if ``scaler.unscale_(opt)`` or ``scaler.step(opt)`` ran since the last ``scaler.update()``, the
+    gradients are already unscaled and taken as they are; otherwise they still carry the loss scale
+    and the norm is divided by it on the device. So place ``tap.step`` after ``backward()`` and
+    before ``scaler.update()`` — best after ``scaler.unscale_``/``scaler.step``, where the skip of
+    :class:`LossScale` is exact too. After ``scaler.update()`` the scaler's per-step state is
+    reset and nothing on the host tells unscaled gradients from scaled ones: the norm is then
+    divided by the (new) scale although the gradients were unscaled; pass
+    ``grad_norm=clip_grad_norm_(...)`` there instead.
 
     Args:
-        model: a module or an iterable of parameters.
+        model: a module, an iterable of parameters, or None to record only the passed
+            ``grad_norm=`` (the value is left out at steps that pass none).
+        name: the value's name (``grad_norm_g``... for several models).
+        scaler: the AMP ``GradScaler`` whose loss scale the gradients carry.
+        sharded: each rank holds a disjoint shard of the parameters (FSDP, ZeRO): each rank's value
+            is its local norm and ranks combine as the root of the summed squares
+            (:attr:`~batchtap.metrics.Reduce.L2`), instead of the maximum over ranks that holds
+            replicated (DDP) gradients. ``None``: sharded when a parameter is a ``DTensor`` (the
+            norm then uses each gradient's local shard).
+
+    Example:
+        >>> model = torch.nn.Linear(3, 1)
+        >>> model(torch.ones(2, 3)).sum().backward()
+        >>> norm = GradNorm(model)
+        >>> inputs = StepInputs(None, None, None, 2.0)
+        >>> raw = [float(v) for v in norm.compute(inputs)] + list(norm.read_host(inputs))
+        >>> reference = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9).item()
+        >>> abs(norm.finalize(raw, StepTiming(2.0, 0.1, math.nan))[0] - reference) < 1e-6
+        True
     """
 
     device_width = 1
+    host_width = 2  # where the value is (device, host, none: why), the host value
+    gradient_based: ClassVar[bool] = True
 
-    def __init__(self, model: torch.nn.Module | Iterable[torch.nn.Parameter]) -> None:
-        params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
-        if not params:
-            raise ConfigError("GradNorm got no parameters; pass the model (or its parameters)")
+    def __init__(
+        self,
+        model: torch.nn.Module | Iterable[torch.nn.Parameter] | None = None,
+        *,
+        name: str = "grad_norm",
+        scaler: torch.amp.GradScaler | None = None,
+        sharded: bool | None = None,
+    ) -> None:
+        if not name or not isinstance(name, str):
+            raise ConfigError(f"GradNorm name must be a non-empty string, got {name!r}")
+        params: list[torch.Tensor] | None = None
+        if model is not None:
+            params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
+            if not params:
+                raise ConfigError("GradNorm got no parameters; pass the model (or its parameters)")
+        if scaler is not None:
+            _check_scaler(scaler, "GradNorm")
         self.parameters = params
+        self.name = name
+        self.scaler = scaler
+        self._dtensor = _dtensor_type()
+        dtensor = self._dtensor
+        dtensors = dtensor is not None and params is not None and any(isinstance(p, dtensor) for p in params)
+        self.sharded = bool(dtensors) if sharded is None else bool(sharded)
+        self._local_shards = bool(dtensors)
+        #: whether ``tap.step(grad_norm=...)`` is this metric's value
+        self.takes_step_grad_norm = name == "grad_norm"
+        self._fill = _Filled()
 
     def outputs(self) -> tuple[Output, ...]:
-        return (Output("grad_norm", NONNEGATIVE, Reduce.MAX),)
+        return (Output(self.name, NONNEGATIVE, Reduce.L2 if self.sharded else Reduce.MAX),)
+
+    def _passed(self, inputs: StepInputs) -> torch.Tensor | float | None:
+        return inputs.grad_norm if self.takes_step_grad_norm else None
+
+    def check(self, inputs: StepInputs) -> None:
+        value = self._passed(inputs)
+        if self._dtensor is not None and isinstance(value, self._dtensor):
+            raise InputError(
+                "grad_norm is a DTensor (clip_grad_norm_ of sharded parameters); pass "
+                "grad_norm.full_tensor(), the global norm"
+            )
 
     def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
-        return (F.global_grad_norm(self.parameters, _step_device(inputs)),)
+        device = inputs.device or _step_device(inputs)
+        value = self._passed(inputs)
+        if isinstance(value, torch.Tensor):
+            return (value if value.device == device else value.to(device, non_blocking=True),)
+        if value is not None or self.parameters is None:  # a Python float (host column), or nothing
+            return (self._fill(math.nan, device),)
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        if not grads:
+            return (self._fill(math.nan, device),)
+        if self._local_shards and self._dtensor is not None:
+            dtensor = self._dtensor
+            grads = [_local_shard(g) if isinstance(g, dtensor) else g for g in grads]
+        norm = F.grads_norm(grads, device)
+        scale = _scale_carried(self.scaler) if self.scaler is not None else None
+        if scale is not None:  # still scaled: divide on the device, never read the scale
+            norm = norm / (scale if scale.device == device else scale.to(device, non_blocking=True))
+        return (norm,)
+
+    def read_host(self, inputs: StepInputs) -> Sequence[float]:
+        value = self._passed(inputs)
+        if isinstance(value, torch.Tensor):
+            return (_NORM_ON_DEVICE, math.nan)
+        if value is not None:
+            return (_NORM_ON_HOST, float(value))
+        if self.parameters is None:
+            return (_NORM_NOT_PASSED, math.nan)
+        # p.grad being None is metadata; stops at the first gradient in the usual case
+        has_grad = any(p.grad is not None for p in self.parameters)
+        return (_NORM_ON_DEVICE if has_grad else _NORM_NO_GRADIENT, math.nan)
+
+    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
+        where = raw[1]
+        if where == _NORM_ON_DEVICE:
+            return (raw[0],)
+        if where == _NORM_ON_HOST:
+            return (raw[2],)
+        return (None,)
+
+    def warning(self, raw: Sequence[float]) -> str | None:
+        if raw[1] != _NORM_NO_GRADIENT:
+            return None
+        return (
+            f"{self.name}: no parameter had a gradient when tap.step() ran (zero_grad(set_to_none=True) "
+            "before tap.step?); call tap.step after backward() and before zero_grad(), or pass "
+            "tap.step(grad_norm=clip_grad_norm_(...))"
+        )
+
+
+class LossScale(Metric):
+    """The AMP ``GradScaler``'s loss scale, and whether it skipped the optimizer step.
+
+    Reports ``loss_scale`` and ``amp_skipped`` (1 when the scaler found inf/NaN gradients and
+    skipped ``optimizer.step``, else 0). A skipped step is reported as a ``skip`` event, and its
+    non-finite gradient values (:attr:`~batchtap.metrics.Metric.gradient_based`) are left out
+    instead of flagged as anomalies. Both values are read on the device, never on the host.
+
+    Where ``tap.step`` sits decides how the skip is known:
+
+    * after ``scaler.step(opt)`` (or ``scaler.unscale_(opt)``), before ``scaler.update()`` — the
+      recommended place: the skip is the scaler's own inf/NaN check of this step, and
+      ``loss_scale`` is the scale this step's loss was multiplied by;
+    * after ``scaler.update()``: the scaler has forgotten its check; a skip shows as the scale
+      dropping below the previous step's (nothing is known at the run's first step, and a scale
+      lowered by hand with ``update(new_scale=)`` reads as a skip); ``loss_scale`` is the scale
+      for the next step;
+    * before ``scaler.step`` (right after ``backward()``): the drop is seen one step late, so a
+      skip is marked on the step after the skipped one.
+
+    A scaler that is disabled (``enabled=False``) or has not scaled a loss yet gives no values.
+
+    Args:
+        scaler: a ``torch.amp.GradScaler`` (``torch.cuda.amp.GradScaler`` too).
+
+    Example:
+        >>> scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        >>> w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.1)
+        >>> scaler.scale((w * float("inf")).sum()).backward()  # inf gradients
+        >>> scaler.step(opt)
+        >>> metric = LossScale(scaler)
+        >>> inputs = StepInputs(None, None, None, 1.0)
+        >>> raw = [float(v) for v in metric.compute(inputs)] + list(metric.read_host(inputs))
+        >>> metric.finalize(raw, StepTiming(1.0, 0.1, math.nan)), metric.skipped(raw)
+        ([1024.0, 1.0], True)
+    """
+
+    device_width = 2  # the scale, the skip flag
+    host_width = 1  # whether the scaler has a scale
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        _check_scaler(scaler, "LossScale")
+        self.scaler = scaler
+        self._previous: torch.Tensor | None = None  # the scale at the last step (device copy)
+        self._fill = _Filled()
+
+    def outputs(self) -> tuple[Output, ...]:
+        return (
+            Output("loss_scale", NONNEGATIVE, Reduce.MAX),
+            Output("amp_skipped", Domain(low=0.0, high=1.0), Reduce.MAX),
+        )
+
+    def _scale(self) -> torch.Tensor | None:
+        return self.scaler._scale if self.scaler.is_enabled() else None
+
+    def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
+        device = inputs.device or _step_device(inputs)
+        scale = self._scale()
+        if scale is None:
+            self._previous = None
+            nan = self._fill(math.nan, device)
+            return (nan, nan)
+        if scale.device != device:
+            scale = scale.to(device, non_blocking=True)
+        found = [
+            f for state in self.scaler._per_optimizer_states.values() for f in state["found_inf_per_device"].values()
+        ]
+        if found:  # scaler.step/unscale_ ran and update() did not yet: the scaler's own check
+            self._previous = None  # (the scale-drop comparison is not used at this placement)
+            if len(found) == 1 and found[0].device == device:
+                flag = found[0]  # 0.0 or 1.0, a fresh tensor of this step: read as it is now
+            else:
+                flag = torch.stack([f.to(device, non_blocking=True) for f in found]).amax()
+            return (scale, flag)
+        # update() ran (or nothing did yet): a skip lowered the scale below the previous step's
+        previous = self._previous
+        if previous is None or previous.device != scale.device:
+            self._previous = scale.clone()
+            return (scale, self._fill(0.0, device))
+        flag = scale.lt(previous)
+        previous.copy_(scale)  # after the comparison, in stream order
+        return (scale, flag)
+
+    def read_host(self, inputs: StepInputs) -> Sequence[float]:
+        return (0.0 if self._scale() is None else 1.0,)
+
+    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
+        scale, skipped, present = raw
+        if not present:
+            return [None, None]
+        return [scale, skipped]
+
+    def skipped(self, raw: Sequence[float]) -> bool:
+        return bool(raw[2]) and raw[1] >= 0.5
+
+
+def _check_scaler(scaler: object, who: str) -> None:
+    if not callable(getattr(scaler, "is_enabled", None)) or not callable(getattr(scaler, "update", None)):
+        raise ConfigError(
+            f"{who} needs a torch.amp.GradScaler, got {type(scaler).__name__}; pass the scaler whose "
+            "scale(loss).backward() the loop calls"
+        )
+
+
+def _scale_carried(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The scale the gradients still carry (a device tensor, not read), or None when they carry
+    none: scaler disabled, nothing scaled yet, or ``unscale_``/``step`` already ran since the last
+    ``update()`` (its per-optimizer stages are host-side Python state)."""
+    if not scaler.is_enabled() or scaler._scale is None:
+        return None
+    for state in scaler._per_optimizer_states.values():
+        if getattr(state.get("stage"), "name", None) in ("UNSCALED", "STEPPED"):
+            return None
+    return scaler._scale
+
+
+def _local_shard(grad: Any) -> torch.Tensor:
+    local: torch.Tensor = grad.to_local()  # a DTensor's own shard: no communication
+    return local
+
+
+def _dtensor_type() -> type | None:
+    """``DTensor`` when its module is loaded (a model with DTensor parameters loaded it), else None:
+    nothing is imported here, so plain runs never pay for ``torch.distributed.tensor``."""
+    for module in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        found = getattr(sys.modules.get(module), "DTensor", None)
+        if isinstance(found, type):
+            return found
+    return None
 
 
 class StepTime(Metric):
@@ -260,15 +667,27 @@ class DataTime(Metric):
 
 
 class Throughput(Metric):
-    """Samples per second of step time (summed over ranks in a process group)."""
+    """Samples per second of step time (summed over ranks in a process group), or tokens per
+    second when the loop passes ``tap.step(tokens=...)``.
+
+    Left out of a step's record when the count is unknown (no batch size, no tokens) or the step
+    time is: a loss-only loop gets no throughput rather than NaN values.
+
+    Example:
+        >>> Throughput().finalize([], StepTiming(samples=8.0, step_time=0.5, data_time=math.nan, tokens=8192.0))
+        (16384.0,)
+        >>> Throughput().finalize([], StepTiming(samples=math.nan, step_time=0.5, data_time=math.nan))
+        (None,)
+    """
 
     def outputs(self) -> tuple[Output, ...]:
         return (Output("throughput", NONNEGATIVE, Reduce.SUM),)
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        if math.isnan(timing.step_time) or timing.step_time <= 0:
+        count = timing.tokens if math.isfinite(timing.tokens) else timing.samples
+        if not math.isfinite(count) or not timing.step_time > 0 or not math.isfinite(timing.step_time):
             return (None,)
-        return (timing.samples / timing.step_time,)
+        return (count / timing.step_time,)
 
 
 class Memory(Metric):
@@ -333,6 +752,10 @@ class Custom(Metric):
     def outputs(self) -> tuple[Output, ...]:
         return (Output(self.name, self.domain, self.reduce),)
 
+    def combine(self) -> tuple[Combine, ...]:
+        # over micro-batches as over ranks; a norm (L2) has no micro-batch form: a weighted mean
+        return (_COMBINE_OF_REDUCE.get(self.reduce, Combine.MEAN),)
+
     def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
         kwargs = {key: getattr(inputs, key) for key in sorted(self.requires)}
         value = self.fn(**kwargs)
@@ -340,6 +763,11 @@ class Custom(Metric):
             got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise InputError(f"custom metric {self.name!r} must return a 0-dim tensor, got {got}")
         return (_float32(value),)
+
+
+_COMBINE_OF_REDUCE = {
+    Reduce.MEAN: Combine.MEAN, Reduce.SUM: Combine.SUM, Reduce.MAX: Combine.MAX, Reduce.MIN: Combine.MIN
+}
 
 
 class Extra(Metric):
@@ -406,6 +834,8 @@ class Extra(Metric):
 
 
 def _step_device(inputs: StepInputs) -> torch.device:
+    if inputs.device is not None:
+        return inputs.device
     for t in (inputs.loss, inputs.outputs, inputs.targets):
         if isinstance(t, torch.Tensor):
             return t.device
@@ -413,21 +843,45 @@ def _step_device(inputs: StepInputs) -> torch.device:
 
 
 def default_metrics(
-    optimizer: torch.optim.Optimizer | None = None, model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer] | None = None,
+    model: torch.nn.Module | Mapping[str, torch.nn.Module] | None = None,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> list[Metric]:
     """The metric set a ``Tap`` uses when none is given.
 
     Loss, top-1 accuracy, step time, data wait, throughput and (on CUDA) memory; plus the learning
-    rate and gradient norm when an optimizer or model is given. Metrics whose inputs a step does not
-    provide (e.g. accuracy without targets) are dropped at the first step instead of failing.
+    rate and gradient norm when an optimizer or model is given, and the AMP loss scale with a
+    ``scaler`` (which also makes the gradient norm unscaled). Metrics that do not fit a step's
+    inputs (accuracy without targets, or of floating-point targets) are dropped at the first step
+    instead of failing.
+
+    Args:
+        optimizer: an optimizer (value ``lr``), or a mapping name -> optimizer, e.g.
+            ``{"g": opt_g, "d": opt_d}`` (values ``lr_g``, ``lr_d``).
+        model: a module (value ``grad_norm``), or a mapping name -> module (``grad_norm_g``...).
+        scaler: an AMP ``GradScaler``: adds :class:`LossScale`.
 
     Example:
         >>> [type(m).__name__ for m in default_metrics()]
         ['Loss', 'Accuracy', 'StepTime', 'DataTime', 'Throughput', 'Memory']
+        >>> g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+        >>> opts = {"g": torch.optim.SGD(g.parameters(), lr=0.1), "d": torch.optim.SGD(d.parameters(), lr=0.2)}
+        >>> [o.name for m in default_metrics(opts, {"g": g, "d": d}) for o in m.outputs()][:6]
+        ['loss', 'accuracy', 'grad_norm_g', 'grad_norm_d', 'lr_g', 'lr_d']
     """
-    metrics: list[Metric] = [Loss(), Accuracy(), StepTime(), DataTime(), Throughput(), Memory()]
-    if optimizer is not None:
-        metrics.insert(2, LearningRate(optimizer))
+    metrics: list[Metric] = [Loss(), Accuracy()]
     if model is not None:
-        metrics.insert(2, GradNorm(model))
+        if isinstance(model, Mapping):
+            metrics += [GradNorm(m, name=f"grad_norm_{key}", scaler=scaler) for key, m in model.items()]
+        else:
+            metrics.append(GradNorm(model, scaler=scaler))
+    if scaler is not None:
+        metrics.append(LossScale(scaler))
+    if optimizer is not None:
+        if isinstance(optimizer, Mapping):
+            metrics += [LearningRate(opt, name=f"lr_{key}") for key, opt in optimizer.items()]
+        else:
+            metrics.append(LearningRate(optimizer))
+    metrics += [StepTime(), DataTime(), Throughput(), Memory()]
     return metrics
