@@ -230,10 +230,17 @@ class Accuracy(Metric):
         n = targets.numel()
         exact = n <= F.EXACT_FLOAT32  # host-known: float32 sums are exact, no high parts needed
         dtype = torch.float32 if exact else torch.int64
+        # A prediction is a class index, so it never equals an ignore_index outside [0, C) (-100):
+        # the mask is needed on hits only when the ignored value is a class (e.g. pad id 0).
+        ignore = self.ignore_index
+        hit_mask = keep if ignore is not None and 0 <= ignore < outputs.shape[class_dim] else None
         if self.topk == (1,):  # the common case, fewest ops: argmax, eq, sum
-            correct: Sequence[torch.Tensor] = (F.top1_correct(outputs, targets, class_dim=class_dim, dtype=dtype),)
+            correct: Sequence[torch.Tensor] = (
+                F.top1_correct(outputs, targets, class_dim=class_dim, dtype=dtype, keep=hit_mask),
+            )
         else:
-            correct = F.topk_correct(outputs, targets, self.topk, class_dim=class_dim, dtype=dtype).unbind(0)
+            counts = F.topk_correct(outputs, targets, self.topk, class_dim=class_dim, dtype=dtype, keep=hit_mask)
+            correct = counts.unbind(0)
         low, high = F.target_range(targets, keep)
         if exact:
             kept = self._fill(float(n), device) if keep is None else keep.sum(dtype=torch.float32)

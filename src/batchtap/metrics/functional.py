@@ -34,10 +34,12 @@ def topk_correct(
     *,
     class_dim: int = 1,
     dtype: torch.dtype = torch.float32,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Number of positions whose target is among the top-``k`` scores, for each ``k`` in ``ks``.
 
-    A target no class index can equal (e.g. an ignored ``-100``) is never counted.
+    A target no class index can equal (e.g. an ignored ``-100``) is never counted; positions where
+    ``keep`` is False are not counted either (an ignored value that *is* a class index, e.g. 0).
 
     Args:
         outputs: scores, any float dtype: ``[N, C]``, ``[N, C, d1, ...]`` (``class_dim=1``, the
@@ -46,6 +48,7 @@ def topk_correct(
         ks: increasing top-k values, each ``<= C``.
         class_dim: the dimension of ``outputs`` that holds the classes.
         dtype: ``torch.float32`` (exact below 2**24 positions) or ``torch.int64`` (exact always).
+        keep: boolean mask of the targets' shape: the positions that count (None: all).
 
     Returns:
         tensor ``[len(ks)]`` of counts on ``outputs.device``.
@@ -61,6 +64,8 @@ def topk_correct(
     class_dim = class_dim % outputs.dim()
     top = outputs.topk(max(ks), dim=class_dim).indices  # [..., maxk at class_dim, ...], best first
     hits = top.eq(targets.unsqueeze(class_dim))  # at most one True along class_dim
+    if keep is not None:
+        hits = hits.logical_and(keep.unsqueeze(class_dim))
     other = [d for d in range(hits.dim()) if d != class_dim]
     hits_by_rank = hits.sum(dim=other, dtype=dtype)  # [maxk]
     # cumulative over the k axis: hit within the first k <=> any hit in ranks [0, k)
@@ -70,17 +75,27 @@ def topk_correct(
 
 
 def top1_correct(
-    outputs: torch.Tensor, targets: torch.Tensor, *, class_dim: int = 1, dtype: torch.dtype = torch.float32
+    outputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    class_dim: int = 1,
+    dtype: torch.dtype = torch.float32,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Number of positions whose highest score is the target: three device ops, 0-dim.
+    """Number of positions whose highest score is the target: three device ops (four with
+    ``keep``), 0-dim.
 
-    A target no class index can equal (e.g. an ignored ``-100``) is never counted.
+    A target no class index can equal (e.g. an ignored ``-100``) is never counted, so ``keep``
+    (the positions that count) is needed only when the ignored value is a class index.
 
     Example:
         >>> top1_correct(torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]]), torch.tensor([1, 1, 1]))
         tensor(2.)
     """
-    return outputs.argmax(class_dim).eq(targets).sum(dtype=dtype)
+    hits = outputs.argmax(class_dim).eq(targets)
+    if keep is not None:
+        hits = hits.logical_and(keep)
+    return hits.sum(dtype=dtype)
 
 
 def kept_mask(targets: torch.Tensor, ignore_index: int | None) -> torch.Tensor | None:
