@@ -167,7 +167,8 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], device: torch.device) -
 
 
 def grads_norm(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """L2 norm of the given tensors together, float32 0-dim on ``device``, no sync.
+    """L2 norm of the given tensors together, 0-dim on ``device`` (float32; float64 when a gradient
+    is float64), no sync.
 
     Each tensor's norm is accumulated in float32 whatever its dtype (bf16/fp16 gradients
     included), with one fused kernel per device and dtype, so the total takes ``groups + 2`` device
@@ -195,12 +196,13 @@ _FOREACH_DTYPE = True  # torch._foreach_norm takes dtype= (torch >= 2.1 in pract
 
 
 def _foreach_norm_fp32(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor norms, accumulated in at least float32 (one group: one device and dtype)."""
     global _FOREACH_DTYPE
+    if grads[0].dtype in (torch.float32, torch.float64):  # already at least float32 (dtype= may not narrow)
+        return list(torch._foreach_norm(grads, 2))
     if _FOREACH_DTYPE:
         try:
             return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
         except TypeError:
             _FOREACH_DTYPE = False
-    if grads[0].dtype in (torch.float32, torch.float64):
-        return [n.float() for n in torch._foreach_norm(grads, 2)]
     return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
