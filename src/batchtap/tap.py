@@ -251,7 +251,7 @@ class Tap:
         self._inbox: collections.deque[tuple[list[Decision], int]] = collections.deque()
         self._applied = 0  # inbox messages applied so far in this run
         self._auto_metrics = metrics is None
-        self._metrics = list(default_metrics(optimizer, model, **({"scaler": scaler} if scaler is not None else {})) if metrics is None else metrics)  # SHIM
+        self._metrics = list(default_metrics(optimizer, model, scaler=scaler) if metrics is None else metrics)
         _check_metrics(self._metrics)
         self._declared_extras = _declared_extras(extras, self._metrics)
         if sinks is None:

@@ -99,3 +99,49 @@ def test_an_exception_in_training_ends_the_run_as_failed_with_every_step_stored(
     tap.close()
     assert [r.step for r in sink.records] == [0, 1, 2, 3]
     assert sink.ended[0].status is RunStatus.FAILED
+
+
+class _Accumulating(_Classifier):
+    """Records the unscaled loss and the gradient norm of every optimizer step with .item()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms: list[float] = []
+        self.lrs: list[float] = []
+
+    def on_before_optimizer_step(self, optimizer):  # type: ignore[no-untyped-def]
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+
+def test_accumulate_grad_batches_records_one_step_per_optimizer_step_with_lr_grad_norm_and_val_loss() -> None:
+    sink = ListSink()
+    tap = bt.Tap([bt.metrics.Loss(), bt.metrics.Accuracy()], [sink], flush_every=4)
+    module = _Accumulating()
+    trainer = pl.Trainer(
+        max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+        callbacks=[BatchtapCallback(tap)], num_sanity_val_steps=0,
+    )
+    trainer.fit(module, _loader(), _loader(n=32))
+    tap.close()
+    steps = [r for r in sink.records if not r.sparse]
+    assert [r.step for r in steps] == list(range(trainer.global_step)) == list(range(6))
+    for i, record in enumerate(steps):
+        (l1, a1), (l2, a2) = module.seen[2 * i], module.seen[2 * i + 1]  # equal batch sizes (16)
+        assert record.values["loss"] == pytest.approx((l1 + l2) / 2, rel=1e-6)
+        assert record.values["accuracy"] == pytest.approx((a1 + a2) / 2, abs=1e-7)
+        assert record.values["grad_norm"] == pytest.approx(module.norms[i], rel=1e-5)
+        assert record.values["lr"] == module.lrs[i]
+    val = [r for r in sink.records if r.sparse]
+    assert len(val) == 2 and all(set(r.values) == {"val_loss"} for r in val)
+    assert not [e for e in sink.events if e.kind is bt.EventKind.ANOMALY]

@@ -11,7 +11,6 @@ Needs ``pip install 'batchtap[lightning]'`` (the unified ``lightning`` package).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,21 +25,43 @@ _pl: Any = require("lightning.pytorch", extra="lightning", purpose="batchtap.int
 __all__ = ["BatchtapCallback"]
 
 
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all gradients together, on the device (what ``clip_grad_norm_`` computes)."""
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    if get_total_norm is not None:
+        return get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)]))
+
+
 def _second_item(batch: Any) -> Any:
     return batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
 
 
 class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
-    """Capture every training batch of a Lightning ``Trainer`` into a :class:`~batchtap.Tap`.
+    """Capture every optimizer step of a Lightning ``Trainer`` into a :class:`~batchtap.Tap`.
 
     ``training_step`` returns the loss, or a dict with ``"loss"`` and, for accuracy, the class
     scores under ``outputs_key`` (``{"loss": loss, "logits": logits}``). Targets come from the
     batch (by default its second item). When the Tap asks to stop (NaN guard, a stop rule), the
     callback sets ``trainer.should_stop``; the run is stored as stopped with the reason.
 
+    What it records besides the Tap's own metrics:
+
+    * ``accumulate_grad_batches=N``: each batch goes to :meth:`Tap.accumulate` (with the loss
+      Lightning divided by N multiplied back), and one record is written per optimizer step;
+      record steps count ``trainer.global_step``.
+    * ``grad_norm``: the total gradient norm, computed on the device in
+      ``on_before_optimizer_step`` (after AMP unscaling, before gradient clipping: the norm
+      clipping sees), unless the Tap already has a :class:`~batchtap.metrics.GradNorm`.
+    * ``lr`` (``lr_opt{i}`` for further optimizers): the first param group's learning rate,
+      read on the host, unless the Tap already has a :class:`~batchtap.metrics.LearningRate`.
+    * every value in ``trainer.callback_metrics`` at the end of each validation run
+      (``self.log("val_loss", ...)``) as a sparse value (:meth:`Tap.log`): no extra sync, the
+      copy to the host is asynchronous.
+
     Args:
         tap: the Tap to drive (metrics, sinks, rules as you configure them). Default: a Tap with
-            the default metrics plus learning rate and gradient norm, writing to the console.
+            the default metrics, storing to the default SQLite store and the console.
         name: run name (default: the LightningModule's class name).
         config: run config to store (default: the module's ``hparams``).
         outputs_key: key of the class scores in ``training_step``'s dict output.
@@ -49,7 +70,7 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
     Example (not run here: it trains)::
 
         tap = bt.Tap(sinks=[bt.sinks.Console(every=10), bt.sinks.SQLite("runs/batchtap.db")])
-        trainer = lightning.Trainer(max_epochs=5, callbacks=[BatchtapCallback(tap)])
+        trainer = lightning.Trainer(max_epochs=5, accumulate_grad_batches=4, callbacks=[BatchtapCallback(tap)])
         trainer.fit(module, loader)
     """
 
@@ -69,19 +90,40 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         self.config = config
         self.outputs_key = outputs_key
         self.targets = targets
-        self._run: contextlib.AbstractContextManager[Any] | None = None  # the entered tap.run()
+        self._running = False
+        self._global_step = 0  # trainer.global_step at the last recorded optimizer step
+        self._grad_norm: torch.Tensor | None = None  # this optimizer step's norm, on the device
+        self._own_grad_norm = True
+        self._own_lr = True
+        self._lr: dict[str, float] = {}  # learning rates read before this optimizer step
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # The optimizers exist from here on (configure_optimizers ran inside fit()).
         if self.tap is None:
-            optimizer = trainer.optimizers[0] if trainer.optimizers else None
-            self.tap = Tap(optimizer=optimizer, model=pl_module)
+            self.tap = Tap()
+        names = {type(m).__name__ for m in self.tap._metrics}
+        self._own_grad_norm = "GradNorm" not in names
+        self._own_lr = "LearningRate" not in names
         config = self.config if self.config is not None else dict(getattr(pl_module, "hparams", {}) or {})
-        self._run = self.tap.run(name=self.name or type(pl_module).__name__, config=config)
-        self._run.__enter__()
+        self.tap.start(name=self.name or type(pl_module).__name__, config=config)
+        self._running = True
+        self._global_step = trainer.global_step
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if not self._running:
+            return
+        if self._own_lr:  # the rate this optimizer step uses (a scheduler may change it before batch end)
+            self._lr = self._lr_extra(trainer)
+        if not self._own_grad_norm:
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads:
+            with torch.no_grad():
+                self._grad_norm = _total_norm(grads)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         tap = self.tap
-        if tap is None or self._run is None:
+        if tap is None or not self._running:
             return
         scores = None
         if isinstance(outputs, Mapping):
@@ -97,9 +139,32 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         targets = self.targets(batch) if scores is not None else None
         if not isinstance(targets, torch.Tensor):
             targets, scores = None, None  # no accuracy without targets
-        tap.step(loss=loss, outputs=scores, targets=targets, epoch=trainer.current_epoch, batch=batch_idx)
+        stepped = trainer.global_step != self._global_step  # the optimizer ran in this batch
+        accumulate = trainer.accumulate_grad_batches
+        extra, self._lr = (self._lr, {}) if stepped and self._own_lr else ({}, self._lr)
+        if accumulate == 1 and stepped:
+            tap.step(loss=loss, outputs=scores, targets=targets, extra=extra, grad_norm=self._take_grad_norm(),
+                     epoch=trainer.current_epoch, batch=batch_idx)
+        else:
+            # Lightning hands back the loss it divided by accumulate_grad_batches for backward()
+            tap.accumulate(loss=loss.detach() * accumulate, outputs=scores, targets=targets)
+            if stepped:
+                tap.step(extra=extra, grad_norm=self._take_grad_norm(), epoch=trainer.current_epoch, batch=batch_idx)
+        self._global_step = trainer.global_step
         if tap.should_stop:
             trainer.should_stop = True
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        tap = self.tap
+        if tap is None or not self._running or trainer.sanity_checking:
+            return
+        taken = set(tap.run_info.metrics) if tap.run_info is not None else set()
+        values = {
+            k: v for k, v in trainer.callback_metrics.items()
+            if k not in taken and (not isinstance(v, torch.Tensor) or v.dim() == 0)
+        }
+        if values:
+            tap.log(values)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._end(None)
@@ -107,10 +172,26 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._end(exception)
 
+    def _take_grad_norm(self) -> torch.Tensor | None:
+        norm, self._grad_norm = self._grad_norm, None
+        return norm
+
+    def _lr_extra(self, trainer: Any) -> dict[str, float]:
+        return {
+            "lr" if i == 0 else f"lr_opt{i}": float(opt.param_groups[0]["lr"])  # a host float: no device read
+            for i, opt in enumerate(trainer.optimizers)
+        }
+
     def _end(self, exc: BaseException | None) -> None:
-        run, self._run = self._run, None
-        if run is not None:
-            run.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
-        if self._own_tap and self.tap is not None:
-            self.tap.close()
+        tap = self.tap
+        if self._running and tap is not None:
+            self._running = False
+            if exc is None:
+                tap.finish()
+            elif isinstance(exc, KeyboardInterrupt):
+                tap.finish("stopped", reason="KeyboardInterrupt")
+            else:
+                tap.finish("failed", reason=f"{type(exc).__name__}: {exc}")
+        if self._own_tap and tap is not None:
+            tap.close()
             self.tap = None
