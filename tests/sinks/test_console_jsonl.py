@@ -70,3 +70,64 @@ def test_jsonl_unwritable_path_is_a_clear_error(tmp_path) -> None:
     blocker.write_text("x")
     with pytest.raises(bt.SinkError, match=r"JSONL sink cannot open .*file/m.jsonl.* choose a writable path"):
         bt.sinks.JSONL(blocker / "m.jsonl")
+
+
+def _eval(step: int, **values: float) -> Record:
+    return Record("abc123", step, 0, -1, 0, 0.0, values, sparse=True)
+
+
+def test_console_prints_sparse_records_as_their_own_lines_and_skips_apart_from_anomalies() -> None:
+    stream = io.StringIO()
+    sink = bt.sinks.Console(every=5, stream=stream, max_anomaly_lines=2)
+    run = RunInfo("abc123", "exp1", {}, 0.0)
+    sink.start_run(run)
+    steps = [Record("abc123", b, 0, b, 0, 0.0, {"loss": 0.5, "loss_scale": 65536.0}) for b in range(11)]
+    skips = [Event("abc123", s, EventKind.SKIP, f"step {s}: the AMP GradScaler skipped the optimizer step", 0.0) for s in (1, 2, 3)]
+    sink.write([*steps[:6], _eval(5, val_loss=0.31, val_acc=0.9), *steps[6:]], skips)
+    sink.write([_eval(10, val_loss=math.nan, bleu=27.25)])
+    run.status = RunStatus.FINISHED
+    sink.end_run(run)
+    lines = stream.getvalue().splitlines()
+    assert lines[1:] == [
+        "batchtap skip at step 1: step 1: the AMP GradScaler skipped the optimizer step",
+        "batchtap skip at step 2: step 2: the AMP GradScaler skipped the optimizer step",  # then only counted
+        "epoch 0 batch 0: loss=0.5000 loss_scale=6.554e+04",
+        "epoch 0 batch 5: loss=0.5000 loss_scale=6.554e+04",
+        "eval  step 5  val_loss 0.3100  val_acc 90.00%",
+        "epoch 0 batch 10: loss=0.5000 loss_scale=6.554e+04",
+        "eval  step 10  val_loss nan  bleu 27.25",
+        "batchtap: run 'exp1' finished: 11 steps, last: loss=0.5000 loss_scale=6.554e+04; anomalies: 0; skipped steps: 3",
+    ]
+
+
+def test_console_live_bar_prints_sparse_lines_above_it() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    sink = bt.sinks.Console(stream=stream)
+    sink.start_run(RunInfo("abc123", "live", {}, 0.0))
+    sink.write([*(Record("abc123", b, 0, b, 0, 0.0, {"loss": 1.0}) for b in range(3)), _eval(2, val_loss=0.25)])
+    sink.write([_eval(2, val_acc=0.5)])
+    sink.end_run(RunInfo("abc123", "live", {}, 0.0, status=RunStatus.FINISHED))
+    out = stream.getvalue()
+    assert "eval  step 2  val_loss 0.2500" in out and "eval  step 2  val_acc 50.00%" in out
+    assert "3batch" in out.replace(" ", "") and "finished: 3 steps, last: loss=1.0000" in out
+
+
+def test_jsonl_sparse_records_are_record_lines_marked_sparse(tmp_path) -> None:
+    path = tmp_path / "m.jsonl"
+    sink = bt.sinks.JSONL(path)
+    sink.write(
+        [Record("abc123", 4, 0, 4, 0, 1.0, {"loss": 0.5}), _eval(4, val_loss=0.25, val_acc=math.nan)],
+        [Event("abc123", 4, EventKind.SKIP, "skipped", 1.0)],
+    )
+    sink.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows[0] == {"type": "record", "run_id": "abc123", "step": 4, "epoch": 0, "batch": 4, "rank": 0, "wall_time": 1.0, "loss": 0.5}
+    assert rows[1] == {
+        "type": "record", "run_id": "abc123", "step": 4, "epoch": 0, "batch": -1, "rank": 0, "wall_time": 0.0,
+        "sparse": True, "val_loss": 0.25, "val_acc": "nan",
+    }  # fmt: skip
+    assert rows[2]["type"] == "event" and rows[2]["kind"] == "skip"

@@ -11,9 +11,18 @@ import pytest
 
 from batchtap.errors import SinkError
 from batchtap.records import Record
-from batchtap.sinks.csv import CSV, POSITION_FIELDS, part_paths, read_events, read_records
+from batchtap.sinks.csv import (
+    CSV,
+    POSITION_FIELDS,
+    SPARSE_FIELDS,
+    part_paths,
+    read_events,
+    read_records,
+    read_sparse_records,
+    sparse_path,
+)
 
-from tests.store._helpers import ODD_NAMES, make_events, make_records, same_float
+from tests.store._helpers import ODD_NAMES, make_events, make_records, make_skips, make_sparse, same_float
 
 
 def _read(path: Path) -> list[list[str]]:
@@ -120,3 +129,40 @@ def test_an_empty_block_writes_nothing(tmp_path: Path) -> None:
     sink.write([Record("r", step=0, epoch=0, batch=0, rank=0, wall_time=0.5, values={"x": 1.0})])
     sink.close()
     assert _read(path) == [[*POSITION_FIELDS, "x"], ["r", "0", "0", "0", "0", "0.5", "1.0"]]
+
+
+def test_sparse_records_go_to_a_long_form_sidecar_and_leave_the_header_alone(tmp_path: Path) -> None:
+    path = tmp_path / "m.csv"
+    rng = random.Random(45)
+    steps = make_records("r", range(20), ["loss", "acc"], rng)
+    evals = make_sparse("r", [9, 19], rng)
+    late = make_sparse("r", [19], rng, names=("bleu", "step"))  # new names, one like a position column
+    sink = CSV(path)
+    sink.write([*steps[:10], evals[0], *steps[10:]])  # mixed in one block
+    sink.write([evals[1], late[0]])  # sparse only
+    sink.close()
+    assert [p.name for p in part_paths(path)] == ["m.csv"]  # no new part for names never declared
+    assert _read(path)[0] == [*POSITION_FIELDS, "loss", "acc"]
+    assert [(r.step, dict(r.values)) for r in read_records(path)] == [(r.step, dict(r.values)) for r in steps]
+    rows = _read(tmp_path / "m.sparse.csv")
+    assert rows[0] == list(SPARSE_FIELDS)
+    assert rows[1] == ["r", "9", "0", "0", repr(evals[0].wall_time), "val_loss", repr(evals[0].values["val_loss"])]
+    assert len(rows) == 1 + 2 + 2 + 2
+    assert read_sparse_records(path) == [*evals, *late]  # exact floats, one record per log() call
+
+
+def test_appending_continues_the_sparse_sidecar_without_a_second_header(tmp_path: Path) -> None:
+    path = tmp_path / "m.csv"
+    rng = random.Random(46)
+    first, second = make_sparse("a", [3], rng), make_sparse("b", [5], rng, names=("val_bleu",))
+    sink = CSV(path)
+    sink.write(first)
+    sink.close()
+    sink = CSV(path)
+    sink.write(make_records("b", range(2), ["loss"], rng), make_skips("b", [1]))
+    sink.write(second)
+    sink.close()
+    assert sum(row == list(SPARSE_FIELDS) for row in _read(sparse_path(path))) == 1
+    assert read_sparse_records(path) == [*first, *second]
+    assert [(e.step, e.kind.value) for e in read_events(path)] == [(1, "skip")]
+    assert read_sparse_records(tmp_path / "none.csv") == []

@@ -16,7 +16,7 @@ from batchtap.pipeline.resilient import ResilientSink
 from batchtap.records import RunStatus
 from batchtap.store import StoreError
 
-from tests.store._helpers import PG_DSN, ODD_NAMES, TcpProxy, make_events, make_records, make_run, pg_schema_fixture
+from tests.store._helpers import PG_DSN, ODD_NAMES, TcpProxy, make_events, make_records, make_run, make_skips, make_sparse, pg_schema_fixture
 
 psycopg = pytest.importorskip("psycopg")
 from batchtap.sinks.postgres import Postgres  # noqa: E402 - after the importorskip
@@ -156,3 +156,28 @@ def test_tables_live_in_the_requested_schema(schema: str) -> None:
         for r in _rows(schema, "SELECT table_name FROM information_schema.tables WHERE table_schema = %s", (schema,))
     }
     assert {"runs", "metrics", "events", "schema_version"} <= tables
+
+
+def test_sparse_records_are_metric_rows_and_their_names_are_noted(schema: str) -> None:
+    rng = random.Random(72)
+    run = make_run()
+    steps = make_records(run.id, range(20), ["loss", "acc"], rng)
+    evals = make_sparse(run.id, [9, 19], rng)
+    late = make_sparse(run.id, [19], rng, names=("bleu",))
+    again = replace(evals[0], wall_time=evals[0].wall_time + 2.0, values={"val_loss": 0.125})
+    sink = Postgres(PG_DSN, schema=schema)
+    sink.start_run(run)
+    sink.write([*steps[:10], evals[0], *steps[10:]], make_skips(run.id, [2]))  # mixed in one block
+    sink.write([evals[1], late[0]])  # sparse only, a name first seen now
+    sink.write([evals[0], again])  # replayed, then logged again at step 9: one COPY block, last wins
+    sink.close()
+    rows = _rows(schema, "SELECT metric, step, epoch, batch, wall_time, value FROM metrics WHERE batch = -1 ORDER BY step, metric")
+    latest = {(m, r.step): (m, r.step, r.epoch, -1, r.wall_time, v) for r in [*evals, *late, again] for m, v in r.values.items()}
+    assert rows == sorted(latest.values(), key=lambda x: (x[1], x[0]))
+    assert ("val_loss", 9, 0, -1, again.wall_time, 0.125) in rows
+    assert _rows(schema, "SELECT run_id, metric FROM sparse_metrics ORDER BY metric") == [
+        (run.id, "bleu"), (run.id, "val_acc"), (run.id, "val_loss"),
+    ]  # fmt: skip
+    assert _rows(schema, "SELECT COUNT(*) FROM metrics WHERE batch >= 0") == [(40,)]
+    assert _rows(schema, "SELECT metric_names FROM runs") == [('["loss", "acc"]',)]
+    assert _rows(schema, "SELECT step, kind FROM events") == [(2, "skip")]

@@ -19,7 +19,7 @@ from batchtap.errors import SinkError
 from batchtap.records import Event, EventKind, Record, RunStatus
 from batchtap.sinks.sqlite import SQLite
 
-from tests.store._helpers import ODD_NAMES, make_events, make_records, make_run, same_float
+from tests.store._helpers import ODD_NAMES, make_events, make_records, make_run, make_skips, make_sparse, same_float
 
 
 def _rows(path: Path, sql: str, params: tuple[object, ...] = ()) -> list[tuple]:
@@ -212,3 +212,41 @@ def test_sigkill_during_writes_leaves_whole_blocks_and_a_sound_file(tmp_path: Pa
     sink.write(last)
     sink.close()
     assert _rows(path, "SELECT COUNT(*) FROM metrics")[0][0] == len(steps) * 20
+
+
+def test_sparse_records_are_metric_rows_and_their_names_are_noted(tmp_path: Path) -> None:
+    path = tmp_path / "bt.db"
+    rng = random.Random(70)
+    run = make_run()
+    steps = make_records(run.id, range(20), ["loss", "acc"], rng)
+    evals = make_sparse(run.id, [9, 19], rng)
+    late = make_sparse(run.id, [19], rng, names=("bleu",))
+    sink = SQLite(path)
+    sink.start_run(run)
+    sink.write([*steps[:10], evals[0], *steps[10:]], make_skips(run.id, [2]))  # mixed in one block
+    sink.write([evals[1], late[0]])  # sparse only, a name first seen now
+    sink.close()
+    rows = _rows(path, "SELECT metric, step, epoch, batch, wall_time, value FROM metrics WHERE batch = -1 ORDER BY step, metric")
+    want = sorted(((m, r.step, r.epoch, -1, r.wall_time, v) for r in [*evals, *late] for m, v in r.values.items()), key=lambda x: (x[1], x[0]))
+    assert rows == want
+    assert _rows(path, "SELECT run_id, metric FROM sparse_metrics ORDER BY metric") == [
+        (run.id, "bleu"), (run.id, "val_acc"), (run.id, "val_loss"),
+    ]  # fmt: skip
+    assert _rows(path, "SELECT COUNT(*) FROM metrics WHERE batch >= 0") == [(40,)]
+    assert _rows(path, "SELECT metric_names FROM runs") == [('["loss", "acc"]',)]  # the declared step metrics
+    assert _rows(path, "SELECT step, kind FROM events") == [(2, "skip")]
+
+
+def test_a_sparse_value_logged_again_at_its_step_is_updated_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "bt.db"
+    run = make_run()
+    first = make_sparse(run.id, [9], random.Random(71))[0]
+    again = replace(first, wall_time=first.wall_time + 2.0, values={"val_loss": 0.125})
+    sink = SQLite(path)
+    sink.write([first])
+    sink.write([first, again])
+    sink.close()
+    assert _rows(path, "SELECT metric, step, wall_time, value FROM metrics WHERE metric = 'val_loss'") == [
+        ("val_loss", 9, again.wall_time, 0.125)
+    ]
+    assert _rows(path, "SELECT COUNT(*) FROM sparse_metrics") == [(2,)]

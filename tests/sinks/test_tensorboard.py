@@ -12,7 +12,7 @@ import pytest
 from batchtap.errors import SinkError
 from batchtap.records import ALL_RANKS, RunStatus
 
-from tests.store._helpers import ODD_NAMES, make_events, make_records, make_run
+from tests.store._helpers import ODD_NAMES, make_events, make_records, make_run, make_skips, make_sparse
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -98,3 +98,26 @@ def test_unwritable_log_dir_fails_at_construction(tmp_path: Path) -> None:
     blocker.write_text("x")
     with pytest.raises(SinkError, match=r"a-file.*fix"):
         TensorBoard(blocker / "logs")
+
+
+def test_sparse_values_are_scalars_named_as_logged_at_their_step(tmp_path: Path) -> None:
+    rng = random.Random(34)
+    run = make_run()
+    steps = make_records(run.id, range(20), ["loss"], rng)
+    evals = make_sparse(run.id, [9, 19], rng)
+    late = make_sparse(run.id, [19], rng, names=("bleu",))
+    other_rank = make_sparse(run.id, [19], rng, rank=1)
+    sink = TensorBoard(tmp_path)
+    sink.write([*steps[:10], evals[0], *steps[10:]], make_skips(run.id, [4]))
+    sink.write([evals[1], late[0], other_rank[0]])
+    sink.close()
+    acc = _load(tmp_path)
+    assert set(acc.Tags()["scalars"]) == {
+        "train/loss", "val_loss", "val_acc", "bleu", "val_loss/rank1", "val_acc/rank1",
+    }  # fmt: skip
+    for name in ("val_loss", "val_acc"):
+        got = acc.Scalars(name)
+        assert [(e.step, e.wall_time, e.value) for e in got] == [(r.step, r.wall_time, _f32(r.values[name])) for r in evals]
+    assert [e.step for e in acc.Scalars("bleu")] == [19]
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(20))
+    assert [t.step for t in acc.Tensors("events/skip/text_summary")] == [4]

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from batchtap.records import Event, EventKind, Record, RunInfo
+from batchtap.store.schema import MIGRATIONS, Dialect
 
 PG_DSN = os.environ.get("BATCHTAP_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -49,6 +50,45 @@ def make_records(
     return out
 
 
+def make_sparse(
+    run_id: str,
+    steps: Sequence[int],
+    rng: random.Random,
+    *,
+    names: Sequence[str] = ("val_loss", "val_acc"),
+    rank: int = 0,
+    t0: float = 1_700_000_000.0,
+) -> list[Record]:
+    """Sparse records as ``Tap.log()`` makes them: only the names logged together, batch -1, a wall
+    time just after the step they name."""
+    return [
+        Record(
+            run_id,
+            step=s,
+            epoch=s // 100,
+            batch=-1,
+            rank=rank,
+            wall_time=t0 + s * 0.01 + 0.005 + rng.random() * 1e-3,
+            values={n: rng.uniform(0, 1) for n in names},
+            sparse=True,
+        )
+        for s in steps
+    ]
+
+
+def make_skips(run_id: str, steps: Sequence[int], *, t0: float = 1_700_000_000.0) -> list[Event]:
+    """SKIP events as the decoder reports an AMP GradScaler's skipped optimizer steps."""
+    return [
+        Event(
+            run_id, s, EventKind.SKIP,
+            f"step {s}: the AMP GradScaler skipped the optimizer step (inf/NaN gradients; the loss scale is "
+            "lowered); gradient values of this step are left out",
+            t0 + s * 0.01,
+        )
+        for s in steps
+    ]
+
+
 def make_run(run_id: str | None = None, name: str = "test-run", started_at: float = 1_700_000_000.0) -> RunInfo:
     return RunInfo(
         id=run_id or uuid.uuid4().hex,
@@ -68,6 +108,22 @@ def make_events(run_id: str) -> list[Event]:
         Event(run_id, 5, EventKind.ANOMALY, "loss is inf", 1_700_000_000.05, metric="loss", raw_value=float("-inf")),
         Event(run_id, 6, EventKind.ACTION, "stop: loss diverged", 1_700_000_000.06),
     ]
+
+
+def make_store_at_version(conn: object, dialect: Dialect, version: int) -> None:
+    """Make the store a batchtap with schema ``version`` would have made: the released migrations
+    up to it, verbatim, so a test can check that a newer batchtap opens and migrates it.
+    ``conn`` is an autocommit sqlite3 or psycopg connection on an empty database or schema."""
+    execute = conn.execute  # type: ignore[attr-defined]
+    execute(dialect.ddl(
+        "CREATE TABLE schema_version (version {INT} PRIMARY KEY, applied_at {REAL} NOT NULL, description {TEXT} NOT NULL)"
+    ))
+    for migration in MIGRATIONS:
+        if migration.version > version:
+            break
+        for statement in migration.statements:
+            execute(dialect.ddl(statement))
+        execute(dialect.q("INSERT INTO schema_version VALUES (?, 0, ?)"), (migration.version, migration.description))
 
 
 def same_float(a: float, b: float) -> bool:

@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Any
 
-from batchtap.records import Event, EventKind, Record, RunInfo
+from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo
 from batchtap.sinks.base import Sink
 
-__all__ = ["Console", "format_values"]
+__all__ = ["Console", "format_values", "format_sparse"]
 
 _LABELS = {"accuracy": "acc", "step_time": "step", "data_time": "data", "grad_norm": "gnorm", "throughput": "tput"}
 
@@ -45,19 +45,55 @@ def format_values(values: dict[str, float] | Any) -> str:
     return " ".join(parts)
 
 
+def _looks_like_accuracy(name: str) -> bool:
+    last = name.replace("/", "_").rsplit("_", 1)[-1]
+    return name.startswith("accuracy") or last in ("acc", "accuracy")
+
+
+def format_sparse(record: Record) -> str:
+    """One line for a sparse record (``Tap.log()``): its step and each value, name as logged.
+
+    A name ending in ``acc``/``accuracy`` with a value in [0, 1] shows as a percentage, one with
+    ``loss`` in it with 4 decimals.
+
+    Example:
+        >>> r = Record("r", step=200, epoch=1, batch=-1, rank=0, wall_time=0.0,
+        ...            values={"val_loss": 0.31, "val_acc": 0.9, "bleu": 27.25}, sparse=True)
+        >>> format_sparse(r)
+        'eval  step 200  val_loss 0.3100  val_acc 90.00%  bleu 27.25'
+    """
+    parts = [f"eval  step {record.step}"]
+    if record.rank not in (0, ALL_RANKS):
+        parts.append(f"rank {record.rank}")
+    for name, value in record.values.items():
+        if math.isnan(value):
+            text = "nan"
+        elif _looks_like_accuracy(name) and 0.0 <= value <= 1.0:
+            text = f"{value * 100:.2f}%"
+        elif "loss" in name:
+            text = f"{value:.4f}"
+        else:
+            text = f"{value:.4g}"
+        parts.append(f"{name} {text}")
+    return "  ".join(parts)
+
+
 class Console(Sink):
     """Show metrics while training runs.
 
     On a terminal: a progress bar per epoch with the latest values. Otherwise (a log file, CI):
     a plain line every ``every`` batches, e.g. ``epoch 0 batch 10: loss=0.4213 acc=91.25%``.
-    Anomalies and actions are always printed as they arrive (at most ``max_anomaly_lines``
-    anomaly lines per run, then a count).
+    Values logged with ``Tap.log()`` (sparse records) always get a line of their own, e.g.
+    ``eval  step 200  val_loss 0.3100  val_acc 90.00%`` (:func:`format_sparse`), above the bar.
+    Anomalies, actions, warnings and skipped steps (AMP) are printed as they arrive (at most
+    ``max_anomaly_lines`` anomaly lines and as many skip lines per run, then only counted; the
+    final line gives both counts — a skipped step is expected with a GradScaler, not an anomaly).
 
     Args:
         every: print a plain line for batches whose index is a multiple of this.
         stream: where to print (default ``sys.stderr``).
         live: force the progress bar on or off (default: on when ``stream`` is a terminal).
-        max_anomaly_lines: anomaly lines printed per run before they are only counted.
+        max_anomaly_lines: anomaly lines (and skip lines) printed per run before they are only counted.
     """
 
     def __init__(
@@ -74,25 +110,29 @@ class Console(Sink):
         self._bar: Any = None
         self._bar_epoch: int | None = None
         self._anomalies = 0
+        self._skips = 0
         self._last: Record | None = None
         self._run: RunInfo | None = None
 
     def start_run(self, run: RunInfo) -> None:
-        self._run, self._anomalies, self._last = run, 0, None
+        self._run, self._anomalies, self._skips, self._last = run, 0, 0, None
         self._print(f"batchtap: run {run.name!r} ({run.id[:8]}) started")
 
     def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
         for event in events:
             self._event(event)
-        if not records:
-            return
-        self._last = records[-1]
-        if self.live:
-            self._update_bar(records)
-            return
+        steps: list[Record] = []
         for r in records:
-            if r.batch % self.every == 0:
+            if r.sparse:
+                self._print(format_sparse(r))
+            elif self.live:
+                steps.append(r)
+            elif r.batch % self.every == 0:
                 self._print(f"epoch {r.epoch} batch {r.batch}: {format_values(r.values)}")
+            if not r.sparse:
+                self._last = r
+        if steps:
+            self._update_bar(steps)
 
     def _update_bar(self, records: Sequence[Record]) -> None:
         from tqdm import tqdm
@@ -112,6 +152,10 @@ class Console(Sink):
             self._anomalies += 1
             if self._anomalies > self.max_anomaly_lines:
                 return
+        elif event.kind is EventKind.SKIP:
+            self._skips += 1
+            if self._skips > self.max_anomaly_lines:
+                return
         self._print(f"batchtap {event.kind.value} at step {event.step}: {event.message}")
 
     def end_run(self, run: RunInfo) -> None:
@@ -121,8 +165,9 @@ class Console(Sink):
         last = f", last: {format_values(self._last.values)}" if self._last else ""
         reason = f" ({run.stop_reason})" if run.stop_reason else ""
         steps = f"{self._last.step + 1} steps" if self._last else "no steps"
+        skips = f"; skipped steps: {self._skips}" if self._skips else ""
         self._print(
-            f"batchtap: run {run.name!r} {run.status.value}{reason}: {steps}{last}; anomalies: {self._anomalies}"
+            f"batchtap: run {run.name!r} {run.status.value}{reason}: {steps}{last}; anomalies: {self._anomalies}{skips}"
         )
 
     def _print(self, line: str) -> None:

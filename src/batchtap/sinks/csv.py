@@ -12,6 +12,10 @@ or :func:`read_records`) gives every value. A cell is empty where a record had n
 ``nan`` where the value was NaN. Floats are written with ``repr``, so they read back exactly.
 Events go to ``metrics.events.csv`` (columns :data:`EVENT_FIELDS`). A metric named like a
 position column (``step``, ``rank``, ...) gets the column ``metric:<name>``.
+
+Sparse records (``Tap.log()``: evaluation, epoch-level values, any name at any time) never touch
+the step files' header: they go to ``metrics.sparse.csv`` in long form, one line per value
+(columns :data:`SPARSE_FIELDS`), read back with :func:`read_sparse_records`.
 """
 
 from __future__ import annotations
@@ -26,12 +30,25 @@ from batchtap.errors import SinkError
 from batchtap.records import Event, EventKind, Record
 from batchtap.sinks.base import Sink
 
-__all__ = ["CSV", "POSITION_FIELDS", "EVENT_FIELDS", "part_paths", "read_records", "read_events"]
+__all__ = [
+    "CSV",
+    "POSITION_FIELDS",
+    "EVENT_FIELDS",
+    "SPARSE_FIELDS",
+    "part_paths",
+    "events_path",
+    "sparse_path",
+    "read_records",
+    "read_sparse_records",
+    "read_events",
+]
 
 #: The columns every metrics part starts with.
 POSITION_FIELDS = ("run_id", "step", "epoch", "batch", "rank", "wall_time")
 #: The columns of the events file.
 EVENT_FIELDS = ("run_id", "step", "rank", "kind", "metric", "raw_value", "message", "wall_time")
+#: The columns of the sparse values file: one line per value logged with ``Tap.log()``.
+SPARSE_FIELDS = ("run_id", "step", "epoch", "rank", "wall_time", "name", "value")
 
 
 _CLASH = "metric:"
@@ -45,8 +62,16 @@ def _part_path(path: Path, k: int) -> Path:
     return path if k == 1 else path.with_name(f"{path.stem}.{k}{path.suffix}")
 
 
-def _events_path(path: Path) -> Path:
-    return path.with_name(f"{path.stem}.events{path.suffix or '.csv'}")
+def events_path(path: str | os.PathLike[str]) -> Path:
+    """Where a :class:`CSV` sink writing ``path`` puts its events: ``<stem>.events<suffix>``."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}.events{p.suffix or '.csv'}")
+
+
+def sparse_path(path: str | os.PathLike[str]) -> Path:
+    """Where a :class:`CSV` sink writing ``path`` puts its sparse values: ``<stem>.sparse<suffix>``."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}.sparse{p.suffix or '.csv'}")
 
 
 def part_paths(path: str | os.PathLike[str]) -> list[Path]:
@@ -87,6 +112,11 @@ class CSV(Sink):
         ['m.csv', 'm.2.csv']
         >>> [dict(r.values) for r in read_records(path)]
         [{'loss': 0.5}, {'loss': 0.4, 'lr': 0.1}]
+        >>> sink = CSV(path)
+        >>> sink.write([Record("r", step=1, epoch=0, batch=-1, rank=0, wall_time=3.0, values={"val_loss": 0.3}, sparse=True)])
+        >>> sink.close()
+        >>> [(r.step, dict(r.values)) for r in read_sparse_records(path)]
+        [(1, {'val_loss': 0.3})]
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -97,6 +127,8 @@ class CSV(Sink):
         self._writer: csv.DictWriter[str] | None = None
         self._events_file: IO[str] | None = None
         self._events_writer: csv.DictWriter[str] | None = None
+        self._sparse_file: IO[str] | None = None
+        self._sparse_writer: csv.DictWriter[str] | None = None
         existing = part_paths(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -147,10 +179,13 @@ class CSV(Sink):
     def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
         """Append one block (and its events), then flush the files so followers see it."""
         try:
-            if records:
-                self._ensure_columns(records)
+            steps = [r for r in records if not r.sparse]
+            if len(steps) < len(records):
+                self._write_sparse([r for r in records if r.sparse])
+            if steps:
+                self._ensure_columns(steps)
                 assert self._writer is not None and self._file is not None
-                for r in records:
+                for r in steps:
                     row: dict[str, object] = {
                         "run_id": r.run_id,
                         "step": r.step,
@@ -168,14 +203,29 @@ class CSV(Sink):
         except OSError as exc:
             raise SinkError(f"cannot write CSV file {_part_path(self.path, self._part)}: {exc.strerror or exc}") from exc
 
+    def _write_sparse(self, records: Sequence[Record]) -> None:
+        if self._sparse_writer is None:
+            self._sparse_file, self._sparse_writer = _open_sidecar(sparse_path(self.path), SPARSE_FIELDS)
+        assert self._sparse_file is not None
+        for r in records:
+            wall = repr(float(r.wall_time))
+            for name, value in r.values.items():
+                self._sparse_writer.writerow(
+                    {
+                        "run_id": r.run_id,
+                        "step": r.step,
+                        "epoch": r.epoch,
+                        "rank": r.rank,
+                        "wall_time": wall,
+                        "name": name,
+                        "value": repr(float(value)),
+                    }
+                )
+        self._sparse_file.flush()
+
     def _write_events(self, events: Sequence[Event]) -> None:
         if self._events_writer is None:
-            p = _events_path(self.path)
-            fresh = not p.exists() or p.stat().st_size == 0
-            self._events_file = p.open("a", newline="", encoding="utf-8")
-            self._events_writer = csv.DictWriter(self._events_file, fieldnames=EVENT_FIELDS)
-            if fresh:
-                self._events_writer.writeheader()
+            self._events_file, self._events_writer = _open_sidecar(events_path(self.path), EVENT_FIELDS)
         assert self._events_file is not None
         for e in events:
             self._events_writer.writerow(
@@ -194,17 +244,27 @@ class CSV(Sink):
 
     def flush(self) -> None:
         """Push buffered rows to the OS (each ``write`` already does)."""
-        for f in (self._file, self._events_file):
+        for f in (self._file, self._events_file, self._sparse_file):
             if f is not None:
                 f.flush()
 
     def close(self) -> None:
         """Close the files (idempotent)."""
-        for f in (self._file, self._events_file):
+        for f in (self._file, self._events_file, self._sparse_file):
             if f is not None:
                 f.close()
-        self._file = self._events_file = None
-        self._writer = self._events_writer = None
+        self._file = self._events_file = self._sparse_file = None
+        self._writer = self._events_writer = self._sparse_writer = None
+
+
+def _open_sidecar(p: Path, fields: Sequence[str]) -> tuple[IO[str], csv.DictWriter[str]]:
+    """Open a file next to the step parts for appending; its header only when it is new."""
+    fresh = not p.exists() or p.stat().st_size == 0
+    f = p.open("a", newline="", encoding="utf-8")
+    writer = csv.DictWriter(f, fieldnames=fields)
+    if fresh:
+        writer.writeheader()
+    return f, writer
 
 
 def read_records(path: str | os.PathLike[str]) -> list[Record]:
@@ -236,9 +296,42 @@ def read_records(path: str | os.PathLike[str]) -> list[Record]:
     return out
 
 
+def read_sparse_records(path: str | os.PathLike[str]) -> list[Record]:
+    """Read the sparse records (``Tap.log()`` values) a :class:`CSV` sink wrote next to ``path``.
+
+    Consecutive lines of one record (same run, step, rank and wall time) come back as one record
+    with ``sparse=True`` and ``batch=-1``, in file order.
+    """
+    p = sparse_path(path)
+    if not p.exists():
+        return []
+    groups: list[tuple[dict[str, str], dict[str, float]]] = []
+    key: tuple[str, str, str, str] | None = None
+    with p.open(newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            this = (row["run_id"], row["step"], row["rank"], row["wall_time"])
+            if this != key:
+                key = this
+                groups.append((row, {}))
+            groups[-1][1][row["name"]] = float(row["value"])
+    return [
+        Record(
+            run_id=row["run_id"],
+            step=int(row["step"]),
+            epoch=int(row["epoch"]),
+            batch=-1,
+            rank=int(row["rank"]),
+            wall_time=float(row["wall_time"]),
+            values=values,
+            sparse=True,
+        )
+        for row, values in groups
+    ]
+
+
 def read_events(path: str | os.PathLike[str]) -> list[Event]:
     """Read the events a :class:`CSV` sink wrote next to ``path``."""
-    p = _events_path(Path(path))
+    p = events_path(Path(path))
     if not p.exists():
         return []
     with p.open(newline="", encoding="utf-8") as f:

@@ -27,7 +27,9 @@ class JSONL(Sink):
     """Append records, events and run start/end lines to a JSON-lines file.
 
     Each line has a ``"type"``: ``"run_start"``, ``"record"``, ``"event"`` or ``"run_end"``. NaN and
-    infinities are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``.
+    infinities are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``. A sparse record
+    (``Tap.log()``) is a ``"record"`` line with ``"sparse": true``, ``"batch": -1`` and only the
+    names logged together.
 
     Args:
         path: file to append to; parent folders are created.

@@ -15,6 +15,8 @@ from batchtap.store._url import redact_dsn
 from batchtap.store.schema import (
     ENSURE_RUN,
     INSERT_EVENTS,
+    INSERT_SPARSE,
+    LAST_STEP,
     METRIC_COLUMNS,
     POSTGRES,
     UPSERT_RUN,
@@ -23,6 +25,7 @@ from batchtap.store.schema import (
     metric_rows,
     run_row,
     run_rows_for_records,
+    sparse_rows,
     transaction,
     upsert_metrics_from,
 )
@@ -39,7 +42,8 @@ class Postgres(Sink):
 
     * One transaction per ``write()`` block. Metric values go in by ``COPY`` into a per-connection
       temporary staging table and one ``INSERT ... SELECT ... ON CONFLICT DO UPDATE``, so a replayed
-      block stores nothing twice.
+      block stores nothing twice. The names of sparse records (``Tap.log()``) are also noted in
+      ``sparse_metrics``.
     * Reconnects when the server goes away, with exponential backoff between attempts. The backoff
       never sleeps: while waiting, ``write()`` raises :class:`~batchtap.errors.SinkError` at once,
       and the caller (the dispatcher's :class:`batchtap.pipeline.resilient.ResilientSink`) spools
@@ -94,6 +98,7 @@ class Postgres(Sink):
         self._conn = self._connect()  # fail at construction, not at the first block
         self._upsert_metrics = upsert_metrics_from(_STAGE)
         self._insert_events = POSTGRES.q(INSERT_EVENTS)
+        self._insert_sparse = POSTGRES.q(INSERT_SPARSE)
         self._ensure_run = POSTGRES.q(ENSURE_RUN)
         self._upsert_run = POSTGRES.q(UPSERT_RUN)
 
@@ -176,11 +181,13 @@ class Postgres(Sink):
         self.start_run(run)
 
     def last_step(self, run_id: str) -> int | None:
-        """The largest step stored for ``run_id`` (None when it has no values)."""
+        """The largest step of ``run_id``'s step values (None when it has none); values logged with
+        ``Tap.log()`` do not count, as they may name any step."""
         found: list[int | None] = []
+        last_step = POSTGRES.q(LAST_STEP)
 
         def body(conn: Any) -> None:
-            row = conn.execute("SELECT MAX(step) FROM metrics WHERE run_id = %s", (run_id,)).fetchone()
+            row = conn.execute(last_step, (run_id, run_id)).fetchone()
             found.append(None if row is None or row[0] is None else int(row[0]))
 
         self._transact(f"read the last step of run {run_id}", body)
@@ -203,6 +210,7 @@ class Postgres(Sink):
             return
         rows = dedupe_metric_rows(metric_rows(records))
         runs = run_rows_for_records(records)
+        sparse = sparse_rows(records)
         evs = event_rows(events)
 
         def body(conn: Any) -> None:
@@ -216,6 +224,8 @@ class Postgres(Sink):
                     for row in rows:
                         copy.write_row(row)
                 cur.execute(self._upsert_metrics)
+            if sparse:
+                cur.executemany(self._insert_sparse, sparse)
             if evs:
                 cur.executemany(self._insert_events, evs)
 

@@ -14,6 +14,8 @@ from batchtap.store._url import parse_url
 from batchtap.store.schema import (
     ENSURE_RUN,
     INSERT_EVENTS,
+    INSERT_SPARSE,
+    LAST_STEP,
     SQLITE,
     UPSERT_METRICS,
     UPSERT_RUN,
@@ -21,6 +23,7 @@ from batchtap.store.schema import (
     metric_rows,
     run_row,
     run_rows_for_records,
+    sparse_rows,
     transaction,
 )
 
@@ -36,6 +39,8 @@ class SQLite(Sink):
     * Idempotent: a value is keyed by (run, metric, step, rank) and an event by its content, so
       writing a block twice (a replay from the spool) stores it once.
     * NaN values are stored as SQL ``NULL``; :func:`batchtap.store.open` reads them back as ``nan``.
+    * Sparse records (``Tap.log()``) are metric rows like any other; their names are also noted in
+      ``sparse_metrics``.
 
     The file and its directory are created and checked in the constructor, so a bad path fails
     before training starts.
@@ -66,6 +71,7 @@ class SQLite(Sink):
         self._conn: sqlite3.Connection | None = connect_sqlite(loc.target, create=True, busy_timeout_s=busy_timeout_s)
         self._upsert_metrics = SQLITE.q(UPSERT_METRICS)
         self._insert_events = SQLITE.q(INSERT_EVENTS)
+        self._insert_sparse = SQLITE.q(INSERT_SPARSE)
         self._ensure_run = SQLITE.q(ENSURE_RUN)
         self._upsert_run = SQLITE.q(UPSERT_RUN)
 
@@ -96,11 +102,14 @@ class SQLite(Sink):
             return
         conn = self._connection()
         rows = metric_rows(records)
+        sparse = sparse_rows(records)
         try:
             with transaction(conn, SQLITE):
                 # A run row for records whose start_run this sink never saw (attached mid-run).
                 conn.executemany(self._ensure_run, run_rows_for_records(records))
                 conn.executemany(self._upsert_metrics, rows)
+                if sparse:
+                    conn.executemany(self._insert_sparse, sparse)
                 if events:
                     conn.executemany(self._insert_events, event_rows(events))
         except sqlite3.Error as exc:
@@ -110,8 +119,9 @@ class SQLite(Sink):
             ) from exc
 
     def last_step(self, run_id: str) -> int | None:
-        """The largest step stored for ``run_id`` (None when it has no values)."""
-        row = self._connection().execute("SELECT MAX(step) FROM metrics WHERE run_id = ?", (run_id,)).fetchone()
+        """The largest step of ``run_id``'s step values (None when it has none); values logged with
+        ``Tap.log()`` do not count, as they may name any step."""
+        row = self._connection().execute(SQLITE.q(LAST_STEP), (run_id, run_id)).fetchone()
         return None if row is None or row[0] is None else int(row[0])
 
     def run_name(self, run_id: str) -> str | None:

@@ -23,6 +23,9 @@ class TensorBoard(Sink):
       metric): a tenth of the events, and of the writer's work, that one ``add_scalar`` per value
       costs. A record of rank ``k >= 1`` goes to ``<prefix>/<metric>/rank<k>``;
       reduced records (all ranks) and rank 0 share the plain name.
+    * A sparse record (``Tap.log()``: evaluation, epoch-level values) has its values as scalars
+      named as logged, without the prefix (``val_loss``, what ``add_scalar("val_loss", ...)``
+      writes), at the step and wall time it names; rank ``k >= 1``: ``<name>/rank<k>``.
     * Events become text under ``events/<kind>`` (``events/anomaly``, ``events/action``,
       ``events/warning``) at their step; the run's config and final status under ``run/...``.
     * TensorBoard stores scalars as float32; NaN stays NaN.
@@ -63,13 +66,14 @@ class TensorBoard(Sink):
                 f"cannot write TensorBoard logs to {self.log_dir}: {exc.strerror or exc}; expected a "
                 "writable directory; fix: choose another log_dir or fix its permissions"
             ) from exc
-        self._tags: dict[tuple[str, int], str] = {}
+        self._tags: dict[tuple[str, int, bool], str] = {}
 
-    def _tag(self, metric: str, rank: int) -> str:
-        key = (metric, rank)
+    def _tag(self, metric: str, rank: int, sparse: bool = False) -> str:
+        key = (metric, rank, sparse)
         tag = self._tags.get(key)
         if tag is None:
-            tag = f"{self.prefix}/{metric}" if rank in (0, ALL_RANKS) else f"{self.prefix}/{metric}/rank{rank}"
+            base = metric if sparse else f"{self.prefix}/{metric}"
+            tag = base if rank in (0, ALL_RANKS) else f"{base}/rank{rank}"
             self._tags[key] = tag
         return tag
 
@@ -84,7 +88,9 @@ class TensorBoard(Sink):
         try:
             for r in records:
                 if r.values:
-                    values = [value(tag=self._tag(name, r.rank), simple_value=float(v)) for name, v in r.values.items()]
+                    values = [
+                        value(tag=self._tag(name, r.rank, r.sparse), simple_value=float(v)) for name, v in r.values.items()
+                    ]
                     add_summary(summary(value=values), global_step=r.step, walltime=r.wall_time)
             for e in events:
                 self._add_text(f"events/{e.kind.value}", _event_text(e), e.step, e.wall_time)

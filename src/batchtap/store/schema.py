@@ -1,6 +1,6 @@
 """The one schema shared by the SQL sinks and the readers, rendered per SQL dialect.
 
-Tables (schema version 1):
+Tables (schema version 2):
 
 * ``runs`` — one row per run: id, name, status, start/end times, stop reason, config (JSON text),
   world size, host, pid, Python/torch/CUDA/cuDNN versions, git commit, device, the declared metric
@@ -9,9 +9,14 @@ Tables (schema version 1):
   value. The primary key is in that order, so "one metric of one run in step order" is a range scan
   of the key and needs no extra index. A NaN value is stored as SQL ``NULL`` (SQLite cannot store
   NaN; using NULL in PostgreSQL too keeps one rule and makes ``avg(value)`` skip it).
-* ``events`` — anomalies, actions and warnings: run, step, rank, kind, metric, raw value (as the
-  text of Python's ``repr``, so NaN and inf survive), message, wall time. An ``event_key`` (a hash of
-  the event's fields) makes re-inserting the same event a no-op.
+* ``sparse_metrics`` — (run, metric) for each name a run logged with ``Tap.log()`` (records with
+  ``Record.sparse``: evaluation, epoch-level values). Their values are ordinary ``metrics`` rows
+  (``batch`` -1); this table only says which names they are, so that step counts leave them out and
+  readers can show them apart. A name is sparse or per-step for a whole run (the Tap refuses a
+  clash), so one row per name is enough and the hot per-step path writes nothing here.
+* ``events`` — anomalies, actions, warnings and skipped steps: run, step, rank, kind, metric, raw
+  value (as the text of Python's ``repr``, so NaN and inf survive), message, wall time. An
+  ``event_key`` (a hash of the event's fields) makes re-inserting the same event a no-op.
 * ``schema_version`` — one row per applied migration. Opening a store applies the missing ones.
 
 Every statement is written once, with ``?`` placeholders and ``{REAL}``-style type names, and
@@ -42,6 +47,7 @@ __all__ = [
     "ensure_schema",
     "transaction",
     "metric_rows",
+    "sparse_rows",
     "event_rows",
     "run_row",
     "run_rows_for_records",
@@ -51,6 +57,8 @@ __all__ = [
     "upsert_metrics_from",
     "dedupe_metric_rows",
     "INSERT_EVENTS",
+    "INSERT_SPARSE",
+    "LAST_STEP",
     "UPSERT_RUN",
     "ENSURE_RUN",
     "RUN_COLUMNS",
@@ -158,8 +166,25 @@ _V1 = Migration(
     ),
 )
 
+_V2 = Migration(
+    2,
+    "sparse_metrics: the names a run logged with Tap.log()",
+    (
+        """CREATE TABLE sparse_metrics (
+            run_id {TEXT} NOT NULL,
+            metric {TEXT} NOT NULL,
+            PRIMARY KEY (run_id, metric)
+        ){WITHOUT_ROWID}""",
+        # Before version 2, Tap.log() values were stored like step values; they are the only rows
+        # with batch -1 (a step's batch is its index in the epoch). A name counts as sparse only
+        # when every one of its rows has batch -1.
+        """INSERT INTO sparse_metrics (run_id, metric)
+            SELECT run_id, metric FROM metrics GROUP BY run_id, metric HAVING MIN(batch) = -1 AND MAX(batch) = -1""",
+    ),
+)
+
 #: Every migration, in order. ``MIGRATIONS[-1].version`` is what this batchtap writes.
-MIGRATIONS: tuple[Migration, ...] = (_V1,)
+MIGRATIONS: tuple[Migration, ...] = (_V1, _V2)
 #: The schema version this batchtap reads and writes.
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -168,7 +193,7 @@ _VERSION_TABLE = """CREATE TABLE schema_version (
     applied_at {REAL} NOT NULL,
     description {TEXT} NOT NULL
 )"""
-_OWN_TABLES = frozenset({"runs", "metrics", "events", "schema_version"})
+_OWN_TABLES = frozenset({"runs", "metrics", "events", "sparse_metrics", "schema_version"})
 # Serialises schema creation between processes opening the same PostgreSQL database at once.
 _PG_LOCK_KEY = 0x62617463  # "batc"
 
@@ -216,6 +241,13 @@ def dedupe_metric_rows(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     last = {row[:4]: row for row in rows}
     return list(last.values())
 INSERT_EVENTS = _insert("events", EVENT_COLUMNS) + " ON CONFLICT (run_id, event_key) DO NOTHING"
+INSERT_SPARSE = _insert("sparse_metrics", ("run_id", "metric")) + " ON CONFLICT (run_id, metric) DO NOTHING"
+#: The largest step of a run's step values (its Tap.log() values left out: they may name any step);
+#: parameters (run_id, run_id). What a resumed run continues after.
+LAST_STEP = (
+    "SELECT MAX(step) FROM metrics WHERE run_id = ?"
+    " AND metric NOT IN (SELECT metric FROM sparse_metrics WHERE run_id = ?)"
+)
 # start_run and end_run both send the whole row; the earliest start time wins so that a
 # placeholder row (see ENSURE_RUN) or a resumed run keeps when the run really began.
 UPSERT_RUN = (
@@ -263,6 +295,23 @@ def metric_rows(records: Sequence[Record]) -> list[tuple[Any, ...]]:
             v = float(value)
             append((run_id, name, step, rank, epoch, batch, wall, None if v != v else v))
     return rows
+
+
+def sparse_rows(records: Sequence[Record]) -> list[tuple[str, str]]:
+    """``(run_id, metric)`` of each name the sparse records of a block carry, once each
+    (:data:`INSERT_SPARSE`); empty for a block of step records only.
+
+    Example:
+        >>> r = Record("r1", step=9, epoch=0, batch=-1, rank=0, wall_time=1.5, values={"val_loss": 0.3}, sparse=True)
+        >>> sparse_rows([r, r])
+        [('r1', 'val_loss')]
+    """
+    seen: dict[tuple[str, str], None] = {}
+    for r in records:
+        if r.sparse:
+            for name in r.values:
+                seen[(r.run_id, name)] = None
+    return list(seen)
 
 
 def _event_key(e: Event) -> str:
