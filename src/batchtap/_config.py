@@ -68,6 +68,7 @@ def _value(v: object, path: str, as_repr: list[str], depth: int) -> Any:
             items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
             return [_value(x, f"{path}[{i}]", as_repr, depth + 1) for i, x in enumerate(items)]
     if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.numel() <= 64:
-        return v.tolist()  # a small host tensor: its values, no device involved
+        # sync: none in fact — a small host tensor in a run's config, read once when the run starts
+        return v.tolist()
     as_repr.append(path)
     return repr(v)

@@ -863,7 +863,7 @@ class Tap:
         chosen = {id(m) for m in (micro.metrics if micro is not None else self._select_metrics(inputs, micro=True))}
         chosen |= {id(m) for m in self._select_metrics(inputs, micro=False)}
         metrics = [m for m in self._metrics if id(m) in chosen]
-        if inputs.grad_norm is not None and not any(isinstance(m, GradNorm) for m in metrics):
+        if inputs.grad_norm is not None and not any(isinstance(m, GradNorm) and m.takes_step_grad_norm for m in metrics):
             metrics.append(GradNorm())  # the loop's own norm (clip_grad_norm_'s return value)
         extras = dict(self._declared_extras)
         for name, value in inputs.extra.items():
@@ -919,7 +919,7 @@ class Tap:
             return
         metrics = capture.step_metrics_all if accumulated else capture.metrics
         self._check_inputs_fully(inputs, metrics, capture.device)
-        if inputs.grad_norm is not None and not any(isinstance(m, GradNorm) for m in capture.metrics):
+        if inputs.grad_norm is not None and not any(isinstance(m, GradNorm) and m.takes_step_grad_norm for m in capture.metrics):
             raise InputError(
                 "grad_norm= was not passed at the run's first step, which fixes the columns; pass it from "
                 "the first step on, or add bt.metrics.GradNorm() to the Tap's metrics"

@@ -69,5 +69,6 @@ class Logged:
         """Every value as a float. Pipeline thread only, once :attr:`done` says the copy completed."""
         out = dict(self.numbers)
         if self.host is not None:
+            # sync: none — pipeline thread, host memory whose copy the marker showed complete
             out.update(zip(self.tensor_names, self.host.numpy().tolist()))
         return out
