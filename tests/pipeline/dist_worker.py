@@ -40,7 +40,9 @@ def main(scenario: str, out: Path) -> None:
                 n = 6 + 5 * rank + step % 3  # uneven per-rank batch sizes
                 outputs = torch.randn(n, 4)
                 targets = torch.randint(0, 4, (n,))
-                loss = F.cross_entropy(outputs, targets)
+                if scenario == "padded":
+                    targets[: 1 + 3 * rank + step % 2] = -100  # uneven padding: ranks keep different counts
+                loss = F.cross_entropy(outputs, targets, ignore_index=-100)
                 if scenario == "nan" and rank == 1 and step == 7:
                     loss = loss * math.nan
                 if scenario == "straggler" and rank == world - 1:
@@ -57,7 +59,8 @@ def main(scenario: str, out: Path) -> None:
                 else:
                     tap.step(loss=loss, outputs=outputs, targets=targets)
                 local.append(
-                    {"step": step, "n": n, "loss": loss.item(), "correct": (outputs.argmax(1) == targets).sum().item()}
+                    {"step": step, "n": n, "loss": loss.item(), "correct": (outputs.argmax(1) == targets).sum().item(),
+                     "kept": (targets != -100).sum().item()}
                 )
                 if tap.should_stop:
                     result["stopped_at"] = step

@@ -60,6 +60,18 @@ def test_reduced_loss_and_accuracy_equal_the_union_reference(tmp_path: Path, wor
         assert record["step"] == 0 or 0 <= record["slowest_rank"] < world  # step 0 has no measured time
 
 
+def test_accuracy_with_uneven_padding_is_total_correct_over_total_kept_targets(tmp_path: Path) -> None:
+    # Ranks keep different numbers of targets (-100 padding): weighting by samples would be wrong.
+    results, lines, _ = _launch("padded", 2, tmp_path)
+    records = _records(lines)
+    assert [r["step"] for r in records] == list(range(40))
+    for record in records:
+        rows = [res["local"][record["step"]] for res in results]
+        assert record["accuracy"] == pytest.approx(
+            sum(row["correct"] for row in rows) / sum(row["kept"] for row in rows), abs=1e-12
+        )
+
+
 def test_per_rank_rows_write_one_row_per_rank_and_step(tmp_path: Path) -> None:
     _, lines, _ = _launch("per_rank", 2, tmp_path)
     keys = [(r["step"], r["rank"]) for r in _records(lines)]

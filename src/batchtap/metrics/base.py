@@ -143,6 +143,14 @@ class Metric(abc.ABC):
         """
         return None
 
+    def weight(self, raw: Sequence[float]) -> float | None:
+        """What this metric's ``MEAN`` values of this row average over, when that is not the step's
+        samples (e.g. accuracy over the targets kept after ``ignore_index``); None: the samples.
+
+        The cross-rank reduction weights each rank's value by it, so uneven counts combine exactly.
+        """
+        return None
+
     def skipped(self, raw: Sequence[float]) -> bool:
         """Whether the raw columns show the optimizer skipped this step (AMP GradScaler found
         inf/NaN gradients). Such a step is reported as a ``skip`` event, not as anomalies."""

@@ -266,6 +266,10 @@ class Accuracy(Metric):
         n = self._counts
         return [hi * F.EXACT_FLOAT32 + lo for lo, hi in zip(raw[:n], raw[n : 2 * n])]
 
+    def weight(self, raw: Sequence[float]) -> float | None:
+        """The kept targets: ranks combine accuracies weighted by them (exact with padding)."""
+        return self._kept_and_counts(raw)[-1]
+
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         counts = self._kept_and_counts(raw)
         kept = counts[-1]

@@ -20,9 +20,11 @@ __all__ = ["Decoder", "Decoded"]
 class Decoded:
     """Result of decoding one block."""
 
-    __slots__ = ("records", "events", "input_errors")
+    __slots__ = ("records", "events", "input_errors", "weights")
 
     def __init__(self) -> None:
+        #: per record: value name -> what its MEAN averages over, where that is not the samples
+        self.weights: list[dict[str, float]] = []
         self.records: list[Record] = []
         self.events: list[Event] = []
         self.input_errors: list[str] = []
@@ -54,6 +56,7 @@ class Decoder:
         self._skip_metrics_mask = [_overrides(span.metric, "skipped") for span in layout.spans]
         self._skip_metrics = any(self._skip_metrics_mask)
         self._warns = any(_overrides(span.metric, "warning") for span in layout.spans)
+        self._weighs = [_overrides(span.metric, "weight") for span in layout.spans]
         self._warned: set[int] = set()  # metrics whose warning was reported (once per run)
 
     def decode(self, data: BlockData) -> Decoded:
@@ -80,7 +83,12 @@ class Decoder:
                     )
                 )
             values: dict[str, float] = {}
-            for (metric, outputs, _, _), raw in zip(self._spans, raws):
+            weights: dict[str, float] = {}
+            for (metric, outputs, _, _), raw, weighs in zip(self._spans, raws, self._weighs):
+                if weighs:
+                    w = metric.weight(raw)
+                    if w is not None:
+                        weights.update((o.name, w) for o in outputs)
                 problem = metric.input_error(raw)
                 if problem is not None:
                     message = f"step {step}: {problem}"
@@ -114,6 +122,7 @@ class Decoder:
                     )
                     out.events.append(self._event(step, wall, output.name, value, message))
             out.records.append(Record(self.run_id, step, epochs[i], batches[i], self.rank, wall, values))
+            out.weights.append(weights)
         return out
 
     def _event(self, step: int, wall: float, metric: str, raw: float | None, message: str) -> Event:

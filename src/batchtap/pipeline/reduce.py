@@ -9,8 +9,9 @@ bit — and its anomaly events, and the ranks exchange them with one ``all_gathe
 then computes the same global records from the same data, so rules that run on them take the same
 decisions everywhere. Values combine by their metric's :class:`~batchtap.metrics.Reduce`:
 
-* ``MEAN`` — weighted by each rank's samples: global accuracy = total correct / total samples,
-  exact for uneven per-rank batches;
+* ``MEAN`` — weighted by each rank's samples, or by the count the metric averaged over
+  (``Metric.weight``: accuracy's kept targets): global accuracy = total correct / total kept targets,
+  exact for uneven per-rank batches and uneven padding;
 * ``SUM`` (throughput), ``MAX`` (step time, grad norm, lr), ``MIN``;
 * ``L2`` — the root of the summed squares: the global norm of gradients sharded over ranks.
 
@@ -91,9 +92,10 @@ class Reducer:
 
     def _pack(self, decoded: Decoded, samples: np.ndarray, step_time: np.ndarray) -> np.ndarray:
         n, v = len(decoded.records), len(self.outputs)
-        packed = np.full((n, 3 + 2 * v), math.nan)
+        packed = np.full((n, 3 + 3 * v), math.nan)
         packed[:, 1] = samples
         packed[:, 2] = step_time
+        weights = decoded.weights if len(decoded.weights) == n else [{}] * n
         for i, record in enumerate(decoded.records):
             packed[i, 0] = record.step
             for j, output in enumerate(self.outputs):
@@ -101,6 +103,7 @@ class Reducer:
                 if value is not None:
                     packed[i, 3 + 2 * j] = value
                     packed[i, 4 + 2 * j] = 1.0
+                    packed[i, 3 + 2 * v + j] = weights[i].get(output.name, math.nan)
         return packed
 
     def _combine(self, decoded: Decoded, gathered: list[Any]) -> Decoded:
@@ -121,13 +124,17 @@ class Reducer:
 
     def _global_record(self, like: Record, rows: list[tuple[int, np.ndarray]]) -> Record:
         ranks = np.array([r for r, _ in rows])
-        table = np.stack([row for _, row in rows])  # [ranks, 3 + 2V]
-        weights = np.where(np.isnan(table[:, 1]), 1.0, table[:, 1])
+        table = np.stack([row for _, row in rows])  # [ranks, 3 + 3V]
+        samples = np.where(np.isnan(table[:, 1]), 1.0, table[:, 1])
+        v = len(self.outputs)
         values: dict[str, float] = {}
         for j, output in enumerate(self.outputs):
             present = table[:, 4 + 2 * j] == 1.0
             if not present.any():
                 continue
+            # a MEAN averages over its own count where the metric gives one (kept targets), else samples
+            own = table[:, 3 + 2 * v + j]
+            weights = np.where(np.isnan(own), samples, own)
             column, w = table[present, 3 + 2 * j], weights[present]
             if output.reduce is Reduce.MEAN:
                 values[output.name] = float(np.dot(column, w) / w.sum())
