@@ -6,6 +6,7 @@ tests/store/_helpers.py).
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 
@@ -45,3 +46,20 @@ def test_an_unreachable_server_exits_1_without_the_password() -> None:
     done = cli("runs", "--db", "postgresql://bob:s3cret@127.0.0.1:1/none")
     assert done.returncode == 1
     assert "cannot connect to PostgreSQL" in done.stderr and "s3cret" not in done.stderr
+
+
+def test_logged_values_are_shown_and_exported_from_postgresql(schema: str) -> None:
+    run_id = _train.main(["--db", PG_DSN, "--schema", schema, "--name", "pg-eval", "--epochs", "2", "--log-eval"])
+    where = ("--db", PG_DSN, "--schema", schema)
+    shown = cli("show", "pg-eval", *where)
+    assert shown.returncode == 0, shown.stderr
+    assert "steps        24 (steps 0..23)" in shown.stdout
+    section = shown.stdout.split("\nlogged values (tap.log)\n")[1].split("\nevents:")[0].splitlines()
+    assert [(r.split()[0], r.split()[1], r.split()[-1]) for r in section[1:]] == [
+        ("test_acc", "23", "1"), ("val_acc", "23", "2"), ("val_loss", "23", "2"),
+    ]  # fmt: skip
+    done = cli("export", run_id, *where, "-f", "jsonl", "-m", "val_loss", "-m", "test_acc")
+    rows = [json.loads(line) for line in done.stdout.splitlines() if '"record"' in line]
+    assert [(r["step"], r["sparse"], sorted(set(r) & {"val_loss", "test_acc"})) for r in rows] == [
+        (11, True, ["val_loss"]), (23, True, ["val_loss"]), (23, True, ["test_acc"]),
+    ]  # fmt: skip

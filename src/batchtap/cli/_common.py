@@ -110,6 +110,7 @@ def pick_metrics(store: Store, run: RunRow, wanted: Sequence[str] | None, defaul
         CLIError: a wanted metric has no values in the run, or the run has none at all.
     """
     present = store.metric_names(run.id)
+    sparse = set(store.sparse_names(run.id))
     if wanted:
         missing = [m for m in wanted if m not in present]
         if missing:
@@ -120,7 +121,8 @@ def pick_metrics(store: Store, run: RunRow, wanted: Sequence[str] | None, defaul
         return list(dict.fromkeys(wanted))
     chosen = [m for m in default if m in present]
     if not chosen and present:
-        chosen = present[:1]
+        # a step metric rather than a Tap.log() name when the run has both
+        chosen = [m for m in present if m not in sparse][:1] or present[:1]
     if not chosen:
         raise CLIError(f"run {run.name!r} ({short_id(run.id)}) has no stored metric values yet")
     return chosen
@@ -145,15 +147,19 @@ def run_info(run: RunRow) -> RunInfo:
 def run_records(
     store: Store, run: RunRow, metrics: Sequence[str] | None = None, rank: int | None = None
 ) -> list[Record]:
-    """A stored run turned back into the records its sinks were given, in (step, rank) order.
+    """A stored run turned back into the records its sinks were given, in (step, rank) order; the
+    sparse records (``Tap.log()`` values, ``sparse=True``) follow the step records of their step.
 
     Args:
         store: the open store.
         run: the run.
-        metrics: which metrics (default: all with stored values).
+        metrics: which metrics, step or sparse (default: all with stored values).
         rank: one rank only (``-1`` for the all-ranks rows); default every rank stored.
     """
     names = list(metrics) if metrics else store.metric_names(run.id)
+    sparse = set(store.sparse_names(run.id))
+    logged = [n for n in names if n in sparse]
+    names = [n for n in names if n not in sparse]
     wanted = set(names)
     # The reading API gives positions (epoch, batch, wall time) per (metric, rank) series, so find
     # which ranks each metric has first; one pass over the run's values.
@@ -169,10 +175,14 @@ def run_records(
             if key not in rows:
                 rows[key] = (p.epoch, p.batch, p.wall_time, {})
             rows[key][3][metric] = p.value
-    return [
+    records = [
         Record(run.id, step=step, epoch=e, batch=b, rank=r, wall_time=w, values=values)
         for (step, r), (e, b, w, values) in sorted(rows.items())
     ]
+    if logged:
+        records += store.sparse_records(run.id, logged, rank)
+        records.sort(key=lambda rec: (rec.step, rec.sparse))  # stable: each kind keeps its order
+    return records
 
 
 def events_by_kind(events: Sequence[Event]) -> dict[EventKind, int]:

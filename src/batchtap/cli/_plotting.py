@@ -30,12 +30,15 @@ __all__ = [
     "robust_limits",
     "ANOMALY_COLOR",
     "ACTION_COLOR",
+    "LOGGED_COLOR",
 ]
 
 #: Anomaly markers: a pure red that the curves' default colours never use.
 ANOMALY_COLOR = "#ff0000"
 #: Action lines.
 ACTION_COLOR = "#8e24aa"
+#: Values logged with ``Tap.log()`` in ``plot`` (dots): not the step curves' blue.
+LOGGED_COLOR = "C1"
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -67,7 +70,7 @@ def _smoothing(text: str) -> float:
 
 def add_size_arguments(parser: argparse.ArgumentParser, *, default_smooth: float) -> None:
     """``-m``, ``--smooth``, ``--x``, ``-o`` and ``--size``, common to plot and compare."""
-    parser.add_argument("-m", "--metric", action="append", dest="metrics", metavar="NAME", help="metric to plot, one panel each (repeatable; default loss, accuracy)")
+    parser.add_argument("-m", "--metric", action="append", dest="metrics", metavar="NAME", help="metric to plot, one panel each (repeatable; default loss, accuracy); a name logged with tap.log() is drawn as dots")
     parser.add_argument("--smooth", type=_smoothing, default=default_smooth, metavar="W", help=f"exponential smoothing weight in [0, 1), TensorBoard-style; the raw curve stays faint behind (default {default_smooth})")
     parser.add_argument("--x", choices=("step", "time"), default="step", help="x axis: global step or seconds since the run started (default step)")
     parser.add_argument("-o", "--output", metavar="FILE", help="PNG to write (default: <run name>.png)")

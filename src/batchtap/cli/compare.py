@@ -29,7 +29,7 @@ EXAMPLE = """examples:
   batchtap compare 3f2a9c 7be1d0 demo -m loss -m accuracy --x time --smooth 0.9 -o cmp.png
 
 Each run is one colour on every panel (legend: name and id); red X marks an anomaly on that
-run's curve. Names may repeat across runs: give ids or id prefixes to pick older ones."""
+run's curve. A value logged with tap.log() (-m val_loss) is drawn as dots, unsmoothed. Names may repeat across runs: give ids or id prefixes to pick older ones."""
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -59,6 +59,7 @@ def main(args: argparse.Namespace) -> int:
                 continue
             runs.append(run)
         present = {run.id: set(store.metric_names(run.id)) for run in runs}
+        logged = {run.id: set(store.sparse_names(run.id)) for run in runs}
         for m in wanted:
             if not any(m in p for p in present.values()):
                 every = sorted(set().union(*present.values()))
@@ -84,6 +85,12 @@ def main(args: argparse.Namespace) -> int:
             xs = x_of(pts, args.x, run.started_at)
             raw = [p.value for p in pts]
             color = f"C{i % 10}"
+            if metric in logged[run.id]:
+                # a few logged points: each shown, none smoothed away
+                ax.plot(xs, raw, color=color, lw=1.2, marker="o", ms=5, label=f"{run.name} ({short_id(run.id)})")
+                a, _ = draw_events(ax, events[run.id], metric, pts, xs, raw, args.x, run.started_at, actions=False, ylim=ylim)
+                anomalies += a
+                continue
             if args.smooth > 0:
                 ax.plot(xs, raw, color=color, alpha=0.25, lw=1)
             # as in plot: off-scale values stay out of the smoothed curve

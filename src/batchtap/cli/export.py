@@ -26,8 +26,10 @@ EXAMPLE = """examples:
   batchtap export 3f2a9c --format csv -m loss -m accuracy --rank all -o loss.csv
 
 CSV: one row per (step, rank), columns run_id,step,epoch,batch,rank,wall_time,<metrics>; empty
-cell = no value, 'nan' = a value that failed validation; events go to <FILE stem>.events.csv
-(with -o only). JSONL: run_start, record, event and run_end lines (NaN as the string "nan")."""
+cell = no value, 'nan' = a value that failed validation; events go to <FILE stem>.events.csv and
+values logged with tap.log() to <FILE stem>.sparse.csv, one line per value (run_id,step,epoch,
+rank,wall_time,name,value) (both with -o only). JSONL: run_start, record, event and run_end lines
+(NaN as the string "nan"); a tap.log() record has "sparse": true and only its own names."""
 
 Format = Literal["csv", "jsonl"]
 
@@ -61,17 +63,19 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _outputs(path: Path, fmt: Format) -> list[Path]:
-    """Every file an export to ``path`` writes (CSV: parts ``x.2.csv``... and ``x.events.csv``)."""
+    """Every file an export to ``path`` writes (CSV: parts ``x.2.csv``..., ``x.events.csv`` and
+    ``x.sparse.csv``)."""
     if fmt == "jsonl":
         return [path]
-    from batchtap.sinks.csv import part_paths
+    from batchtap.sinks.csv import events_path, part_paths, sparse_path
 
-    events = path.with_name(f"{path.stem}.events{path.suffix or '.csv'}")
-    return [*part_paths(path), events] if path.exists() else [events]
+    sidecars = [events_path(path), sparse_path(path)]
+    return [*part_paths(path), *sidecars] if path.exists() else sidecars
 
 
-def export_run(args: argparse.Namespace, fmt: Format, path: Path) -> tuple[int, int]:
-    """Write the run named by ``args.run`` to ``path``; returns (records, events) written."""
+def export_run(args: argparse.Namespace, fmt: Format, path: Path) -> tuple[int, int, int]:
+    """Write the run named by ``args.run`` to ``path``; returns (step records, sparse records,
+    events) written."""
     with open_store(args) as store:
         run = resolve_run(store, args.run)
         if args.metrics:
@@ -103,7 +107,8 @@ def export_run(args: argparse.Namespace, fmt: Format, path: Path) -> tuple[int, 
             sink.end_run(info)
     finally:
         sink.close()
-    return len(records), len(events)
+    sparse = sum(r.sparse for r in records)
+    return len(records) - sparse, sparse, len(events)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -119,8 +124,14 @@ def main(args: argparse.Namespace) -> int:
             )
         for p in existing:
             p.unlink()
-        n, m = export_run(args, fmt, path)
-        print(f"wrote {n} records and {m} events to {path}", file=sys.stderr)
+        n, k, m = export_run(args, fmt, path)
+        logged = ""
+        if k:
+            from batchtap.sinks.csv import sparse_path
+
+            where = f" in {sparse_path(path)}" if fmt == "csv" else ""
+            logged = f" ({k} records of tap.log() values{where})"
+        print(f"wrote {n} records and {m} events to {path}{logged}", file=sys.stderr)
         return 0
     with tempfile.TemporaryDirectory(prefix="batchtap-export-") as tmp:
         path = Path(tmp) / f"export.{fmt}"
@@ -128,6 +139,8 @@ def main(args: argparse.Namespace) -> int:
         with path.open("rb") as src:
             shutil.copyfileobj(src, sys.stdout.buffer)
         sys.stdout.buffer.flush()
-        if fmt == "csv" and os.path.exists(path.with_name("export.events.csv")):
-            print("(events are not in CSV on stdout; use -o FILE to get FILE.events.csv)", file=sys.stderr)
+        if fmt == "csv":
+            for kind, sidecar in (("events", "events"), ("tap.log() values", "sparse")):
+                if os.path.exists(path.with_name(f"export.{sidecar}.csv")):
+                    print(f"({kind} are not in CSV on stdout; use -o FILE to get FILE.{sidecar}.csv)", file=sys.stderr)
     return 0

@@ -10,6 +10,7 @@ from batchtap.cli._common import add_db_arguments, open_store, pick_metrics, res
 from batchtap.cli._plotting import (
     ACTION_COLOR,
     ANOMALY_COLOR,
+    LOGGED_COLOR,
     add_size_arguments,
     draw_events,
     epoch_spans,
@@ -29,6 +30,9 @@ EXAMPLE = """examples:
   batchtap plot demo -m loss -m accuracy -o loss.png
   batchtap plot demo -m loss --smooth 0.9 --x time --size 1600x600 -o loss-time.png
   batchtap plot 3f2a9c -m grad_norm -m lr --smooth 0 -o grad.png
+
+A value logged with tap.log() (val_loss, ...) is drawn as dots joined by a line, unsmoothed:
+  batchtap plot demo -m loss -m val_loss -o eval.png
 
 Red X: an anomaly on that metric's curve (a red triangle at the top: an anomaly of a metric not
 plotted, or one off the scale). When a few values (a divergence) would squash a curve flat, its
@@ -67,6 +71,7 @@ def main(args: argparse.Namespace) -> int:
     with open_store(args) as store:
         run = resolve_run(store, args.run)
         metrics = pick_metrics(store, run, args.metrics, DEFAULT_METRICS)
+        logged = set(store.sparse_names(run.id)) & set(metrics)
         series = {m: store.series(run.id, m) for m in metrics}
         events = store.events(run.id)
     out = args.output or default_output(run.name)
@@ -74,24 +79,33 @@ def main(args: argparse.Namespace) -> int:
     t0 = run.started_at
     anomalies = actions = points = 0
     clipped: list[str] = []
+    # Epochs come from the step values (a few logged values would shade coarse bands), the same on
+    # every panel; from the logged values only when nothing else is plotted.
+    ref = next((m for m in metrics if m not in logged), metrics[0])
+    spans = epoch_spans(series[ref], x_of(series[ref], args.x, t0))
     for i, (ax, metric) in enumerate(zip(axes, metrics)):
         pts = series[metric]
         xs = x_of(pts, args.x, t0)
         raw = [p.value for p in pts]
         points += len(pts)
-        for epoch, a, b in epoch_spans(pts, xs):
+        for epoch, a, b in spans:
             if epoch % 2 == 1:
                 ax.axvspan(a, b, color="0.93", lw=0, zorder=0)
         ylim = robust_limits(raw)
-        # Off-scale values (a divergence) stay out of the smoothed curve, or its average would
-        # sit off scale for hundreds of steps after them; the faint raw curve still shows them.
-        kept = raw if ylim is None else [v if ylim[0] <= v <= ylim[1] else math.nan for v in raw]
-        if args.smooth > 0:
-            ax.plot(xs, raw, color="C0", alpha=0.3, lw=1)
-            ys = smooth(kept, args.smooth)
-        else:
+        if metric in logged:
+            # A few points at the steps they were logged: each one shown, none smoothed away.
             ys = raw
-        ax.plot(xs, ys, color="C0", lw=1.6, label=metric)
+            ax.plot(xs, ys, color=LOGGED_COLOR, lw=1.2, marker="o", ms=5, label=metric)
+        else:
+            # Off-scale values (a divergence) stay out of the smoothed curve, or its average would
+            # sit off scale for hundreds of steps after them; the faint raw curve still shows them.
+            kept = raw if ylim is None else [v if ylim[0] <= v <= ylim[1] else math.nan for v in raw]
+            if args.smooth > 0:
+                ax.plot(xs, raw, color="C0", alpha=0.3, lw=1)
+                ys = smooth(kept, args.smooth)
+            else:
+                ys = raw
+            ax.plot(xs, ys, color="C0", lw=1.6, label=metric)
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
         if ylim is not None:
@@ -109,7 +123,7 @@ def main(args: argparse.Namespace) -> int:
     axes[-1].set_xlabel("step" if args.x == "step" else "seconds since start")
     title = f"{run.name} ({short_id(run.id)}) - {run.status.value}, {run.steps} steps"
     axes[0].set_title(title, fontsize=11)
-    _legend(axes[0], anomalies, actions, smoothed=args.smooth > 0)
+    _legend(axes[0], anomalies, actions, smoothed=args.smooth > 0, steps=len(logged) < len(metrics), logged=bool(logged))
     fig.tight_layout()
     save(fig, out)
     w, h = args.size
@@ -117,16 +131,22 @@ def main(args: argparse.Namespace) -> int:
         f"wrote {out} ({w}x{h}): {len(metrics)} panel{'s' if len(metrics) != 1 else ''} ({', '.join(metrics)}), "
         f"{points} points, {anomalies} anomalies marked, {actions} actions marked"
     )
+    if logged:
+        print("logged values (tap.log) drawn as dots, unsmoothed: " + ", ".join(f"{m} ({len(series[m])})" for m in metrics if m in logged))
     if clipped:
         print(f"y axis zoomed to the bulk of the values for {', '.join(clipped)}")
     return 0
 
 
-def _legend(ax: object, anomalies: int, actions: int, *, smoothed: bool) -> None:
+def _legend(ax: object, anomalies: int, actions: int, *, smoothed: bool, steps: bool = True, logged: bool = False) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles: list[Line2D | Patch] = [Line2D([], [], color="C0", lw=1.6, label="value (smoothed)" if smoothed else "value")]
+    handles: list[Line2D | Patch] = []
+    if steps:
+        handles.append(Line2D([], [], color="C0", lw=1.6, label="value (smoothed)" if smoothed else "value"))
+    if logged:
+        handles.append(Line2D([], [], color=LOGGED_COLOR, lw=1.2, marker="o", ms=5, label="logged value (tap.log)"))
     if anomalies:
         handles.append(Line2D([], [], color=ANOMALY_COLOR, marker="X", ls="", label="anomaly"))
     if actions:

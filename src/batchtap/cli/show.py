@@ -1,4 +1,5 @@
-"""``batchtap show RUN``: one run in detail: config, environment, metric summary, events."""
+"""``batchtap show RUN``: one run in detail: config, environment, metric summary, logged
+(``Tap.log()``) values, events."""
 
 from __future__ import annotations
 
@@ -34,10 +35,11 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     """Add the ``show`` subcommand."""
     parser = commands.add_parser(
         "show",
-        help="show one run: config, environment, metrics, events",
-        description="Show one run: status, config, environment, each metric's last / min / max, and "
-        "the anomalies, actions and warnings with their steps. RUN is an id, a unique id prefix, "
-        "or a name (the latest run of that name).",
+        help="show one run: config, environment, metrics, logged values, events",
+        description="Show one run: status, config, environment, each metric's last / min / max, the "
+        "values logged with tap.log() (evaluation, epoch-level: last value, its step, count), and the "
+        "anomalies, actions, warnings and skipped steps with their steps. RUN is an id, a unique id "
+        "prefix, or a name (the latest run of that name).",
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -51,9 +53,13 @@ def main(args: argparse.Namespace) -> int:
     """Print one run; returns the exit status."""
     with open_store(args) as store:
         run = resolve_run(store, args.run)
-        metrics = store.metric_names(run.id)
-        series = {m: [p.value for p in store.series(run.id, m)] for m in metrics}
+        names = store.metric_names(run.id)
+        sparse = set(store.sparse_names(run.id))
+        points = {m: store.series(run.id, m) for m in names}
         events = store.events(run.id)
+    metrics = [m for m in names if m not in sparse]
+    logged = [m for m in names if m in sparse]
+    series = {m: [p.value for p in pts] for m, pts in points.items()}
     out: list[str] = []
     out.append(f"run {run.name}  (id {run.id})")
     status = run.status.value + (f" - {run.stop_reason}" if run.stop_reason else "")
@@ -97,10 +103,27 @@ def main(args: argparse.Namespace) -> int:
         out.extend(table(["  name", "last", "min", "max", "values", "nan"], rows, right=[False] + [True] * 5))
     else:
         out.append("  (no values stored)")
+    if logged:
+        out.append("logged values (tap.log)")
+        rows = []
+        for m in logged:
+            values = series[m]
+            finite = [v for v in values if not math.isnan(v)]
+            rows.append(
+                [
+                    "  " + m,
+                    str(points[m][-1].step),
+                    fmt_value(values[-1]),
+                    fmt_value(min(finite)) if finite else "-",
+                    fmt_value(max(finite)) if finite else "-",
+                    str(len(values)),
+                ]
+            )
+        out.extend(table(["  name", "at step", "last", "min", "max", "values"], rows, right=[False] + [True] * 5))
     counts = events_by_kind(events)
     out.append(
         f"events: {counts[EventKind.ANOMALY]} anomalies, {counts[EventKind.ACTION]} actions, "
-        f"{counts[EventKind.WARNING]} warnings"
+        f"{counts[EventKind.WARNING]} warnings, {counts[EventKind.SKIP]} skipped steps"
     )
     limit = max(args.events, 0)
     if events and limit:

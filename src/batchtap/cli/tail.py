@@ -7,7 +7,8 @@ when it is read, and a run seen as ended has all of its values stored: the last 
 and ``tail`` exits.
 
 On a terminal the view is a live table redrawn in place; otherwise (a pipe, a file, ``--plain``)
-it is one line per step, ``step=12 epoch=0 batch=12 loss=0.4127 ...``, and one ``!`` line per
+it is one line per step, ``step=12 epoch=0 batch=12 loss=0.4127 ...``, one ``eval`` line per
+``Tap.log()`` call, ``eval step=200 epoch=1 val_loss=0.31 val_acc=0.9``, and one ``!`` line per
 event.
 """
 
@@ -35,19 +36,22 @@ from batchtap.cli._common import (
     short_id,
     table,
 )
-from batchtap.records import Event, RunStatus
+from batchtap.records import Event, Record, RunStatus
 from batchtap.store import redact_dsn
 
 if TYPE_CHECKING:
     from batchtap.store import RunRow, Store
 
-__all__ = ["register", "main", "Row", "Follower"]
+__all__ = ["register", "main", "Row", "Poll", "Follower"]
 
 EXAMPLE = """examples:
   batchtap tail demo                            # follow the latest run named demo
   batchtap tail demo --wait 120 &               # start before training; waits for the run to begin
   batchtap tail 3f2a9c -m loss -m lr --plain    # chosen columns, one line per step
   batchtap tail demo --db postgresql://postgres@db/train
+
+Values logged with tap.log() (val_loss, ...) are shown as they arrive: 'eval step=N ...' lines,
+or the latest of each under the live table; -m selects among them too.
 
 Exits 0 when the run's status is no longer 'running'; 1 when the run is not found, or when the
 process that writes it (on this host) is gone while the run still says 'running'."""
@@ -68,7 +72,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     parser.add_argument("run", metavar="RUN", help="run id, unique id prefix, or name (the latest run of that name)")
     add_db_arguments(parser)
-    parser.add_argument("-m", "--metric", action="append", dest="metrics", metavar="NAME", help="column to show (repeatable; default: " + ", ".join(DEFAULT_COLUMNS) + " where present)")
+    parser.add_argument("-m", "--metric", action="append", dest="metrics", metavar="NAME", help="column to show, or tap.log() value (repeatable; default: " + ", ".join(DEFAULT_COLUMNS) + " where present, and every tap.log() value)")
     parser.add_argument("-n", "--lines", type=int, default=10, metavar="N", help="steps already stored to print first (default 10)")
     parser.add_argument("--rank", type=int, default=None, help="rank to follow (default: the all-ranks rows, else the lowest rank)")
     parser.add_argument("--interval", type=float, default=0.5, metavar="S", help="seconds between polls (default 0.5)")
@@ -86,6 +90,16 @@ class Row(NamedTuple):
     batch: int
     wall_time: float
     values: dict[str, float]
+
+
+class Poll(NamedTuple):
+    """What one poll found: the run's row and what is new since the previous poll."""
+
+    run: RunRow
+    columns: list[str] | None  #: step columns shown (``None``: no step values stored yet)
+    rows: list[Row]
+    logged: list[Record]  #: new ``Tap.log()`` records (``sparse=True``), step order
+    events: list[Event]
 
 
 class Follower:
@@ -109,27 +123,50 @@ class Follower:
         #: events of the run by kind, those skipped by ``-n`` included
         self.counts: collections.Counter[str] = collections.Counter()
         self._seen_events: set[tuple[object, ...]] = set()
+        self._seen_logged: set[tuple[str, int, int, float]] = set()
 
-    def _choose_columns(self) -> list[str] | None:
-        present = self.store.metric_names(self.run_id)
+    def _choose_columns(self, sparse: set[str]) -> list[str] | None:
+        present = [m for m in self.store.metric_names(self.run_id) if m not in sparse]
         if not present:
-            return None  # nothing stored yet: decide at a later poll
+            return None  # no step value stored yet: decide at a later poll
         if self.wanted:
             return self.wanted
         return [m for m in DEFAULT_COLUMNS if m in present] or present[:6]
 
-    def poll(self) -> tuple[RunRow, list[Row], list[Event]]:
-        """The run's row (status read before the data) and the rows and events new since the last poll."""
+    def _new_logged(self, cap: int | None, ended: bool) -> list[Record]:
+        """``Tap.log()`` records not shown yet, each as one record of the values not seen yet
+        (a value logged again at its step counts as new). Up to the step values' ``cap`` so that
+        they come after the steps before them, unless the run ended (then all of them)."""
+        out = []
+        for rec in self.store.sparse_records(self.run_id, rank=self.rank):
+            if not ended and cap is not None and rec.step > cap:
+                continue
+            values = {}
+            for name, value in rec.values.items():
+                key = (name, rec.step, rec.rank, rec.wall_time)
+                if key not in self._seen_logged and (self.wanted is None or name in self.wanted):
+                    self._seen_logged.add(key)
+                    values[name] = value
+            if values:
+                out.append(Record(rec.run_id, rec.step, rec.epoch, rec.batch, rec.rank, rec.wall_time, values, sparse=True))
+        return out
+
+    def poll(self) -> Poll:
+        """The run's row (status read before the data) and the rows, logged values and events new
+        since the last poll."""
         run = self.store.run(self.run_id)
         cap = run.last_step
+        sparse = set(self.store.sparse_names(self.run_id))
         rows: list[Row] = []
         if self.columns is None:
-            self.columns = self._choose_columns()
-        if self.columns is not None and cap is not None and cap > self.last_step:
+            self.columns = self._choose_columns(sparse)
+        # -m may name tap.log() values: they are shown as logged values, not as columns.
+        columns = None if self.columns is None else [m for m in self.columns if m not in sparse]
+        if columns is not None and cap is not None and cap > self.last_step:
             # Only steps <= cap: a later step may be committed between our per-metric reads, and
             # printing it now could show it with some metrics missing.
             found: dict[int, Row] = {}
-            for metric in self.columns:
+            for metric in columns:
                 for p in self.store.series(self.run_id, metric, rank=self.rank):
                     if self.last_step < p.step <= cap:
                         row = found.get(p.step)
@@ -138,6 +175,7 @@ class Follower:
                         row.values[metric] = p.value
             rows = [found[s] for s in sorted(found)]
             self.last_step = cap
+        logged = self._new_logged(cap, run.status is not RunStatus.RUNNING) if sparse else []
         events = []
         for e in self.store.events(self.run_id):
             key = (e.step, e.kind, e.metric, e.message, e.wall_time, e.rank)
@@ -145,7 +183,14 @@ class Follower:
                 self._seen_events.add(key)
                 self.counts[e.kind.value] += 1
                 events.append(e)
-        return run, rows, events
+        return Poll(run, columns, rows, logged, events)
+
+    def skip_logged(self, upto: int) -> None:
+        """Mark the ``Tap.log()`` values of steps up to ``upto`` as seen (used with ``-n``: only
+        those within the last N steps are shown)."""
+        for rec in self.store.sparse_records(self.run_id, rank=self.rank):
+            if rec.step <= upto:
+                self._seen_logged.update((name, rec.step, rec.rank, rec.wall_time) for name in rec.values)
 
     def skip_events(self) -> None:
         """Mark the events stored so far as seen (used with ``-n``: old events are not replayed)."""
@@ -159,9 +204,7 @@ class Follower:
 class View(Protocol):
     """Where ``tail`` shows what it reads."""
 
-    def update(
-        self, run: RunRow, columns: list[str] | None, rows: list[Row], events: list[Event], counts: Mapping[str, int]
-    ) -> None: ...
+    def update(self, poll: Poll, counts: Mapping[str, int]) -> None: ...
 
     def close(self, run: RunRow) -> None: ...
 
@@ -170,6 +213,19 @@ def _event_line(e: Event) -> str:
     where = f" {e.metric}" if e.metric else ""
     rank = "" if e.rank == 0 else f" rank {fmt_rank(e.rank)}"
     return f"! step {e.step} {e.kind.value}{where}{rank}: {e.message}"
+
+
+def _logged_line(r: Record) -> str:
+    rank = "" if r.rank == 0 else f" rank={fmt_rank(r.rank)}"
+    values = " ".join(f"{m}={fmt_value(v)}" for m, v in r.values.items())
+    return f"eval step={r.step} epoch={r.epoch}{rank} {values}"
+
+
+def _counts_line(counts: Mapping[str, int]) -> str:
+    return (
+        f"anomalies {counts.get('anomaly', 0)}  actions {counts.get('action', 0)}  "
+        f"warnings {counts.get('warning', 0)}  skipped steps {counts.get('skip', 0)}"
+    )
 
 
 def _end_line(run: RunRow) -> str:
@@ -185,17 +241,20 @@ class PlainView:
         self.out = out
         self._started = False
 
-    def update(
-        self, run: RunRow, columns: list[str] | None, rows: list[Row], events: list[Event], counts: Mapping[str, int]
-    ) -> None:
+    def update(self, poll: Poll, counts: Mapping[str, int]) -> None:
+        run = poll.run
         lines = []
         if not self._started:
             lines.append(f"# run {run.name} ({run.id}) {run.status.value}")
             self._started = True
-        for r in rows:
-            values = " ".join(f"{m}={fmt_value(r.values.get(m))}" for m in columns or ())
-            lines.append(f"step={r.step} epoch={r.epoch} batch={r.batch} {values}".rstrip())
-        lines.extend(_event_line(e) for e in events)
+        # A logged value comes after the step it names (it was logged after that step ran).
+        steps: list[tuple[int, int, str]] = []
+        for r in poll.rows:
+            values = " ".join(f"{m}={fmt_value(r.values.get(m))}" for m in poll.columns or ())
+            steps.append((r.step, 0, f"step={r.step} epoch={r.epoch} batch={r.batch} {values}".rstrip()))
+        steps.extend((r.step, 1, _logged_line(r)) for r in poll.logged)
+        lines.extend(line for _, _, line in sorted(steps, key=lambda t: t[:2]))
+        lines.extend(_event_line(e) for e in poll.events)
         if lines:
             self.out.write("\n".join(lines) + "\n")
             self.out.flush()
@@ -213,23 +272,27 @@ class LiveView:
         self.keep = keep
         self.rows: collections.deque[Row] = collections.deque(maxlen=max(keep, 1))
         self.events: collections.deque[Event] = collections.deque(maxlen=3)
+        #: the latest value of each tap.log() name: (step, value)
+        self.logged: dict[str, tuple[int, float]] = {}
         self.counts: dict[str, int] = {}
         self._drawn = 0
         self._t_rate: tuple[float, int] | None = None
         self._rate: float | None = None
 
-    def update(
-        self, run: RunRow, columns: list[str] | None, rows: list[Row], events: list[Event], counts: Mapping[str, int]
-    ) -> None:
+    def update(self, poll: Poll, counts: Mapping[str, int]) -> None:
+        rows = poll.rows
         self.rows.extend(rows)
-        self.events.extend(events)
+        self.events.extend(poll.events)
+        for r in poll.logged:
+            for name, value in r.values.items():
+                self.logged[name] = (r.step, value)
         self.counts = dict(counts)
         if rows:
             now, step = time.monotonic(), rows[-1].step
             if self._t_rate is not None and now > self._t_rate[0]:
                 self._rate = (step - self._t_rate[1]) / (now - self._t_rate[0])
             self._t_rate = (now, step)
-        self._draw(run, columns or [])
+        self._draw(poll.run, poll.columns or [])
 
     def _draw(self, run: RunRow, columns: list[str]) -> None:
         width = shutil.get_terminal_size((100, 24)).columns
@@ -238,10 +301,10 @@ class LiveView:
         lines = [f"{run.name} ({short_id(run.id)})  {run.status.value}  step {step}{rate}  elapsed {fmt_duration(run.duration)}"]
         body = [[str(r.step), str(r.epoch), str(r.batch), *(fmt_value(r.values.get(m)) for m in columns)] for r in self.rows]
         lines.extend(table(["step", "epoch", "batch", *columns], body, right=[True] * (3 + len(columns))))
-        lines.append(
-            f"anomalies {self.counts.get('anomaly', 0)}  actions {self.counts.get('action', 0)}  "
-            f"warnings {self.counts.get('warning', 0)}"
-        )
+        if self.logged:
+            # Below the table, never a column of it: logged values have steps of their own.
+            lines.append("logged  " + "  ".join(f"{m} {fmt_value(v)} (step {s})" for m, (s, v) in self.logged.items()))
+        lines.append(_counts_line(self.counts))
         lines.extend(_event_line(e) for e in self.events)
         text = "".join(line[:width] + "\x1b[K\n" for line in lines)
         # Back to the top of what we drew last time, then clear below: a redraw without flicker.
@@ -321,15 +384,17 @@ def main(args: argparse.Namespace) -> int:
             # Like tail(1): the last N stored steps, then what comes.
             follower.last_step = run.last_step - max(args.lines, 0)
             follower.skip_events()
+            follower.skip_logged(follower.last_step)
         last_new = time.monotonic()
         while True:
-            run, rows, events = follower.poll()
-            view.update(run, follower.columns, rows, events, follower.counts)
+            poll = follower.poll()
+            run, rows = poll.run, poll.rows
+            view.update(poll, follower.counts)
             if run.status is not RunStatus.RUNNING:
                 view.close(run)
                 return 0
             now = time.monotonic()
-            if rows:
+            if rows or poll.logged:
                 last_new = now
             elif now - last_new > args.stale and _writer_gone(run):
                 print(

@@ -19,7 +19,8 @@ EXAMPLE = """examples:
   batchtap tensorboard demo --logdir tb/demo && tensorboard --logdir tb
   batchtap tensorboard 3f2a9c --logdir tb/3f2a9c --prefix train
 
-Scalars are <prefix>/<metric> (rank k >= 1: <prefix>/<metric>/rank<k>), events are text under
+Scalars are <prefix>/<metric> (rank k >= 1: <prefix>/<metric>/rank<k>); values logged with
+tap.log() keep their own name (val_loss) at the step they name; events are text under
 events/<kind>, config and final status under run/config and run/status."""
 
 _BLOCK = 1000  # records per write: the sink flushes its event file once per block
