@@ -78,7 +78,8 @@ def test_extra_changing_kind_is_rejected() -> None:
 
 def test_class_indices_out_of_range_raise_at_a_following_step_and_store_nan() -> None:
     sink = ListSink()
-    with bt.Tap(METRICS(), [sink], flush_every=1) as tap:
+    metrics = [bt.metrics.Loss(), bt.metrics.Accuracy(topk=(1, 2), check_targets_every=1)]
+    with bt.Tap(metrics, [sink], flush_every=1) as tap:
         with pytest.raises(bt.InputError, match=r"step 3: targets hold class indices outside \[0, 4\) \(smallest -1, largest 4\) for outputs with 4 classes"):
             with tap.run():
                 _good(tap)

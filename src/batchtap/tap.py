@@ -98,6 +98,9 @@ class _Capture:
     host_spans: list[tuple[Metric, bool]]  # every metric in host-column order, and whether per micro-batch
     checked: tuple[Any, ...] | None = None  # signature of the last inputs that passed the checks
     checked_micro: tuple[Any, ...] | None = None  # ... of the last accumulate() inputs
+    # (loss, outputs, targets, grad_norm) metadata of the last plain step that passed the checks:
+    # a step whose inputs fit it takes the short path (see Tap._step_fast); None: no short path
+    fast_key: tuple[Any, Any, Any, Any] | None = None
 
     @property
     def step_metrics_all(self) -> list[Metric]:
@@ -555,6 +558,17 @@ class Tap:
                 indices out of range), at the first step after they reached the host.
             RunStateError: called outside :meth:`run`.
         """
+        state = self._state
+        if (
+            state is not None
+            and extra is None
+            and epoch is None
+            and batch is None
+            and self._pending_error is None
+            and state.capture is not None
+            and self._step_fast(state, state.capture, loss, outputs, targets, batch_size, tokens, grad_norm)
+        ):
+            return
         state = self._require_run("step()")
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
@@ -746,14 +760,17 @@ class Tap:
         else:
             samples = _samples(batch_size, outputs, targets)
             step_tokens = math.nan if tokens is None else float(tokens)
-        inputs = StepInputs(loss, outputs, targets, samples, extra, grad_norm)
         capture = state.capture
         if capture is None:
+            inputs = StepInputs(loss, outputs, targets, samples, extra, grad_norm)
             capture = state.capture = self._setup(state, inputs, micro if accumulated else None)
-        inputs = dataclasses.replace(inputs, device=capture.device)
+        inputs = StepInputs(loss, outputs, targets, samples, extra, grad_norm, device=capture.device)
         self._check_inputs(capture, inputs, accumulated)
-        # no_grad: metric ops record no graph and the ring write takes tensors that require grad
-        with torch.no_grad():
+        # Grad mode off (a function call, cheaper than a no_grad context per step): metric ops
+        # record no graph and the ring write takes tensors that require grad.
+        grad_was = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        try:
             if accumulated:
                 assert micro is not None
                 head: torch.Tensor | None = micro.result()
@@ -787,11 +804,83 @@ class Tap:
                 tokens=step_tokens,
                 head=head,
             )
+        finally:
+            torch.set_grad_enabled(grad_was)
         capture.clock.mark_end(slot)
         if capture.guard is not None:
             capture.guard.track(slot)
         flusher.rows = row + 1
         self.steps_recorded += 1
+        capture.fast_key = None
+        if not accumulated and not extra and self.sample_every == 1 and state.group is None and self._runner is None:
+            capture.fast_key = (_meta(loss), _meta(outputs), _meta(targets), _meta(grad_norm))
+
+    def _step_fast(
+        self,
+        state: _RunState,
+        capture: _Capture,
+        loss: torch.Tensor | None,
+        outputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        batch_size: int | None,
+        tokens: int | None,
+        grad_norm: torch.Tensor | float | None,
+    ) -> bool:
+        """The short path of :meth:`step` for inputs shaped like the last checked plain step's.
+
+        Same effect as the general path, with the steps that cannot apply left out: inputs that fit
+        the metadata that already passed every check, no accumulation, no extras, every step
+        sampled, no process group, no rule actions (those take the general path). Returns False,
+        having done nothing, when the step does not qualify.
+        """
+        key = capture.fast_key
+        if (
+            key is None
+            or capture.micro.count
+            or not _fits(loss, key[0])
+            or not _fits(outputs, key[1])
+            or not _fits(targets, key[2])
+            or not _fits(grad_norm, key[3])
+            or (capture.autocast_device and torch.is_autocast_enabled(capture.autocast_device))
+        ):
+            return False
+        samples = _samples(batch_size, outputs, targets)
+        if tokens is not None:
+            _check_count("tokens", tokens)
+        if state.watching:
+            epoch, batch, data_time = state.epoch, state.batch, state.data_time
+        else:
+            epoch, batch, data_time = state.epoch, state.step, math.nan
+        inputs = StepInputs(loss, outputs, targets, samples, {}, grad_norm, device=capture.device)
+        flusher, ring = capture.flusher, capture.ring
+        row = flusher.rows
+        slot = flusher.claim(row)
+        wall = time.time()
+        grad_was = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)  # as in _capture_step
+        try:
+            device_values = [v for m in capture.device_metrics for v in m.compute(inputs)]
+            host_values = [v for metric, _ in capture.host_spans for v in metric.read_host(inputs)]
+            ring.write(
+                slot, device_values, host_values, step=state.step, epoch=epoch, batch=batch, wall_time=wall,
+                samples=samples, data_time=data_time, tokens=math.nan if tokens is None else float(tokens),
+            )
+        finally:
+            torch.set_grad_enabled(grad_was)
+        capture.clock.mark_end(slot)
+        guard = capture.guard
+        if guard is not None:
+            guard.track(slot)
+        flusher.rows = row + 1
+        self.steps_recorded += 1
+        state.step += 1
+        if guard is not None:
+            self._poll_guard(guard, state)
+        if flusher.due():
+            self._flush(capture)
+        if not state.watching:
+            capture.clock.mark_start(flusher.claim(row + 1))  # last: the next step's time excludes our flush
+        return True
 
     def _compute(self, metrics: Sequence[Metric], inputs: StepInputs, autocast_device: str) -> list[torch.Tensor]:
         """Every metric's device values, in float32 whatever precision the forward pass ran in."""
@@ -1178,13 +1267,33 @@ def _describe(value: object) -> object:
 
 def _signature(inputs: StepInputs) -> tuple[Any, ...]:
     """What the input checks depend on: types, shapes, dtypes and devices (never values)."""
+    extra = inputs.extra
     return (
         _describe(inputs.loss),
         _describe(inputs.outputs),
         _describe(inputs.targets),
-        tuple((k, _describe(v)) for k, v in inputs.extra.items()),
+        tuple((k, _describe(v)) for k, v in extra.items()) if extra else (),
         _describe(inputs.grad_norm),
     )
+
+
+def _meta(value: object) -> object:
+    """What the short path of ``step()`` compares an input with: tensor metadata, else the type."""
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.dtype, value.device)
+    return type(value)
+
+
+def _fits(value: object, meta: object) -> bool:
+    """Whether ``value`` has the metadata ``meta`` (from :func:`_meta`): a few attribute reads."""
+    if type(meta) is tuple:
+        return (
+            isinstance(value, torch.Tensor)
+            and value.shape == meta[0]
+            and value.dtype == meta[1]
+            and value.device == meta[2]
+        )
+    return type(value) is meta
 
 
 def _samples(batch_size: int | None, outputs: object, targets: object) -> float:

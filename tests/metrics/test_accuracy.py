@@ -175,7 +175,7 @@ def test_micro_batches_combine_to_accuracy_over_every_kept_target() -> None:
 
 
 def test_micro_batch_with_a_bad_target_is_an_error_of_the_step() -> None:
-    metric = bt.metrics.Accuracy()
+    metric = bt.metrics.Accuracy(check_targets_every=1)
     good = StepInputs(None, torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3)), 2.0)
     bad_targets = torch.randint(0, 5, (2, 3))
     bad_targets[1, 1] = 5
@@ -244,3 +244,26 @@ def test_layout_dims_are_not_reshaped() -> None:
     got = step(bt.metrics.Accuracy(topk=(1, 2)), StepInputs(None, outputs, targets, 2.0))
     assert got == pytest.approx([_reference(outputs, targets, 1, k) for k in (1, 2)], abs=1e-12)
     assert not math.isnan(got[0])
+
+
+def test_targets_are_checked_on_the_first_call_and_every_nth_after() -> None:
+    metric = bt.metrics.Accuracy(check_targets_every=4)
+    outputs = torch.randn(6, 5)
+    bad = torch.randint(0, 5, (6,))
+    bad[2] = 5  # == classes: the upper boundary alone
+    negative = torch.randint(0, 5, (6,))
+    negative[0] = -1  # the lower boundary alone
+    for call in range(9):
+        for targets in (bad, negative):
+            raw = [float(v) for v in metric.compute(StepInputs(None, outputs, targets, 6.0))]
+            raw += list(metric.read_host(StepInputs(None, outputs, targets, 6.0)))
+            error = metric.input_error(raw)
+            checked = (2 * call + (targets is negative)) % 4 == 0
+            assert (error is not None) == checked, (call, error)
+            if checked:
+                assert "outside [0, 5)" in error
+
+
+def test_check_targets_every_must_be_a_positive_integer() -> None:
+    with pytest.raises(bt.ConfigError, match="check_targets_every must be a positive integer, got 0"):
+        bt.metrics.Accuracy(check_targets_every=0)

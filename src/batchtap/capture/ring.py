@@ -111,6 +111,8 @@ class MetricRing:
             if self._guard_pairs is not None:
                 target, source = self._guard_pairs[slot]
                 target.copy_(source, non_blocking=self.non_blocking)
+        elif self.device_width == 1:
+            self._rows[slot].copy_(device_values[0])  # a broadcasting copy costs a third of a stack
         elif self.device_width:
             torch.stack(device_values, out=self._rows[slot])
             if self._guard_pairs is not None:

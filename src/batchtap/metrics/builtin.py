@@ -3,6 +3,7 @@ throughput, memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -125,6 +126,11 @@ class Accuracy(Metric):
         topk: the k values, e.g. ``(1, 5)``. Must contain 1.
         ignore_index: target value that is not counted (``-100``, like ``F.cross_entropy``);
             ``None`` counts every target.
+        check_targets_every: check that the kept targets are class indices in ``[0, C)`` on the
+            first step and then every this many steps (micro-batches with accumulation). The check
+            costs two more device ops (and a mixed-dtype row write) per checked step, a third of
+            the metric's cost, for an error the loss itself raises in most loops
+            (``F.cross_entropy`` rejects such targets); ``1`` checks every step.
 
     Example:
         >>> [o.name for o in Accuracy(topk=(1, 5)).outputs()]
@@ -140,14 +146,24 @@ class Accuracy(Metric):
     requires: ClassVar[frozenset[Requirement]] = frozenset({"outputs", "targets"})
     host_width = 1  # number of classes: a shape fact, known on the host
 
-    def __init__(self, topk: Sequence[int] = (1,), *, ignore_index: int | None = -100) -> None:
+    def __init__(
+        self, topk: Sequence[int] = (1,), *, ignore_index: int | None = -100, check_targets_every: int = 16
+    ) -> None:
         ks = tuple(sorted(set(int(k) for k in topk)))
         if not ks or ks[0] < 1 or 1 not in ks:
             raise ConfigError(f"Accuracy topk must be positive and contain 1, got {tuple(topk)}; e.g. topk=(1, 5)")
         if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
             raise ConfigError(f"Accuracy ignore_index must be an integer or None, got {ignore_index!r}")
+        if isinstance(check_targets_every, bool) or not isinstance(check_targets_every, int) or check_targets_every < 1:
+            raise ConfigError(
+                f"Accuracy check_targets_every must be a positive integer, got {check_targets_every!r}; "
+                "1 checks the targets at every step"
+            )
         self.topk = ks
         self.ignore_index = ignore_index
+        self.check_targets_every = check_targets_every
+        self._calls = 0  # compute() calls so far: the target range is checked on some of them
+        self._facts: _AccuracyShape | None = None
         # counts (correct per k, then kept) as float32 low parts, the same counts' high parts
         # (nonzero only past 2**24 targets per step), then the smallest and largest kept target
         self._counts = len(ks) + 1
@@ -220,20 +236,43 @@ class Accuracy(Metric):
                 f"{classes}; lower topk"
             )
 
+    def _shape_facts(self, outputs: torch.Tensor, targets: torch.Tensor) -> _AccuracyShape:
+        """What the inputs' metadata decides, worked out once per shape (steps repeat shapes)."""
+        key = (outputs.shape, targets.shape, targets.dtype, outputs.device)
+        facts = self._facts
+        if facts is not None and facts.key == key:
+            return facts
+        class_dim = _class_dim(outputs, targets)
+        assert class_dim is not None  # check() ran
+        classes = outputs.shape[class_dim]
+        ignore = self.ignore_index
+        info = torch.iinfo(targets.dtype)
+        masked = ignore is not None and info.min <= ignore <= info.max  # see F.kept_mask
+        n = targets.numel()
+        facts = self._facts = _AccuracyShape(
+            key=key,
+            class_dim=class_dim,
+            classes=float(classes),
+            masked=masked,
+            # A prediction is a class index, so it never equals an ignore_index outside [0, C)
+            # (-100): the mask is needed on hits only when the ignored value is a class (pad id 0).
+            mask_hits=masked and ignore is not None and 0 <= ignore < classes,
+            exact=n <= F.EXACT_FLOAT32,  # float32 sums are exact: no high parts needed
+            numel=n,
+            zero=self._fill(0.0, outputs.device),
+            all_kept=self._fill(float(n), outputs.device) if n <= F.EXACT_FLOAT32 else None,
+        )
+        return facts
+
     def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
         outputs, targets = inputs.outputs, inputs.targets
         assert outputs is not None and targets is not None
-        class_dim = _class_dim(outputs, targets)
-        assert class_dim is not None  # check() ran
-        device = outputs.device
-        keep = F.kept_mask(targets, self.ignore_index)
-        n = targets.numel()
-        exact = n <= F.EXACT_FLOAT32  # host-known: float32 sums are exact, no high parts needed
-        dtype = torch.float32 if exact else torch.int64
-        # A prediction is a class index, so it never equals an ignore_index outside [0, C) (-100):
-        # the mask is needed on hits only when the ignored value is a class (e.g. pad id 0).
+        facts = self._shape_facts(outputs, targets)
+        class_dim, device = facts.class_dim, outputs.device
         ignore = self.ignore_index
-        hit_mask = keep if ignore is not None and 0 <= ignore < outputs.shape[class_dim] else None
+        keep = targets.ne(ignore) if facts.masked and ignore is not None else None
+        dtype = torch.float32 if facts.exact else torch.int64
+        hit_mask = keep if facts.mask_hits else None
         if self.topk == (1,):  # the common case, fewest ops: argmax, eq, sum
             correct: Sequence[torch.Tensor] = (
                 F.top1_correct(outputs, targets, class_dim=class_dim, dtype=dtype, keep=hit_mask),
@@ -241,15 +280,20 @@ class Accuracy(Metric):
         else:
             counts = F.topk_correct(outputs, targets, self.topk, class_dim=class_dim, dtype=dtype, keep=hit_mask)
             correct = counts.unbind(0)
-        low, high = F.target_range(targets, keep)
-        if exact:
-            kept = self._fill(float(n), device) if keep is None else keep.sum(dtype=torch.float32)
-            zero = self._fill(0.0, device)
+        self._calls, check = self._calls + 1, self._calls % self.check_targets_every == 0
+        zero = facts.zero
+        if check:
+            low, high = F.target_range(targets, keep)
+        else:  # (0, 0): 0 is a class index of every output, so an unchecked step never flags
+            low = high = zero
+        if facts.exact:
+            kept = keep.sum(dtype=torch.float32) if keep is not None else facts.all_kept
+            assert kept is not None  # made for every exact shape
             return (*correct, kept, *(zero,) * self._counts, low, high)
         # Past 2**24 targets float32 sums lose counts: int64 counts, each split in two exact parts.
         parts = [F.split_count(c) for c in correct]
         if keep is None:  # every target counts: the count is the host-known numel
-            high_n, low_n = divmod(n, F.EXACT_FLOAT32)
+            high_n, low_n = divmod(facts.numel, F.EXACT_FLOAT32)
             kept_parts = (self._fill(float(low_n), device), self._fill(float(high_n), device))
         else:
             kept_parts = F.split_count(keep.sum())
@@ -259,8 +303,7 @@ class Accuracy(Metric):
     def read_host(self, inputs: StepInputs) -> Sequence[float]:
         outputs, targets = inputs.outputs, inputs.targets
         assert outputs is not None and targets is not None
-        class_dim = _class_dim(outputs, targets)
-        return (float(outputs.shape[class_dim if class_dim is not None else 1]),)
+        return (self._shape_facts(outputs, targets).classes,)
 
     def _kept_and_counts(self, raw: Sequence[float]) -> list[float]:
         n = self._counts
@@ -289,6 +332,21 @@ class Accuracy(Metric):
                 "model's number of outputs, or Accuracy(ignore_index=...) for the padding value)"
             )
         return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _AccuracyShape:
+    """Facts :class:`Accuracy` derives from its inputs' metadata (see ``Accuracy._shape_facts``)."""
+
+    key: tuple[Any, ...]  # outputs shape, targets shape, targets dtype, device
+    class_dim: int
+    classes: float
+    masked: bool  # a kept-mask is needed (an ignore_index the targets' dtype can hold)
+    mask_hits: bool  # ... and it must mask hits too (the ignore_index is a class index)
+    exact: bool  # few enough targets for exact float32 counts
+    numel: int
+    zero: torch.Tensor
+    all_kept: torch.Tensor | None  # the kept count when nothing is masked (exact case)
 
 
 def _class_dim(outputs: torch.Tensor, targets: torch.Tensor) -> int | None:
