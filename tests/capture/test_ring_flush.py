@@ -138,12 +138,47 @@ def test_guard_reports_the_first_non_finite_loss_once() -> None:
     flusher = Flusher(ring, HostClock(4), flush_every=100, flush_seconds=None)
     guard = LossGuard(ring, flusher.clock)
     for step, loss in enumerate([0.5, 0.4, math.inf]):
-        guard.track(_write(ring, flusher, step, loss))
+        guard.track(_write(ring, flusher, step, loss), step)
     assert guard.poll() == (2, math.inf)
     assert guard.poll() is None, "a reported slot is not reported again"
-    guard.track(_write(ring, flusher, 3, math.nan))
+    guard.track(_write(ring, flusher, 3, math.nan), 3)
     step, value = guard.poll()  # type: ignore[misc]
     assert step == 3 and math.isnan(value)
+
+
+class _LaggingClock(HostClock):
+    """A device that never lets poll() see an end mark pass: the host runs a ring ahead of it.
+    (Its block markers complete, so the pipeline harvests blocks and slots come round again.)"""
+
+    def end_done(self, slot: int) -> bool:
+        return False
+
+
+def test_guard_checks_a_slots_old_row_before_a_lagging_device_gets_it_overwritten() -> None:
+    ring = _ring(capacity=4)
+    clock = _LaggingClock(4)
+    flusher = Flusher(ring, clock, flush_every=2, flush_seconds=None)
+    guard = LossGuard(ring, clock)
+    hits = []
+    for row, loss in enumerate([0.5, math.nan, 0.4, 0.3, 0.2, 0.1, 0.05, 0.01]):
+        slot = flusher.claim(row)
+        guard.settle(row)  # what Tap.step does between claim and write
+        ring.write(slot, [torch.tensor(loss), torch.tensor(0.0)], [0.0], step=row, epoch=0, batch=row,
+                   wall_time=0.0, samples=1.0, data_time=math.nan)
+        clock.mark_end(slot)
+        guard.track(slot, row)
+        flusher.rows += 1
+        if flusher.due():
+            block = flusher.flush()
+            assert block is not None
+            flusher.read(block)
+            flusher.release(block)
+        hits.append(guard.poll())
+    # row 5 reused row 1's slot: the NaN of step 1 was checked just before it was overwritten
+    assert hits[:5] == [None] * 5
+    step, value = hits[5]  # type: ignore[misc]
+    assert step == 1 and math.isnan(value)
+    assert hits[6:] == [None, None]
 
 
 def test_cpu_guard_reads_the_loss_column_in_place() -> None:

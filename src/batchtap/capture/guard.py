@@ -4,6 +4,12 @@ Each captured step copies its loss into a pinned slot (see :class:`MetricRing`) 
 its row, and the step's end mark follows that copy. :meth:`LossGuard.poll` reads the slots whose end
 mark the device has passed (a non-blocking query), oldest first. On the CPU the copy is done by the
 time ``step()`` returns, so a NaN is seen at the step that produced it.
+
+A host far ahead of the device can come back to a slot before any poll saw the device pass its
+previous row; the slot's pinned float and end mark then belong to the new row. So the training
+thread calls :meth:`LossGuard.settle` for each row before writing it: the row a whole ring earlier
+in the same slot was harvested by the pipeline by then (the flusher does not hand out a slot
+sooner), so its loss copy is complete and is checked there, before it is overwritten.
 """
 
 from __future__ import annotations
@@ -23,17 +29,36 @@ class LossGuard:
     def __init__(self, ring: MetricRing, clock: StepClock) -> None:
         self.ring = ring
         self.clock = clock
-        self._pending: collections.deque[int] = collections.deque()  # slots, oldest first
+        self._pending: collections.deque[tuple[int, int]] = collections.deque()  # (slot, row), oldest first
+        self._settled_hit: tuple[int, float] | None = None  # found by settle(), reported by the next poll()
 
-    def track(self, slot: int) -> None:
-        """Watch ``slot``, written by the step that was just captured."""
-        self._pending.append(slot)
+    def track(self, slot: int, row: int) -> None:
+        """Watch ``slot``, where the step that was just captured wrote row ``row``."""
+        self._pending.append((slot, row))
+
+    def settle(self, row: int) -> None:
+        """Check every watched row at least a ring older than ``row`` before ``row`` reuses a slot.
+
+        Call it after the flusher handed out ``row``'s slot (so those rows were harvested and their
+        copies completed) and before the row is written. A non-finite loss found here is reported
+        by the next :meth:`poll`.
+        """
+        pending = self._pending
+        oldest = row - self.ring.capacity
+        while pending and pending[0][1] <= oldest:
+            slot, _ = pending.popleft()
+            value = float(self.ring.guard_np[slot])  # complete: its row was harvested
+            if self._settled_hit is None and not math.isfinite(value):
+                self._settled_hit = (int(self.ring.step[slot]), value)
 
     def poll(self) -> tuple[int, float] | None:
         """(step, loss) of the first non-finite loss the device has delivered, else None."""
+        if self._settled_hit is not None:
+            hit, self._settled_hit = self._settled_hit, None
+            return hit
         pending, clock, guard = self._pending, self.clock, self.ring.guard_np
-        while pending and clock.end_done(pending[0]):
-            slot = pending.popleft()
+        while pending and clock.end_done(pending[0][0]):
+            slot, _ = pending.popleft()
             value = float(guard[slot])  # a pinned host float the device finished writing
             if not math.isfinite(value):
                 return int(self.ring.step[slot]), value
