@@ -101,6 +101,7 @@ class _Capture:
     # (loss, outputs, targets, grad_norm) metadata of the last plain step that passed the checks:
     # a step whose inputs fit it takes the short path (see Tap._step_fast); None: no short path
     fast_key: tuple[Any, Any, Any, Any] | None = None
+    flush_hooks: list[Metric] = dataclasses.field(default_factory=list)  # metrics with an on_flush()
 
     @property
     def step_metrics_all(self) -> list[Metric]:
@@ -1005,6 +1006,7 @@ class Tap:
             device_metrics=[sp.metric for sp in layout.device_order],
             step_metrics=[sp.metric for sp in layout.device_order if not sp.metric.per_micro_batch],
             host_spans=[(m, m.per_micro_batch) for m in metrics],
+            flush_hooks=[m for m in metrics if type(m).on_flush is not Metric.on_flush],
         )
 
     def _check_inputs(self, capture: _Capture, inputs: StepInputs, accumulated: bool) -> None:
@@ -1062,6 +1064,8 @@ class Tap:
         block = capture.flusher.flush(empty_ok=empty_ok)
         if block is not None:
             self._harvester.submit(capture.flusher, block, capture.pipeline)
+            for metric in capture.flush_hooks:
+                metric.on_flush()
 
     def _poll_guard(self, guard: LossGuard, state: _RunState) -> None:
         hit = guard.poll()

@@ -82,3 +82,20 @@ def test_loss_scale_before_and_after_update(overflow) -> None:
     skipped = overflow
     assert before.finalize(raw_before, TIMING) == [scale_used, float(skipped)] and before.skipped(raw_before) is skipped
     assert after.finalize(raw_after, TIMING) == [scaler.get_scale(), float(skipped)] and after.skipped(raw_after) is skipped
+
+
+def test_memory_peak_is_the_peak_of_its_flush_interval() -> None:
+    from tests.conftest import ListSink
+
+    sink = ListSink()
+    spike_bytes = 256 * 2**20
+    loss = torch.tensor(1.0, device=DEVICE)
+    with bt.Tap([bt.metrics.Loss(), bt.metrics.Memory()], [sink], flush_every=4, flush_seconds=3600) as tap, tap.run():
+        for step in range(8):
+            if step == 1:
+                spike = torch.empty(spike_bytes, dtype=torch.uint8, device=DEVICE)
+                del spike
+            tap.step(loss=loss)
+    peaks = [r.values["memory_peak"] for r in sink.records]
+    assert min(peaks[1:4]) >= spike_bytes, peaks  # the spike shows in its own interval
+    assert max(peaks[4:]) < spike_bytes, peaks  # and not after the flush that reset the peak

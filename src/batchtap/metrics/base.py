@@ -131,6 +131,10 @@ class Metric(abc.ABC):
         """``host_width`` floats from host-only state (shapes, Python floats). No tensor reads."""
         return ()
 
+    def on_flush(self) -> None:
+        """Called on the training thread each time the Tap flushes captured rows (e.g. to reset a
+        per-interval counter). Must not read device values."""
+
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         """Turn raw columns (device then host) into the reported values."""
         return list(raw)

@@ -761,9 +761,23 @@ class Throughput(Metric):
 
 class Memory(Metric):
     """CUDA memory held by tensors and its peak, in bytes, from the caching allocator's host-side
-    counters (no device read). Reports nothing on other devices."""
+    counters (no device read). Reports nothing on other devices.
+
+    One allocator-stats lookup per step (``torch.cuda.memory_stats_as_nested_dict``; the
+    ``memory_allocated`` / ``max_memory_allocated`` pair would build and flatten the whole stats
+    dict twice). ``memory_peak`` is the peak since the previous flush: the Tap resets the
+    allocator's peak counter at each flush, so a spike shows in the rows around it rather than in
+    every later row. Pass ``peak="process"`` to keep the allocator's peak since process start (and
+    leave ``torch.cuda.max_memory_allocated`` to a loop that reads it itself).
+    """
 
     host_width = 2
+
+    def __init__(self, *, peak: str = "interval") -> None:
+        if peak not in ("interval", "process"):
+            raise ConfigError(f"Memory peak must be 'interval' or 'process', got {peak!r}")
+        self.peak = peak
+        self._device: torch.device | None = None  # the CUDA device of the steps, once seen
 
     def outputs(self) -> tuple[Output, ...]:
         return (
@@ -775,7 +789,14 @@ class Memory(Metric):
         device = _step_device(inputs)
         if device.type != "cuda":
             return (math.nan, math.nan)
-        return (float(torch.cuda.memory_allocated(device)), float(torch.cuda.max_memory_allocated(device)))
+        self._device = device
+        stats = torch.cuda.memory_stats_as_nested_dict(device)  # empty before CUDA is initialised
+        allocated = stats.get("allocated_bytes", {}).get("all", {})
+        return (float(allocated.get("current", math.nan)), float(allocated.get("peak", math.nan)))
+
+    def on_flush(self) -> None:
+        if self.peak == "interval" and self._device is not None:
+            torch.cuda.reset_peak_memory_stats(self._device)  # host-side counters: no device sync
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         return tuple(None if math.isnan(v) else v for v in raw)
