@@ -15,31 +15,62 @@ from tests.conftest import ListSink
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_1000_steps_without_sync_and_exact_values() -> None:
+class _ExplicitSyncs:
+    """Counts calls of the explicit waits the sync debugger does not see (it flags implicit syncs
+    such as ``.item()`` only): ``torch.cuda.synchronize``, ``Event.synchronize``,
+    ``Stream.synchronize``, ``torch.accelerator.synchronize``; any thread."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        targets = [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize")]
+        if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "synchronize"):
+            targets.append((torch.accelerator, "synchronize"))
+        for owner, name in targets:
+            original = getattr(owner, name)
+
+            def counted(*args, _original=original, _label=f"{getattr(owner, '__name__', owner)}.{name}", **kwargs):
+                self.calls.append(_label)
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(owner, name, counted)
+
+
+def test_1000_steps_without_sync_and_exact_values(monkeypatch: pytest.MonkeyPatch) -> None:
     sink = ListSink()
     device = torch.device("cuda")
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = [(torch.randn(64, 32, device=device), torch.randint(0, 10, (64,), device=device)) for _ in range(20)]
     keep = []
-    metrics = [bt.metrics.Loss(), bt.metrics.Accuracy(topk=(1, 5)), bt.metrics.GradNorm(model), bt.metrics.StepTime()]
+    metrics = [
+        bt.metrics.Loss(), bt.metrics.Accuracy(topk=(1, 5)), bt.metrics.GradNorm(model), bt.metrics.StepTime(),
+        bt.metrics.LearningRate(opt), bt.metrics.Memory(), bt.metrics.Throughput(),
+    ]
+    syncs = _ExplicitSyncs(monkeypatch)
     with bt.Tap(metrics, [sink], flush_every=50) as tap, tap.run():
-        for step in range(1000):
+        def train(step: int) -> None:
             x, y = data[step % len(data)]
-            if step == 1:
-                torch.cuda.set_sync_debug_mode("error")  # after the one-time setup of the first step
-            try:
-                out = model(x)
-                loss = F.cross_entropy(out, y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                tap.step(loss=loss, outputs=out, targets=y)
-                stop = tap.should_stop
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-            assert not stop
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            tap.step(loss=loss, outputs=out, targets=y)
+            assert not tap.should_stop
             keep.append((loss.detach(), (out.argmax(1) == y).float().mean()))
+
+        train(0)  # the run's first step allocates the ring (and CUDA's lazy init may sync)
+        syncs.calls.clear()
+        # Armed for all 999 later steps, flushes and ring-slot hand-outs included: any implicit
+        # synchronization on any thread raises.
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in range(1, 1000):
+                train(step)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        explicit = list(syncs.calls)
+    assert explicit == [], explicit
     assert len(sink.records) == 1000
     for r, (loss, acc) in zip(sink.records, keep):
         assert np.float32(r.values["loss"]) == np.float32(loss.item())

@@ -267,3 +267,19 @@ def test_targets_are_checked_on_the_first_call_and_every_nth_after() -> None:
 def test_check_targets_every_must_be_a_positive_integer() -> None:
     with pytest.raises(bt.ConfigError, match="check_targets_every must be a positive integer, got 0"):
         bt.metrics.Accuracy(check_targets_every=0)
+
+
+@pytest.mark.parametrize("shape", [(16, 7), (4, 9, 7)], ids=["classifier", "lm"])
+def test_fused_counts_of_the_gpu_path_equal_the_plain_counts(shape: tuple[int, ...]) -> None:
+    # Off the CPU, hits and kept flags are counted by one reduction over a shared buffer; forced
+    # here on the CPU to compare its values with the plain path, step after step (buffer reuse).
+    g = torch.Generator().manual_seed(3)
+    plain, fused = bt.metrics.Accuracy(), bt.metrics.Accuracy()
+    fused._fuse_counts = True
+    for _ in range(5):
+        outputs = torch.randn(*shape, generator=g)
+        targets = torch.randint(0, 7, shape[:-1], generator=g)
+        targets.view(-1)[::3] = -100
+        inputs = StepInputs(None, outputs, targets, float(shape[0]))
+        assert [float(v) for v in fused.compute(inputs)] == [float(v) for v in plain.compute(inputs)]
+    assert fused._facts is not None and fused._facts.counts is not None, "the fused path ran"

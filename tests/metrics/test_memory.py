@@ -39,6 +39,7 @@ def allocator(monkeypatch: pytest.MonkeyPatch) -> _Allocator:
     fake = _Allocator()
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", fake.stats)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     return fake
 
 

@@ -58,27 +58,37 @@ class MicroBatches:
         """Fold one micro-batch's device values (``width`` 0-dim tensors) into the sums."""
         weight = samples if math.isfinite(samples) else 1.0
         if self.width:
-            torch.stack(list(values), out=self._scratch)  # casts to float32 on the way in
-            row = self._scratch
-            if self._mean is not None:
-                row = torch.where(self._mean, row * weight, row)
+            # Written with out= and in-place ops only, never a device-to-device copy_: the same
+            # kernels, and the whole path also runs under FakeTensorMode (the CUDA-path tests).
             acc = self._acc
-            if self.count == 0:
-                acc.copy_(row)
-            elif self._min is None and self._max is None:
-                acc.add_(row)
-            else:
-                combined = acc + row
-                if self._min is not None:
-                    combined = torch.where(self._min, torch.minimum(acc, row), combined)
-                if self._max is not None:
-                    combined = torch.where(self._max, torch.maximum(acc, row), combined)
-                acc.copy_(combined)
+            first = self.count == 0
+            row = acc if first else self._scratch
+            torch.stack(list(values), out=row)  # casts to float32 on the way in
+            if self._mean is not None:
+                row.mul_(torch.where(self._mean, weight, 1.0))  # means are summed as value * samples
+            if not first:
+                self._combine(acc, row)
         self.count += 1
         self.samples += samples
         self.weight += weight
         if tokens is not None:
             self.tokens = float(tokens) + (0.0 if math.isnan(self.tokens) else self.tokens)
+
+    def _combine(self, acc: torch.Tensor, row: torch.Tensor) -> None:
+        """Fold ``row`` into ``acc`` in place: sums, minima and maxima by column."""
+        low, high = self._min, self._max
+        if low is None and high is None:
+            acc.add_(row)
+            return
+        combined = acc + row
+        if low is not None and high is not None:
+            combined = torch.where(low, torch.minimum(acc, row), combined)
+            low = None
+        if low is not None:
+            torch.where(low, torch.minimum(acc, row), combined, out=acc)  # inputs are new tensors
+        else:
+            assert high is not None
+            torch.where(high, torch.maximum(acc, row), combined, out=acc)
 
     def add_data_time(self, seconds: float) -> None:
         """Add one micro-batch's loader wait (NaN when none was measured)."""

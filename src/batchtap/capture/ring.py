@@ -103,21 +103,17 @@ class MetricRing:
         ``device_values`` then fill the rest.
         """
         if head is not None:
-            width = head.shape[0]
-            row = self._rows[slot]
-            row.narrow(0, 0, width).copy_(head)
-            if device_values:
-                torch.stack(device_values, out=row.narrow(0, width, self.device_width - width))
-            if self._guard_pairs is not None:
-                target, source = self._guard_pairs[slot]
-                target.copy_(source, non_blocking=self.non_blocking)
+            # one kernel for the whole row: the head's columns enter the stack as views
+            torch.stack([*head.unbind(0), *device_values], out=self._rows[slot])
         elif self.device_width == 1:
-            self._rows[slot].copy_(device_values[0])  # a broadcasting copy costs a third of a stack
+            # fill_ from a 0-dim tensor of the same device is a device-side copy (no host read),
+            # a third of a stack's host time
+            self._rows[slot].fill_(device_values[0])
         elif self.device_width:
             torch.stack(device_values, out=self._rows[slot])
-            if self._guard_pairs is not None:
-                target, source = self._guard_pairs[slot]
-                target.copy_(source, non_blocking=self.non_blocking)
+        if self._guard_pairs is not None:
+            target, source = self._guard_pairs[slot]
+            target.copy_(source, non_blocking=self.non_blocking)
         self.host_values[slot] = host_values
         self.step[slot] = step
         self.epoch[slot] = epoch

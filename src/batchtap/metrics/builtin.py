@@ -164,6 +164,7 @@ class Accuracy(Metric):
         self.check_targets_every = check_targets_every
         self._calls = 0  # compute() calls so far: the target range is checked on some of them
         self._facts: _AccuracyShape | None = None
+        self._fuse_counts: bool | None = None  # count hits and kept in one reduction; None: off the CPU
         # counts (correct per k, then kept) as float32 low parts, the same counts' high parts
         # (nonzero only past 2**24 targets per step), then the smallest and largest kept target
         self._counts = len(ks) + 1
@@ -249,6 +250,9 @@ class Accuracy(Metric):
         info = torch.iinfo(targets.dtype)
         masked = ignore is not None and info.min <= ignore <= info.max  # see F.kept_mask
         n = targets.numel()
+        exact = n <= F.EXACT_FLOAT32
+        fuse = self._fuse_counts if self._fuse_counts is not None else outputs.device.type != "cpu"
+        fused = fuse and exact and self.topk == (1,) and masked and not (ignore is not None and 0 <= ignore < classes)
         facts = self._facts = _AccuracyShape(
             key=key,
             class_dim=class_dim,
@@ -257,10 +261,11 @@ class Accuracy(Metric):
             # A prediction is a class index, so it never equals an ignore_index outside [0, C)
             # (-100): the mask is needed on hits only when the ignored value is a class (pad id 0).
             mask_hits=masked and ignore is not None and 0 <= ignore < classes,
-            exact=n <= F.EXACT_FLOAT32,  # float32 sums are exact: no high parts needed
+            exact=exact,  # float32 sums are exact: no high parts needed
             numel=n,
             zero=self._fill(0.0, outputs.device),
-            all_kept=self._fill(float(n), outputs.device) if n <= F.EXACT_FLOAT32 else None,
+            all_kept=self._fill(float(n), outputs.device) if exact else None,
+            counts=targets.new_empty((2, *targets.shape), dtype=torch.bool) if fused else None,
         )
         return facts
 
@@ -270,6 +275,8 @@ class Accuracy(Metric):
         facts = self._shape_facts(outputs, targets)
         class_dim, device = facts.class_dim, outputs.device
         ignore = self.ignore_index
+        if facts.counts is not None and ignore is not None:
+            return self._fused_top1(outputs, targets, ignore, facts, facts.counts)
         keep = targets.ne(ignore) if facts.masked and ignore is not None else None
         dtype = torch.float32 if facts.exact else torch.int64
         hit_mask = keep if facts.mask_hits else None
@@ -299,6 +306,24 @@ class Accuracy(Metric):
             kept_parts = F.split_count(keep.sum())
         parts.append(kept_parts)
         return (*(p[0] for p in parts), *(p[1] for p in parts), low, high)
+
+    def _fused_top1(
+        self, outputs: torch.Tensor, targets: torch.Tensor, ignore: int, facts: _AccuracyShape, counts: torch.Tensor
+    ) -> Sequence[torch.Tensor]:
+        """Top-1 with padding in four kernels instead of five: hits and kept flags are written into
+        the two rows of one buffer and counted by a single reduction. Used off the CPU, where each
+        kernel launch costs host time; on the CPU two plain sums are cheaper than a reduction
+        over a dimension, so it is not used there (tests force it with ``_fuse_counts``).
+        The buffer is reused every step: stream order puts each step's reduction before the next
+        step's writes."""
+        hits, keep = counts.unbind(0)  # views (select(): indexing a CUDA tensor with an int is not one)
+        torch.eq(outputs.argmax(facts.class_dim), targets, out=hits)
+        torch.ne(targets, ignore, out=keep)
+        correct, kept = counts.flatten(1).sum(1, dtype=torch.float32).unbind(0)
+        self._calls, check = self._calls + 1, self._calls % self.check_targets_every == 0
+        zero = facts.zero
+        low, high = F.target_range(targets, keep) if check else (zero, zero)
+        return (correct, kept, zero, zero, low, high)
 
     def read_host(self, inputs: StepInputs) -> Sequence[float]:
         outputs, targets = inputs.outputs, inputs.targets
@@ -347,6 +372,7 @@ class _AccuracyShape:
     numel: int
     zero: torch.Tensor
     all_kept: torch.Tensor | None  # the kept count when nothing is masked (exact case)
+    counts: torch.Tensor | None  # [2, *targets.shape] bool: hits and kept, for Accuracy._fused_top1
 
 
 def _class_dim(outputs: torch.Tensor, targets: torch.Tensor) -> int | None:
@@ -795,7 +821,7 @@ class Memory(Metric):
         return (float(allocated.get("current", math.nan)), float(allocated.get("peak", math.nan)))
 
     def on_flush(self) -> None:
-        if self.peak == "interval" and self._device is not None:
+        if self.peak == "interval" and self._device is not None and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats(self._device)  # host-side counters: no device sync
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
