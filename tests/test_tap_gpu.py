@@ -88,3 +88,38 @@ def test_nan_is_seen_within_the_device_lag() -> None:
                 seen = step
                 break
     assert seen is not None and seen - 50 <= 10
+
+
+def test_a_captured_graph_replayed_with_steps_after_each_replay() -> None:
+    # The supported pattern: capture the model's step inside tap.paused(), then tap.step() on the
+    # graph's static outputs after each replay; blocks are in flight when the capture starts.
+    sink = ListSink()
+    device = torch.device("cuda")
+    model = torch.nn.Linear(16, 4).to(device)
+    static_x = torch.randn(32, 16, device=device)
+    static_y = torch.randint(0, 4, (32,), device=device)
+    expected = []
+    with bt.Tap([bt.metrics.Loss(), bt.metrics.Accuracy()], [sink], flush_every=4) as tap, tap.run():
+        for _ in range(6):
+            out = model(static_x)
+            loss = F.cross_entropy(out, static_y)
+            tap.step(loss=loss, outputs=out, targets=static_y)
+            expected.append(loss.detach())
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                model(static_x)  # warm-up on a side stream, as torch.cuda.graph asks
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with tap.paused(), torch.cuda.graph(graph):
+            static_out = model(static_x)
+            static_loss = F.cross_entropy(static_out, static_y)
+        for _ in range(20):
+            static_x.copy_(torch.randn(32, 16, device=device))
+            graph.replay()
+            tap.step(loss=static_loss, outputs=static_out, targets=static_y)
+            expected.append(static_loss.detach().clone())
+    assert len(sink.records) == 26
+    for record, loss in zip(sink.records, expected):
+        assert np.float32(record.values["loss"]) == np.float32(loss.item())

@@ -102,6 +102,7 @@ class _Capture:
     # a step whose inputs fit it takes the short path (see Tap._step_fast); None: no short path
     fast_key: tuple[Any, Any, Any, Any] | None = None
     flush_hooks: list[Metric] = dataclasses.field(default_factory=list)  # metrics with an on_flush()
+    cuda: bool = False  # the capture device is a CUDA device (steps check for a graph capture)
 
     @property
     def step_metrics_all(self) -> list[Metric]:
@@ -658,6 +659,8 @@ class Tap:
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
             raise error
+        if _capturing(state.capture, loss, outputs):
+            raise InputError(_GRAPH_CAPTURE)
         if state.step % self.sample_every != 0:
             return  # this optimizer step is not sampled
         samples = _samples(batch_size, outputs, targets)
@@ -753,6 +756,8 @@ class Tap:
         micro: MicroBatches | None,
     ) -> None:
         wall = time.time()
+        if _capturing(state.capture, loss, outputs):
+            raise InputError(_GRAPH_CAPTURE)
         accumulated = micro is not None and micro.count > 0
         if tokens is not None:
             _check_count("tokens", tokens)
@@ -840,6 +845,8 @@ class Tap:
         sampled, no process group, no rule actions (those take the general path). Returns False,
         having done nothing, when the step does not qualify.
         """
+        if capture.cuda and torch.cuda.is_current_stream_capturing():
+            raise InputError(_GRAPH_CAPTURE)
         key = capture.fast_key
         if (
             key is None
@@ -924,12 +931,45 @@ class Tap:
         """The active run, if any."""
         return self._state.info if self._state is not None else None
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Keep batchtap's pipeline thread off the device while the body runs.
+
+        Wrap a CUDA graph capture in it: the pipeline thread polls CUDA events to learn when
+        flushed rows arrived, and in ``torch.cuda.graph``'s default ``capture_error_mode="global"``
+        a query from another thread during a capture invalidates it (the hazard PyTorch fixed for
+        its NCCL watchdog). Queries resume when the body ends; rows flushed meanwhile wait. Do not
+        train inside it: ``tap.step()`` cannot be captured anyway (it raises there), and a full
+        ring would wait for a pipeline that is paused. ``flush()`` inside it raises.
+
+        Example (on a GPU)::
+
+            g = torch.cuda.CUDAGraph()
+            with tap.paused(), torch.cuda.graph(g):
+                static_loss = train_step(static_x, static_y)
+            for x, y in loader:
+                static_x.copy_(x); static_y.copy_(y)
+                g.replay()
+                tap.step(loss=static_loss)  # outside the capture, on the graph's static outputs
+        """
+        gate = self._harvester.gate
+        gate.pause()
+        try:
+            yield
+        finally:
+            gate.resume()
+
     def flush(self) -> None:
         """Hand every captured step to the sinks and wait until they stored it.
 
         This waits for the device to finish the captured steps: use it at points where a sync is
         acceptable (end of epoch, before evaluation), not every step.
         """
+        if self._harvester.gate.paused:
+            raise RunStateError(
+                "flush() was called inside tap.paused(): the pipeline cannot read rows while paused; "
+                "flush after the paused block"
+            )
         state = self._state
         if state is not None and state.capture is not None:
             self._flush(state.capture)
@@ -1007,6 +1047,7 @@ class Tap:
             step_metrics=[sp.metric for sp in layout.device_order if not sp.metric.per_micro_batch],
             host_spans=[(m, m.per_micro_batch) for m in metrics],
             flush_hooks=[m for m in metrics if type(m).on_flush is not Metric.on_flush],
+            cuda=device.type == "cuda",
         )
 
     def _check_inputs(self, capture: _Capture, inputs: StepInputs, accumulated: bool) -> None:
@@ -1286,6 +1327,23 @@ def _signature(inputs: StepInputs) -> tuple[Any, ...]:
         tuple((k, _describe(v)) for k, v in extra.items()) if extra else (),
         _describe(inputs.grad_norm),
     )
+
+
+_GRAPH_CAPTURE = (
+    "tap.step()/accumulate() was called while a CUDA graph is being captured on this stream; it writes "
+    "host arrays and records events, which a graph cannot hold. Capture the model's step alone, then "
+    "call tap.step() on the graph's static outputs after each replay (outside the capture); wrap the "
+    "capture in `with tap.paused():` so batchtap's pipeline thread stays off the device meanwhile"
+)
+
+
+def _capturing(capture: _Capture | None, *tensors: object) -> bool:
+    """Whether a CUDA graph capture is under way on the current stream of the step's device."""
+    if capture is not None:
+        cuda = capture.cuda
+    else:
+        cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors)
+    return cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _meta(value: object) -> object:

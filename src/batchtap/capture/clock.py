@@ -12,13 +12,16 @@ the fast NaN channel and the flusher rely on it.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
+import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
-__all__ = ["StepClock", "HostClock", "CudaClock", "clock_for"]
+__all__ = ["StepClock", "HostClock", "CudaClock", "DeviceGate", "clock_for"]
 
 
 class StepClock(abc.ABC):
@@ -136,3 +139,50 @@ def clock_for(device: torch.device, capacity: int) -> StepClock:
     if device.type == "cuda":
         return CudaClock(capacity, device)
     return HostClock(capacity)
+
+
+class DeviceGate:
+    """Lets the training thread keep batchtap's other threads off the device for a while.
+
+    The pipeline thread queries CUDA events (is a flushed block's copy done? how long did a step
+    take?). While the training thread captures a CUDA graph in the default
+    ``capture_error_mode="global"``, such a query from another thread invalidates the capture.
+    Every query runs inside :meth:`querying`; :meth:`pause` returns only once no query is in
+    flight, and none starts until :meth:`resume`.
+
+    Example:
+        >>> gate = DeviceGate()
+        >>> gate.pause(); gate.paused
+        True
+        >>> gate.resume(); gate.paused
+        False
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._pauses = 0
+
+    @property
+    def paused(self) -> bool:
+        """Whether queries are held back now."""
+        return self._pauses > 0
+
+    @contextlib.contextmanager
+    def querying(self) -> Iterator[None]:
+        """Run the body (a device query) when not paused; :meth:`pause` waits for it to finish."""
+        with self._cv:
+            # sync: pipeline thread only — waits while the training thread keeps it off the device.
+            self._cv.wait_for(lambda: self._pauses == 0)
+            yield
+
+    def pause(self) -> None:
+        """Hold back device queries from now on (waits for one in flight to finish)."""
+        # sync: none with the device — at most the few microseconds of a query in flight.
+        with self._cv:
+            self._pauses += 1
+
+    def resume(self) -> None:
+        """Undo one :meth:`pause`."""
+        with self._cv:
+            self._pauses = max(self._pauses - 1, 0)
+            self._cv.notify_all()

@@ -15,10 +15,12 @@ import time
 
 import numpy as np
 
-from batchtap.capture.clock import StepClock
+from batchtap.capture.clock import DeviceGate, StepClock
 from batchtap.capture.ring import MetricRing
 
 __all__ = ["Block", "BlockData", "Flusher"]
+
+_OPEN = DeviceGate()  # a gate nobody pauses: reads without one
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,13 +118,21 @@ class Flusher:
         self.flushed = last
         return block
 
-    def read(self, block: Block) -> BlockData:
-        """Wait (on the pipeline thread) until ``block``'s copy completed, then read it back."""
-        while not self.clock.marker_done(block.marker):
+    def read(self, block: Block, gate: DeviceGate | None = None) -> BlockData:
+        """Wait (on the pipeline thread) until ``block``'s copy completed, then read it back.
+
+        Every device query runs inside ``gate`` (see :class:`DeviceGate`) when one is given.
+        """
+        gate = gate or _OPEN
+        while True:
+            with gate.querying():
+                if self.clock.marker_done(block.marker):
+                    break
             time.sleep(self.poll_interval)  # polling keeps the GIL free for the training thread
         ring = self.ring
         slots = ring.slots(block.first_row, block.last_row)
-        step_time = np.array([self.clock.elapsed(int(s)) for s in slots])
+        with gate.querying():
+            step_time = np.array([self.clock.elapsed(int(s)) for s in slots])
         for s in slots:
             self.clock.disarm(int(s))  # the slot's next row must record a start mark of its own
         return BlockData(

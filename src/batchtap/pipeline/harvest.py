@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from batchtap.capture.clock import DeviceGate
 from batchtap.capture.flush import Block, Flusher
 from batchtap.capture.logged import Logged
 from batchtap.pipeline.decode import Decoded, Decoder
@@ -77,6 +78,7 @@ class Harvester:
         self.dispatcher = dispatcher
         self.on_block = on_block
         self.on_error = on_error
+        self.gate = DeviceGate()  # the training thread pauses it around CUDA graph captures
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="batchtap-pipeline", daemon=True)
         self._thread.start()
@@ -130,7 +132,7 @@ class Harvester:
     def _handle(self, item: object) -> None:
         if isinstance(item, _BlockItem):
             try:
-                data = item.flusher.read(item.block)
+                data = item.flusher.read(item.block, self.gate)
             finally:
                 item.flusher.release(item.block)  # even on failure, or the training thread would wait forever
             run = item.run
@@ -146,7 +148,10 @@ class Harvester:
             return
         if isinstance(item, _LoggedItem):
             logged = item.logged
-            while not logged.done():
+            while True:
+                with self.gate.querying():
+                    if logged.done():
+                        break
                 time.sleep(2e-4)  # like a block's marker: polled, never a blocking wait on the device
             if item.writes:
                 record = Record(
