@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +19,7 @@ from batchtap.records import RunStatus
 from tests.conftest import ListSink
 from tests.integrations._readme import readme_snippet
 
+ROOT = Path(__file__).resolve().parents[2]
 accelerate = pytest.importorskip("accelerate")
 from batchtap.integrations.accelerate import BatchtapTracker  # noqa: E402
 
@@ -119,3 +125,27 @@ def test_the_readme_snippet_runs_and_stores_every_step(tmp_path, monkeypatch) ->
         assert [p.step for p in store.series(run.id, "loss")] == list(range(8))  # 2 epochs x 8 batches / 2
         assert len(store.series(run.id, "grad_norm")) == 8 and len(store.series(run.id, "accuracy")) == 8
         assert [r.step for r in store.sparse_records(run.id)] == [3, 7]
+
+
+def test_two_gloo_ranks_each_drive_their_tap_and_rank_0_stores_the_reduced_steps(tmp_path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE="2", PYTHONPATH=str(ROOT))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.integrations.accelerate_worker", str(tmp_path)],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())["steps"] for r in range(2)]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    starts = [line for line in lines if line["type"] == "run_start"]
+    assert len(starts) == 1 and starts[0]["config"] == {"ranks": 2}  # rank 0's init_trackers config
+    records = [line for line in lines if line["type"] == "record" and "loss" in line]
+    assert [r["step"] for r in records] == list(range(4))  # 64 rows / 2 ranks / 8 per batch / 2 micro x 2 epochs
+    for record, a, b in zip(records, *ranks, strict=True):
+        assert record["rank"] == -1 and record["loss"] == pytest.approx((a + b) / 2, rel=1e-6)
+    logged = [line for line in lines if line["type"] == "record" and "rank_loss" in line]
+    assert [r["rank_loss"] for r in logged] == pytest.approx([ranks[0][1], ranks[0][3]], rel=1e-6)  # rank 0's

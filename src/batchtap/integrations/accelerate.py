@@ -4,7 +4,9 @@ Accelerate's trackers receive what the script hands to ``accelerator.log(...)``:
 batchtap sparse values (:meth:`Tap.log`), stored beside the per-step records that the loop captures
 with the same Tap (``tracker.tap.accumulate(...)`` per micro-batch inside ``accelerator.accumulate``,
 ``tracker.tap.step(...)`` when ``accelerator.sync_gradients``). ``accelerator.init_trackers(name,
-config=...)`` stores the config with the run; ``accelerator.end_training()`` finishes it.
+config=...)`` stores the config with the run; ``tracker.finish()`` ends it. ``accelerator.end_training()``
+also calls ``finish()``, but on the main process only and then destroys the process group: in a process
+group call ``tracker.finish()`` on every rank before it, so the ranks' last exchange can complete.
 
 The run starts at the first use of :attr:`BatchtapTracker.tap` (or the first ``accelerator.log``),
 not inside ``init_trackers``: Accelerate calls ``init_trackers`` on the main process only, while in a
@@ -48,7 +50,8 @@ class BatchtapTracker(_tracking.GeneralTracker):  # type: ignore[misc]
         accelerator.init_trackers("exp1", config={"lr": 1e-3})
         ...
         accelerator.log({"val_loss": val_loss}, step=step)   # a sparse value, no sync
-        accelerator.end_training()                           # the run is stored as finished
+        tracker.finish()                                     # every rank; the run is stored as finished
+        accelerator.end_training()
     """
 
     name = "batchtap"
@@ -100,7 +103,8 @@ class BatchtapTracker(_tracking.GeneralTracker):  # type: ignore[misc]
         *,
         reason: str | None = None,
     ) -> None:
-        """End the run (``accelerator.end_training()`` calls this); every captured step is stored.
+        """End the run; every captured step is stored. Call it on every rank before
+        ``accelerator.end_training()`` (which calls it on the main process only); a second call does nothing.
 
         Call it yourself with ``status="failed"`` from an ``except`` block to store a failure; a run
         left open is stored as ``failed`` at interpreter exit.
