@@ -18,7 +18,7 @@ import torch
 
 from batchtap._optional import require
 from batchtap.errors import InputError
-from batchtap.tap import Tap
+from batchtap.tap import RESERVED_NAMES, Tap
 
 _pl: Any = require("lightning.pytorch", extra="lightning", purpose="batchtap.integrations.lightning")
 
@@ -31,6 +31,26 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     if get_total_norm is not None:
         return get_total_norm(grads)
     return torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)]))
+
+
+def _logged_values(trainer: Any, *, on_step: bool) -> dict[str, torch.Tensor]:
+    """The ``self.log`` values of the running loop as the device tensors Lightning keeps.
+
+    Read from the loop's result collection rather than ``trainer.callback_metrics``: building that
+    also turns every ``prog_bar=True`` value into a float (a host read per value).
+    """
+    results = getattr(trainer, "_results", None)
+    if results is None or not hasattr(results, "valid_items"):
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for _, metric in results.valid_items():
+        if not (metric.meta.on_step if on_step else metric.meta.on_epoch):
+            continue
+        # for on_epoch values this is Lightning's own epoch reduction (cached; device ops only)
+        value = results._get_cache(metric, on_step)
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            out[results._forked_name(metric, on_step)[1]] = value
+    return out
 
 
 def _second_item(batch: Any) -> Any:
@@ -55,9 +75,17 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
       clipping sees), unless the Tap already has a :class:`~batchtap.metrics.GradNorm`.
     * ``lr`` (``lr_opt{i}`` for further optimizers): the first param group's learning rate,
       read on the host, unless the Tap already has a :class:`~batchtap.metrics.LearningRate`.
-    * every value in ``trainer.callback_metrics`` at the end of each validation run
-      (``self.log("val_loss", ...)``) as a sparse value (:meth:`Tap.log`): no extra sync, the
-      copy to the host is asynchronous.
+    * ``self.log(...)`` values as sparse values (:meth:`Tap.log`), no sync added: values logged
+      ``on_step`` at each optimizer step (the last micro-batch's, as Lightning's own loggers get
+      them), ``on_epoch`` values at the end of each training epoch, validation values at the end
+      of each validation run (not the sanity check). They are taken as the device tensors
+      Lightning keeps, copied to the host asynchronously, never turned into floats here. A name
+      that is also a per-step value or record field (``loss``, ``step``...) is stored as
+      ``logged_<name>``.
+
+    The run starts at ``on_fit_start`` (the optimizers exist from there on), so a failure in the
+    sanity check is stored too; an exception anywhere in ``fit()`` ends it as ``failed``
+    (``stopped`` on Ctrl-C) with every captured step stored.
 
     Args:
         tap: the Tap to drive (metrics, sinks, rules as you configure them). Default: a Tap with
@@ -96,9 +124,10 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         self._own_grad_norm = True
         self._own_lr = True
         self._lr: dict[str, float] = {}  # learning rates read before this optimizer step
+        self._logged: dict[str, torch.Tensor] = {}  # the self.log tensor last stored per name
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        # The optimizers exist from here on (configure_optimizers ran inside fit()).
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        # The optimizers exist from here on (configure_optimizers ran in strategy.setup).
         if self.tap is None:
             self.tap = Tap()
         names = {type(m).__name__ for m in self.tap._metrics}
@@ -107,7 +136,10 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         config = self.config if self.config is not None else dict(getattr(pl_module, "hparams", {}) or {})
         self.tap.start(name=self.name or type(pl_module).__name__, config=config)
         self._running = True
-        self._global_step = trainer.global_step
+        self._logged = {}
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._global_step = trainer.global_step  # restored from a checkpoint after on_fit_start
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if not self._running:
@@ -151,20 +183,32 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
             if stepped:
                 tap.step(extra=extra, grad_norm=self._take_grad_norm(), epoch=trainer.current_epoch, batch=batch_idx)
         self._global_step = trainer.global_step
+        if stepped:
+            self._log_new(trainer, on_step=True)
         if tap.should_stop:
             trainer.should_stop = True
 
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.tap is not None and self._running:
+            self._log_new(trainer, on_step=False)
+
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.tap is not None and self._running and not trainer.sanity_checking and self.tap.run_info is not None:
+            self._log_new(trainer, on_step=False)
+
+    def _log_new(self, trainer: Any, *, on_step: bool) -> None:
+        """Store the ``self.log`` values logged since the last call, as sparse values."""
         tap = self.tap
-        if tap is None or not self._running or trainer.sanity_checking:
-            return
+        assert tap is not None
         taken = set(tap.run_info.metrics) if tap.run_info is not None else set()
-        values = {
-            k: v for k, v in trainer.callback_metrics.items()
-            if k not in taken and (not isinstance(v, torch.Tensor) or v.dim() == 0)
-        }
-        if values:
-            tap.log(values)
+        new: dict[str, torch.Tensor] = {}
+        for name, value in _logged_values(trainer, on_step=on_step).items():
+            if self._logged.get(name) is value:
+                continue  # not logged again since it was stored
+            self._logged[name] = value
+            new[f"logged_{name}" if name in taken or name in RESERVED_NAMES else name] = value
+        if new:
+            tap.log(new)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._end(None)

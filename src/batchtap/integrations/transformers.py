@@ -1,0 +1,307 @@
+"""``BatchtapTrainer``: every optimizer step of a Hugging Face ``Trainer`` captured without host reads.
+
+A ``TrainerCallback`` never sees the loss, the logits or the labels, and the gradient norm the
+``Trainer`` computes stays a local variable of its loop. So the integration is a ``Trainer``
+mixin (:class:`BatchtapMixin`, ready-made as :class:`BatchtapTrainer`) that declares two
+overrides and registers its own callback:
+
+* ``compute_loss``: hands each training micro-batch's loss, logits and labels to
+  :meth:`Tap.accumulate` (device ops only);
+* ``_get_grad_norm``: keeps the norm the ``Trainer`` computed (before clipping) for the step;
+* a callback: starts the run at ``on_train_begin`` (the optimizer exists), closes each optimizer
+  step with :meth:`Tap.step` at ``on_optimizer_step`` (learning rate, grad norm, samples, tokens),
+  stores evaluation metrics with :meth:`Tap.log`, stops training when the Tap asks, finishes the run
+  at ``on_train_end``; ``train()`` itself marks the run failed (every captured step stored) when
+  training raises.
+
+The recorded ``loss`` of a step is the loss the ``Trainer`` optimizes and logs (``loss`` in
+``trainer.state.log_history`` with ``logging_steps=1``): the sum of what its ``training_step``
+returns over the step's micro-batches, whichever way the ``Trainer`` normalizes them for
+gradient accumulation (per micro-batch mean divided by the number of micro-batches, or a sum over
+the items of the whole step when the model takes ``num_items_in_batch``).
+
+Needs ``pip install 'batchtap[transformers]'``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, cast
+
+import torch
+
+from batchtap._optional import require
+from batchtap.errors import InputError
+from batchtap.tap import RESERVED_NAMES, Tap
+
+_tf: Any = require("transformers", extra="transformers", purpose="batchtap.integrations.transformers")
+
+__all__ = ["BatchtapMixin", "BatchtapTrainer", "NAN_FILTER_ADVICE"]
+
+log = logging.getLogger("batchtap")
+
+#: What batchtap tells a user whose ``TrainingArguments`` keep ``logging_nan_inf_filter=True``.
+NAN_FILTER_ADVICE = (
+    "TrainingArguments(logging_nan_inf_filter=True) (the default) reads the loss on the host after every "
+    "micro-batch (`torch.isnan(loss) or torch.isinf(loss)`): a device sync per micro-batch, reported at about "
+    "7 % of step time on GPUs (transformers#33693). batchtap's NaN guard watches the loss without a sync and "
+    "stops training within a step or two of a non-finite loss; pass logging_nan_inf_filter=False to save it."
+)
+
+
+class _Driver:
+    """The run behind one ``BatchtapMixin`` trainer: host-side counters and the Tap calls."""
+
+    def __init__(self, tap: Tap | None, name: str | None, shift_labels: bool | None) -> None:
+        self.tap = tap
+        self.own_tap = tap is None
+        self.name = name
+        self.shift_labels = shift_labels
+        self.running = False
+        self.shift = False  # causal LM: logits at position t predict label t + 1
+        self.own_lr = True
+        self.grad_norm: torch.Tensor | float | None = None  # the Trainer's norm of the open step
+        self.micro = 0  # micro-batches of the open optimizer step
+        self.samples = 0
+        self.tokens = 0
+        self.epoch = 0
+        self.next_epoch = 0
+        self.batch = -1  # index of the last training micro-batch within the epoch
+
+    def begin(self, trainer: Any, args: Any, state: Any, model: Any) -> None:
+        if self.running:  # a second train() call without the end of the first one
+            self.end(None)
+        if self.tap is None:
+            self.tap = Tap()
+        names = {type(m).__name__ for m in self.tap._metrics}
+        self.own_lr = "LearningRate" not in names
+        self.shift = self.shift_labels if self.shift_labels is not None else _is_causal_lm(trainer, model)
+        if getattr(args, "logging_nan_inf_filter", False):
+            log.warning("batchtap: %s", NAN_FILTER_ADVICE)
+        if not hasattr(_tf.Trainer, "_get_grad_norm"):
+            log.warning("batchtap: this transformers version has no Trainer._get_grad_norm; grad_norm is not recorded")
+        run_name = self.name or getattr(args, "run_name", None) or type(_unwrap(model)).__name__
+        self.tap.start(name=run_name, config=args.to_dict())
+        self.running = True
+        self.micro = self.samples = self.tokens = 0
+        self.grad_norm = None
+        self.next_epoch = int(state.epoch or 0)
+
+    def epoch_begin(self) -> None:
+        self.epoch, self.next_epoch = self.next_epoch, self.next_epoch + 1
+        self.batch = -1
+
+    def micro_batch(self, loss: torch.Tensor, scores: Any, targets: Any, input_ids: Any) -> None:
+        """One training micro-batch; ``loss`` already scaled so that the mean over the step's
+        micro-batches is the ``Trainer``'s loss for the step."""
+        tap = self.tap
+        assert tap is not None
+        if not (isinstance(scores, torch.Tensor) and isinstance(targets, torch.Tensor)) or targets.is_floating_point():
+            scores, targets = None, None  # no accuracy without integer labels (regression, no labels)
+        elif self.shift and scores.dim() == 3 and targets.dim() == 2:
+            scores, targets = scores[:, :-1], targets[:, 1:]  # views: no copy, no host read
+        # Every micro-batch weighs the same (batch_size=1), as in the Trainer's own sum; the
+        # step's samples are given to step() for throughput.
+        tap.accumulate(loss=loss, outputs=scores, targets=targets, batch_size=1)
+        self.micro += 1
+        self.batch += 1
+        first = input_ids if isinstance(input_ids, torch.Tensor) else targets
+        if isinstance(first, torch.Tensor) and first.dim() > 0:
+            self.samples += int(first.shape[0])  # shape metadata, not a device read
+        if isinstance(input_ids, torch.Tensor):
+            self.tokens += input_ids.numel()
+
+    def optimizer_step(self, optimizer: Any) -> bool:
+        """Close the optimizer step; True when the Tap asks training to stop."""
+        tap = self.tap
+        assert tap is not None
+        if self.micro == 0:
+            raise InputError(
+                "the Trainer stepped its optimizer but no training micro-batch reached BatchtapMixin.compute_loss; "
+                "a compute_loss override of your own must call super().compute_loss(...)"
+            )
+        extra = {"lr": float(optimizer.param_groups[0]["lr"])} if self.own_lr else {}  # a host float
+        norm, self.grad_norm = self.grad_norm, None
+        tap.step(
+            extra=extra,
+            grad_norm=norm,
+            batch_size=self.samples or None,
+            tokens=(self.tokens or None) if self.shift else None,  # LMs count tokens/s, classifiers samples/s
+            epoch=self.epoch,
+            batch=max(self.batch, 0),
+        )
+        self.micro = self.samples = self.tokens = 0
+        return tap.should_stop
+
+    def evaluated(self, metrics: Mapping[str, Any]) -> None:
+        tap = self.tap
+        if tap is None or not self.running:
+            return
+        taken = set(tap.run_info.metrics) if tap.run_info is not None else set()
+        values = {
+            k: float(v) for k, v in metrics.items()  # the Trainer's evaluation values are host numbers already
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in taken and k not in RESERVED_NAMES
+        }
+        if values:
+            tap.log(values)
+
+    def end(self, exc: BaseException | None) -> None:
+        tap = self.tap
+        if self.running and tap is not None:
+            self.running = False
+            if exc is None:
+                tap.finish()
+            elif isinstance(exc, KeyboardInterrupt):
+                tap.finish("stopped", reason="KeyboardInterrupt")
+            else:
+                tap.finish("failed", reason=f"{type(exc).__name__}: {exc}")
+        if self.own_tap and tap is not None:
+            tap.close()
+            self.tap = None
+
+
+class _Callback(_tf.TrainerCallback):  # type: ignore[misc]
+    """The lifecycle half of :class:`BatchtapMixin` (registered by it; not for use on its own)."""
+
+    def __init__(self, trainer: Any, driver: _Driver) -> None:
+        self.trainer = trainer
+        self.driver = driver
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.driver.begin(self.trainer, args, state, kwargs.get("model"))
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.driver.epoch_begin()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.driver.running and self.driver.optimizer_step(kwargs["optimizer"]):
+            control.should_training_stop = True
+        return control
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.driver.evaluated(kwargs.get("metrics") or {})
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.driver.end(None)
+
+
+class BatchtapMixin:
+    """Mix into any ``transformers.Trainer`` subclass to capture every optimizer step into a Tap.
+
+    ``class MyTrainer(BatchtapMixin, SFTTrainer): pass`` (the mixin first); :class:`BatchtapTrainer`
+    is ``BatchtapMixin`` + ``Trainer``. Each optimizer step becomes one record with:
+
+    * ``loss``: the ``Trainer``'s loss of the step (see the module docstring), correct under
+      ``gradient_accumulation_steps`` and for a shorter last step of an epoch;
+    * ``accuracy``: over every labelled position of every micro-batch, ``-100`` ignored; for causal
+      LMs (the ``Trainer``'s own test: the model's class is a causal LM) logits at position ``t``
+      are compared with label ``t + 1``; sequence classifiers get per-example accuracy;
+    * ``grad_norm``: the norm the ``Trainer`` computed (before clipping with ``max_grad_norm``);
+    * ``lr``: the learning rate the step used (unless the Tap has its own ``LearningRate``);
+    * ``step_time``, ``throughput`` (tokens/s of ``input_ids`` for causal LMs, samples/s otherwise).
+
+    Evaluation metrics (``eval_loss``...) are stored as sparse values (:meth:`Tap.log`). When the
+    Tap asks to stop (its NaN guard, a stop rule), training stops at that step and the run is
+    stored as ``stopped``; when ``train()`` raises, as ``failed``, with every captured step stored.
+
+    Args:
+        *args: the ``Trainer``'s own positional arguments.
+        tap: the Tap to drive. Default: a Tap with the default metrics storing to the default
+            SQLite store and the console, closed at the end of ``train()``.
+        tap_run_name: the run's name (default: ``args.run_name``, else the model's class name).
+        tap_shift_labels: compare logits at ``t`` with labels at ``t + 1`` (default: when the
+            model is a causal LM).
+        **kwargs: the ``Trainer``'s own keyword arguments.
+
+    Example (not run here: it trains; tests/integrations/test_transformers.py runs the README's)::
+
+        tap = bt.Tap(sinks=[bt.sinks.SQLite("runs/batchtap.db")])
+        args = TrainingArguments("out", gradient_accumulation_steps=4, logging_nan_inf_filter=False)
+        BatchtapTrainer(model=model, args=args, train_dataset=ds, tap=tap).train()
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        tap: Tap | None = None,
+        tap_run_name: str | None = None,
+        tap_shift_labels: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.batchtap = _Driver(tap, tap_run_name, tap_shift_labels)
+        cast(Any, self).add_callback(_Callback(self, self.batchtap))
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a run that raises is stored as ``failed`` (``stopped`` on Ctrl-C)."""
+        try:
+            return cast(Any, super()).train(*args, **kwargs)
+        except BaseException as exc:
+            self.batchtap.end(exc)
+            raise
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        """``Trainer.compute_loss``, plus each training micro-batch handed to :meth:`Tap.accumulate`."""
+        base = cast(Any, super())
+        driver = self.batchtap
+        if not (driver.running and model.training):  # evaluation and prediction pass straight through
+            return base.compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        # Taken before the call: the Trainer pops "labels" when a label smoother or compute_loss_func computes the loss.
+        shifted = inputs.get("shift_labels")
+        targets = shifted if shifted is not None else inputs.get("labels")
+        input_ids = inputs.get("input_ids")
+        loss, outputs = base.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        scores = outputs.get("logits") if isinstance(outputs, Mapping) else None
+        if shifted is not None:
+            driver.shift = False  # the collator shifted them already
+        driver.micro_batch(self._batchtap_loss(loss.detach(), num_items_in_batch), scores, targets, input_ids)
+        return (loss, outputs) if return_outputs else loss
+
+    def _batchtap_loss(self, loss: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
+        """The loss scaled so that the mean over the step's micro-batches is the Trainer's step loss.
+
+        ``Trainer.training_step`` adds ``loss / n_micro`` per micro-batch (a per-micro-batch mean), or
+        ``loss`` itself when the loss is already normalized over the whole step; the same rule here.
+        """
+        trainer = cast(Any, self)
+        if loss.dim() > 0:
+            loss = loss.mean()  # DataParallel: one loss per GPU, averaged as training_step does
+        scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (getattr(trainer, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) or (
+                getattr(trainer, "compute_loss_func", None) is not None
+            )
+        if not scaled:
+            return loss
+        micro = getattr(trainer, "current_gradient_accumulation_steps", None) or trainer.args.gradient_accumulation_steps
+        return loss * micro
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        norm = cast(Any, super())._get_grad_norm(model, grad_norm=grad_norm)
+        self.batchtap.grad_norm = norm  # a device tensor (or the float DeepSpeed returns): kept, not read
+        return norm
+
+
+class BatchtapTrainer(BatchtapMixin, _tf.Trainer):  # type: ignore[misc]
+    """A ``transformers.Trainer`` with :class:`BatchtapMixin`: ``BatchtapTrainer(..., tap=tap)``."""
+
+
+def _unwrap(model: Any) -> Any:
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module  # DDP / DataParallel
+    return model
+
+
+def _is_causal_lm(trainer: Any, model: Any) -> bool:
+    """The Trainer's own tests: its loss shifts labels, or the model's class is a causal LM."""
+    if getattr(trainer, "_loss_shifts_labels", False):
+        return True
+    auto = require("transformers.models.auto.modeling_auto", extra="transformers", purpose="BatchtapMixin")
+    return type(_unwrap(model)).__name__ in set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
