@@ -9,10 +9,11 @@ Per flushed block every rank takes part in:
 
 1. a header ``all_reduce`` (MAX, 8 floats): row count, first and last step, whether any rank has
    events — so every rank knows the blocks line up and which optional exchanges follow;
-2. a ``SUM`` ``all_reduce`` of ``rows x (4 * values + 2)`` floats and a ``MAX`` ``all_reduce`` of
-   ``rows x (2 * values + 3)`` floats: for each value its presence and NaN counts and the sums its
-   reduction needs, its maximum and the maximum of its negation (the minimum); per row the step
-   times' NaN count, maximum, minimum and a (time, rank) key for the slowest rank;
+2. a ``SUM`` and a ``MAX`` ``all_reduce`` of ``rows x (about 2.5 floats per value + 4)``: for each
+   value a presence/NaN code and what its reduction needs (the sum of value x weight and of the
+   weights for a ``MEAN``, the sum for ``SUM``, of squares for ``L2``, the maximum for ``MAX``, the
+   maximum of the negation for ``MIN``); per row the step times' NaN count, maximum, minimum and a
+   (time, rank) key for the slowest rank;
 3. only when needed, a ``gather_object`` to rank 0: the ranks' events (anomalies, actions — rare),
    and with ``per_rank_rows=True`` every rank's own records.
 
@@ -61,6 +62,9 @@ __all__ = ["Reducer", "STRAGGLER_FIELDS"]
 #: values the reducer adds to each global record
 STRAGGLER_FIELDS = ("slowest_rank", "step_time_spread")
 
+#: a value's presence/NaN code: ranks that have it + ranks where it is NaN times this (exact in float64)
+_NAN_UNIT = 2**24
+
 
 class Reducer:
     """Reduces each decoded block over the ranks to global records (see the module docstring).
@@ -89,10 +93,26 @@ class Reducer:
         self.broken: str | None = None
         self.traffic = {"flushes": 0, "collectives": 0, "payload_bytes": 0}
         kinds = [o.reduce for o in self.outputs]
-        self._mean = np.array([k is Reduce.MEAN for k in kinds])
-        self._sum = np.array([k is Reduce.SUM for k in kinds])
-        self._l2 = np.array([k is Reduce.L2 for k in kinds])
-        self._max = np.array([k is Reduce.MAX for k in kinds])
+        v = len(kinds)
+        self._mean = np.array([k is Reduce.MEAN for k in kinds], dtype=bool)
+        self._l2 = np.array([k is Reduce.L2 for k in kinds], dtype=bool)
+        summed = np.array([k in (Reduce.MEAN, Reduce.SUM, Reduce.L2) for k in kinds], dtype=bool)
+        extreme = ~summed  # MAX and MIN
+        # Columns of the SUM tensor: a presence/NaN code per value, a sum per summed value, a weight
+        # sum per MEAN, the step time's NaN count. Of the MAX tensor: the value (MAX) or its
+        # negation (MIN) per extreme value, then step time, its negation and the slowest-rank key.
+        self._s1_of = np.flatnonzero(summed)  # value index of each s1 column
+        self._s2_of = np.flatnonzero(self._mean)
+        self._ext_of = np.flatnonzero(extreme)
+        self._neg = np.array([kinds[j] is Reduce.MIN for j in self._ext_of], dtype=bool)
+        self._sum_width = v + len(self._s1_of) + len(self._s2_of) + 1
+        self._max_width = len(self._ext_of) + 3
+        self._s1_col = np.full(v, -1)
+        self._s1_col[self._s1_of] = v + np.arange(len(self._s1_of))
+        self._s2_col = np.full(v, -1)
+        self._s2_col[self._s2_of] = v + len(self._s1_of) + np.arange(len(self._s2_of))
+        self._ext_col = np.full(v, -1)
+        self._ext_col[self._ext_of] = np.arange(len(self._ext_of))
 
     def reduce(self, decoded: Decoded, samples: np.ndarray, step_time: np.ndarray) -> Decoded:
         """Global records (plus, on rank 0, per-rank rows when asked) and, on rank 0, every rank's events."""
@@ -150,12 +170,11 @@ class Reducer:
         return out
 
     def _pack(self, decoded: Decoded, samples: np.ndarray, step_time: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's share of the SUM and MAX tensors, one row per record.
+        """This rank's share of the SUM and MAX tensors, one row per record (columns: see __init__).
 
-        SUM row: per value ``[present, nan, s1, s2]`` (MEAN: value x weight, weight; SUM: value;
-        L2: value squared), then the step time's ``[nan, 0]``.
-        MAX row: per value ``[value, -value]`` (``-inf`` when absent or NaN), then the step time,
-        its negation and the slowest-rank key ``time_ns * 2**16 + (2**16 - 1 - rank)``.
+        A value's code is ``present + NaN * 2**24`` (ranks that have it, ranks where it is NaN);
+        its sum is value x weight (MEAN), value (SUM) or value squared (L2) over the ranks where it
+        is a number. The slowest-rank key is ``time_ns * 2**16 + (2**16 - 1 - rank)``.
         """
         n, v = len(decoded.records), len(self.outputs)
         values = np.full((n, v), np.nan)
@@ -173,50 +192,50 @@ class Reducer:
         # a MEAN averages over its own count where the metric gives one (kept targets), else samples
         w = np.where(np.isnan(weights), rows_samples[:, None], weights)
         nan = present & np.isnan(values)
-        finite = np.where(present & ~nan, values, 0.0)
         counted = present & ~nan
-        sums = np.zeros((n, 4 * v + 2))
-        sums[:, 0 : 4 * v : 4] = present
-        sums[:, 1 : 4 * v : 4] = nan
+        finite = np.where(counted, values, 0.0)
         s1 = np.where(self._mean, finite * w, np.where(self._l2, finite * finite, finite))
-        sums[:, 2 : 4 * v : 4] = np.where(counted, s1, 0.0)
-        sums[:, 3 : 4 * v : 4] = np.where(counted & self._mean, w, 0.0)
+        sums = np.zeros((n, self._sum_width))
+        sums[:, :v] = present + nan * _NAN_UNIT
+        sums[:, v : v + len(self._s1_of)] = s1[:, self._s1_of]
+        sums[:, v + len(self._s1_of) : -1] = np.where(counted, w, 0.0)[:, self._s2_of]
         times = step_time[:n]
-        sums[:, 4 * v] = np.isnan(times)
-        maxima = np.full((n, 2 * v + 3), -np.inf)
-        maxima[:, 0 : 2 * v : 2] = np.where(counted, values, -np.inf)
-        maxima[:, 1 : 2 * v : 2] = np.where(counted, -values, -np.inf)
         known = ~np.isnan(times)
-        maxima[:, 2 * v] = np.where(known, times, -np.inf)
-        maxima[:, 2 * v + 1] = np.where(known, -times, -np.inf)
+        sums[:, -1] = ~known
+        maxima = np.full((n, self._max_width), -np.inf)
+        extremes = np.where(counted, values, np.nan)[:, self._ext_of]
+        extremes = np.where(self._neg, -extremes, extremes)
+        maxima[:, : len(self._ext_of)] = np.where(np.isnan(extremes), -np.inf, extremes)
+        maxima[:, -3] = np.where(known, times, -np.inf)
+        maxima[:, -2] = np.where(known, -times, -np.inf)
         # Ties go to the lowest rank, as np.argmax would; nanosecond resolution is far finer than
         # step times differ (a 2**16-rank key leaves 2**37 ns, 137 s, of exact float64 room).
         nanos = np.round(np.where(known, times, 0.0) * 1e9)
-        maxima[:, 2 * v + 2] = np.where(known, nanos * 65536.0 + (65535 - self.rank), -np.inf)
+        maxima[:, -1] = np.where(known, nanos * 65536.0 + (65535 - self.rank), -np.inf)
         return sums, maxima
 
     def _global_record(self, like: Record, sums: np.ndarray, maxima: np.ndarray) -> Record:
         values: dict[str, float] = {}
         for j, output in enumerate(self.outputs):
-            count, nans, s1, s2 = sums[4 * j : 4 * j + 4]
+            nans, count = divmod(int(sums[j]), _NAN_UNIT)
             if count == 0:
                 continue
             if nans > 0:
                 values[output.name] = math.nan
             elif output.reduce is Reduce.MEAN:
-                values[output.name] = float(s1 / s2) if s2 else math.nan
+                weight = sums[self._s2_col[j]]
+                values[output.name] = float(sums[self._s1_col[j]] / weight) if weight else math.nan
             elif output.reduce is Reduce.SUM:
-                values[output.name] = float(s1)
+                values[output.name] = float(sums[self._s1_col[j]])
             elif output.reduce is Reduce.L2:
-                values[output.name] = float(math.sqrt(s1))
+                values[output.name] = float(math.sqrt(sums[self._s1_col[j]]))
             elif output.reduce is Reduce.MAX:
-                values[output.name] = float(maxima[2 * j])
+                values[output.name] = float(maxima[self._ext_col[j]])
             else:
-                values[output.name] = float(-maxima[2 * j + 1])
-        v = len(self.outputs)
-        if self.world_size > 1 and sums[4 * v] == 0:  # every rank measured the step's time
-            slowest, fastest = maxima[2 * v], -maxima[2 * v + 1]
-            values["slowest_rank"] = float(65535 - int(maxima[2 * v + 2]) % 65536)
+                values[output.name] = float(-maxima[self._ext_col[j]])
+        if self.world_size > 1 and sums[-1] == 0:  # every rank measured the step's time
+            slowest, fastest = maxima[-3], -maxima[-2]
+            values["slowest_rank"] = float(65535 - int(maxima[-1]) % 65536)
             values["step_time_spread"] = float(slowest / fastest) if fastest > 0 else math.inf
         return Record(like.run_id, like.step, like.epoch, like.batch, ALL_RANKS, like.wall_time, values)
 
