@@ -123,3 +123,15 @@ def test_a_captured_graph_replayed_with_steps_after_each_replay() -> None:
     assert len(sink.records) == 26
     for record, loss in zip(sink.records, expected):
         assert np.float32(record.values["loss"]) == np.float32(loss.item())
+
+
+def test_a_step_on_another_stream_is_refused_and_the_run_goes_on() -> None:
+    sink = ListSink()
+    with bt.Tap([bt.metrics.Loss()], [sink]) as tap, tap.run():
+        tap.step(loss=torch.ones((), device="cuda"))
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            with pytest.raises(bt.InputError, match="another CUDA stream"):
+                tap.step(loss=torch.full((), 2.0, device="cuda"))
+        tap.step(loss=torch.full((), 3.0, device="cuda"))
+    assert [r.values["loss"] for r in sink.records] == [1.0, 3.0]

@@ -53,6 +53,7 @@ from batchtap.capture.guard import LossGuard
 from batchtap.capture.loader import timed_batches
 from batchtap.capture.logged import Logged
 from batchtap.capture.ring import MetricRing
+from batchtap.capture.streams import StreamCheck, stream_check_for
 from batchtap.errors import ConfigError, DistributedError, InputError, RunStateError
 from batchtap.metrics.base import Metric, StepInputs
 from batchtap.metrics.builtin import Extra, GradNorm, default_metrics
@@ -103,6 +104,7 @@ class _Capture:
     fast_key: tuple[Any, Any, Any, Any] | None = None
     flush_hooks: list[Metric] = dataclasses.field(default_factory=list)  # metrics with an on_flush()
     cuda: bool = False  # the capture device is a CUDA device (steps check for a graph capture)
+    streams: StreamCheck | None = None  # CUDA: the run's stream, checked at every step
 
     @property
     def step_metrics_all(self) -> list[Metric]:
@@ -661,6 +663,8 @@ class Tap:
             raise error
         if _capturing(state.capture, loss, outputs):
             raise InputError(_GRAPH_CAPTURE)
+        if state.capture is not None and state.capture.streams is not None:
+            state.capture.streams.check()
         if state.step % self.sample_every != 0:
             return  # this optimizer step is not sampled
         samples = _samples(batch_size, outputs, targets)
@@ -758,6 +762,8 @@ class Tap:
         wall = time.time()
         if _capturing(state.capture, loss, outputs):
             raise InputError(_GRAPH_CAPTURE)
+        if state.capture is not None and state.capture.streams is not None:
+            state.capture.streams.check()
         accumulated = micro is not None and micro.count > 0
         if tokens is not None:
             _check_count("tokens", tokens)
@@ -845,8 +851,11 @@ class Tap:
         sampled, no process group, no rule actions (those take the general path). Returns False,
         having done nothing, when the step does not qualify.
         """
-        if capture.cuda and torch.cuda.is_current_stream_capturing():
-            raise InputError(_GRAPH_CAPTURE)
+        if capture.cuda:
+            if _stream_capturing():
+                raise InputError(_GRAPH_CAPTURE)
+            if capture.streams is not None:
+                capture.streams.check()
         key = capture.fast_key
         if (
             key is None
@@ -1048,6 +1057,7 @@ class Tap:
             host_spans=[(m, m.per_micro_batch) for m in metrics],
             flush_hooks=[m for m in metrics if type(m).on_flush is not Metric.on_flush],
             cuda=device.type == "cuda",
+            streams=stream_check_for(device),
         )
 
     def _check_inputs(self, capture: _Capture, inputs: StepInputs, accumulated: bool) -> None:
@@ -1343,7 +1353,14 @@ def _capturing(capture: _Capture | None, *tensors: object) -> bool:
         cuda = capture.cuda
     else:
         cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors)
-    return cuda and torch.cuda.is_current_stream_capturing()
+    return cuda and _stream_capturing()
+
+
+def _stream_capturing() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # no CUDA runtime: the CUDA path driven under FakeTensorMode on a CPU-only build
+        return False
 
 
 def _meta(value: object) -> object:
