@@ -45,6 +45,15 @@ def _records(lines: list[dict]) -> list[dict]:
     return [r for r in lines if r["type"] == "record"]
 
 
+def assert_union_reference(records: list[dict], results: list[dict]) -> None:
+    """Each reduced record's loss and accuracy equal those of the union of every rank's batch."""
+    for record in records:
+        rows = [res["local"][record["step"]] for res in results]
+        total = sum(row["n"] for row in rows)
+        assert record["loss"] == pytest.approx(sum(row["loss"] * row["n"] for row in rows) / total, rel=1e-6)
+        assert record["accuracy"] == pytest.approx(sum(row["correct"] for row in rows) / total, abs=1e-12)
+
+
 @pytest.mark.parametrize("world", [2, 3], ids=["2-ranks", "3-ranks"])
 def test_reduced_loss_and_accuracy_equal_the_union_reference(tmp_path: Path, world: int) -> None:
     results, lines, _ = _launch("reduce", world, tmp_path)
@@ -52,11 +61,8 @@ def test_reduced_loss_and_accuracy_equal_the_union_reference(tmp_path: Path, wor
     assert [r["step"] for r in records] == list(range(40))
     assert {r["rank"] for r in records} == {-1}  # reduced rows only, written once
     assert sum(1 for r in lines if r["type"] == "run_start") == 1
+    assert_union_reference(records, results)
     for record in records:
-        rows = [res["local"][record["step"]] for res in results]
-        total = sum(row["n"] for row in rows)
-        assert record["loss"] == pytest.approx(sum(row["loss"] * row["n"] for row in rows) / total, rel=1e-6)
-        assert record["accuracy"] == pytest.approx(sum(row["correct"] for row in rows) / total, abs=1e-12)
         assert record["step"] == 0 or 0 <= record["slowest_rank"] < world  # step 0 has no measured time
 
 

@@ -18,6 +18,7 @@ import torch
 
 from batchtap._optional import require
 from batchtap.errors import InputError
+from batchtap.integrations._lifecycle import finish_as
 from batchtap.tap import RESERVED_NAMES, Tap
 
 _pl: Any = require("lightning.pytorch", extra="lightning", purpose="batchtap.integrations.lightning")
@@ -230,12 +231,7 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         tap = self.tap
         if self._running and tap is not None:
             self._running = False
-            if exc is None:
-                tap.finish()
-            elif isinstance(exc, KeyboardInterrupt):
-                tap.finish("stopped", reason="KeyboardInterrupt")
-            else:
-                tap.finish("failed", reason=f"{type(exc).__name__}: {exc}")
+            finish_as(tap, exc)
         if self._own_tap and tap is not None:
             tap.close()
             self.tap = None

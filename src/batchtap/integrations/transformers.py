@@ -33,6 +33,7 @@ import torch
 
 from batchtap._optional import require
 from batchtap.errors import InputError
+from batchtap.integrations._lifecycle import finish_as
 from batchtap.tap import RESERVED_NAMES, Tap
 
 _tf: Any = require("transformers", extra="transformers", purpose="batchtap.integrations.transformers")
@@ -150,12 +151,7 @@ class _Driver:
         tap = self.tap
         if self.running and tap is not None:
             self.running = False
-            if exc is None:
-                tap.finish()
-            elif isinstance(exc, KeyboardInterrupt):
-                tap.finish("stopped", reason="KeyboardInterrupt")
-            else:
-                tap.finish("failed", reason=f"{type(exc).__name__}: {exc}")
+            finish_as(tap, exc)
         if self.own_tap and tap is not None:
             tap.close()
             self.tap = None
