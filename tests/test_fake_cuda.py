@@ -28,6 +28,7 @@ import batchtap.tap as tap_module
 from batchtap.capture.clock import HostClock
 from batchtap.hostreads import HostReadCounter
 from tests.conftest import ListSink
+from tests.test_no_sync import ALL_STEP_METRICS
 
 _COPIES = {"copy_", "_to_copy", "lift_fresh", "lift_fresh_copy", "_copy_from", "_copy_from_and_resize"}
 
@@ -81,17 +82,12 @@ def _backward(model: torch.nn.Module) -> None:
 
 
 def _all_metrics(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[bt.metrics.Metric]:
-    return [
-        bt.metrics.Loss(),
-        bt.metrics.Accuracy(topk=(1, 3), check_targets_every=1),  # the range check every step
-        bt.metrics.LearningRate(opt),
-        bt.metrics.GradNorm(model),
-        bt.metrics.StepTime(),
-        bt.metrics.DataTime(),
-        bt.metrics.Throughput(),
-        bt.metrics.Memory(),
-        bt.metrics.Custom("margin", lambda outputs: outputs.max(1).values.mean(), requires=("outputs",)),
-    ]
+    metrics = ALL_STEP_METRICS(model, opt)  # every built-in per-step metric, as the CPU test uses
+    for metric in metrics:
+        if isinstance(metric, bt.metrics.Accuracy):
+            metric.check_targets_every = 1  # the target-range check on every step
+    margin = bt.metrics.Custom("margin", lambda outputs: outputs.max(1).values.mean(), requires=("outputs",))
+    return [*metrics, margin]
 
 
 def test_every_metric_rules_and_snapshots_on_cuda_no_host_read_no_upload(fake_cuda: None) -> None:
