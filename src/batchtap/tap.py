@@ -105,6 +105,7 @@ class _Capture:
     flush_hooks: list[Metric] = dataclasses.field(default_factory=list)  # metrics with an on_flush()
     cuda: bool = False  # the capture device is a CUDA device (steps check for a graph capture)
     streams: StreamCheck | None = None  # CUDA: the run's stream, checked at every step
+    host_readers: list[Metric] = dataclasses.field(default_factory=list)  # metrics with host columns, in order
 
     @property
     def step_metrics_all(self) -> list[Metric]:
@@ -885,7 +886,7 @@ class Tap:
         _set_grad_enabled(False)  # as in _capture_step
         try:
             device_values = [v for m in capture.device_metrics for v in m.compute(inputs)]
-            host_values = [v for metric, _ in capture.host_spans for v in metric.read_host(inputs)]
+            host_values = [v for metric in capture.host_readers for v in metric.read_host(inputs)]
             ring.write(
                 slot, device_values, host_values, step=state.step, epoch=epoch, batch=batch, wall_time=wall,
                 samples=samples, data_time=data_time, tokens=math.nan if tokens is None else float(tokens),
@@ -1058,6 +1059,7 @@ class Tap:
             flush_hooks=[m for m in metrics if type(m).on_flush is not Metric.on_flush],
             cuda=device.type == "cuda",
             streams=stream_check_for(device),
+            host_readers=[m for m in metrics if m.host_width],
         )
 
     def _check_inputs(self, capture: _Capture, inputs: StepInputs, accumulated: bool) -> None:
