@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from batchtap import _env
+from batchtap._ending import wait_for_sinks
 from batchtap._config import to_json_config
 from batchtap._defaults import store_url
 from batchtap.capture.accumulate import MicroBatches
@@ -189,6 +190,11 @@ class Tap:
         exit_timeout: at interpreter exit, a run still open (``start()`` without ``finish()``)
             is ended as ``failed``; its captured steps are stored if the sinks take them within
             this many seconds, and the process exits either way.
+        end_timeout: leaving ``run()`` (or ``finish()``, ``close()``) waits at most this many
+            seconds for the sinks; a sink still busy then (a server that stopped answering) is
+            reported with exactly what it had not stored (log warning, and an event to the other
+            sinks), and the call returns. With ``spool_dir`` a hung sink's blocks are spooled
+            within its ``call_timeout`` (30 s) instead.
 
     In an initialized ``torch.distributed`` process group every rank runs the same code: rows are
     flushed at the same steps (``flush_seconds`` is not used there), reduced over ranks on
@@ -219,6 +225,7 @@ class Tap:
         per_rank_rows: bool = False,
         collective_timeout: float = 300.0,
         exit_timeout: float = 10.0,
+        end_timeout: float = 60.0,
     ) -> None:
         _check_int("flush_every", flush_every, 1)
         _check_int("sample_every", sample_every, 1)
@@ -276,6 +283,9 @@ class Tap:
         self._pending_error: BaseException | None = None
         self._closed = False
         self.exit_timeout = float(exit_timeout)
+        if not (isinstance(end_timeout, (int, float)) and 0 < end_timeout < math.inf):
+            raise ConfigError(f"end_timeout must be a finite number of seconds > 0, got {end_timeout!r}")
+        self.end_timeout = float(end_timeout)
         self.steps_recorded = 0  #: rows captured in the current (or last) run
         _OPEN_AT_EXIT.add(self)  # weak: a run left open at interpreter exit is ended, never hangs
 
@@ -444,12 +454,11 @@ class Tap:
             state.info.stop_reason = reason
             state.info.ended_at = time.time()
             self._harvester.end_run(dataclasses.replace(state.info), writes=self._writes(state))
-            # sync: end of run — every captured step must reach the sinks before run() returns.
-            if self._harvester.drain(timeout):
-                self._dispatcher.flush(timeout=timeout)
-            else:
-                log.warning("batchtap: run %r ended without every captured step stored (pipeline did not drain "
-                            "within %s s)", state.info.name, timeout)
+            # sync: end of run — every captured step reaches the sinks before run() returns, within end_timeout.
+            wait_for_sinks(
+                self._harvester, self._dispatcher, state.info,
+                timeout=self.end_timeout if timeout is None else timeout, last_step=state.step - 1,
+            )
         finally:
             self._state = None
 
@@ -474,7 +483,7 @@ class Tap:
             return
         self._closed = True
         self._harvester.close()
-        self._dispatcher.close()
+        self._dispatcher.close(timeout=self.end_timeout)
 
     def __enter__(self) -> Tap:
         return self

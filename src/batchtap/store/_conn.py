@@ -16,6 +16,39 @@ from batchtap.store.schema import POSTGRES, SQLITE, ensure_schema
 __all__ = ["connect_sqlite", "connect_postgres"]
 
 
+def _network_options(
+    psycopg: Any, dsn: str, network_timeout_s: float | None, statement_timeout_s: float | None
+) -> dict[str, Any]:
+    """libpq settings that give every network wait a deadline, unless the DSN sets them itself.
+
+    Keepalives find a peer that vanished while the connection was idle; ``tcp_user_timeout``
+    one that stopped acknowledging what was sent; ``statement_timeout`` a server that is up but
+    stuck. (A peer that acknowledges but never answers needs a client-side deadline as well:
+    :class:`batchtap.store._deadline.Watchdog`.)
+    """
+    try:
+        given = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.Error:
+        given = {}  # psycopg.connect reports the malformed DSN itself
+    out: dict[str, Any] = {}
+    if network_timeout_s is not None:
+        t = max(1, round(network_timeout_s))
+        wanted = {
+            "keepalives": 1,
+            "keepalives_idle": max(1, t // 3),
+            "keepalives_interval": max(1, t // 9),
+            "keepalives_count": 3,
+            "tcp_user_timeout": t * 1000,
+        }
+        out.update({k: v for k, v in wanted.items() if k not in given})
+    if statement_timeout_s is not None:
+        setting = f"-c statement_timeout={max(1, round(statement_timeout_s * 1000))}"
+        options = str(given.get("options", ""))
+        if "statement_timeout" not in options:
+            out["options"] = f"{options} {setting}".strip()
+    return out
+
+
 def connect_sqlite(path: str | os.PathLike[str], *, create: bool, busy_timeout_s: float = 10.0) -> sqlite3.Connection:
     """Open (and with ``create``, make) a SQLite store, in WAL mode with its schema up to date.
 
@@ -102,7 +135,14 @@ def _switch_to_wal(conn: sqlite3.Connection, busy_timeout_s: float) -> str:
 
 
 def connect_postgres(
-    dsn: str, *, schema: str | None, create: bool, connect_timeout_s: float = 5.0, purpose: str
+    dsn: str,
+    *,
+    schema: str | None,
+    create: bool,
+    connect_timeout_s: float = 5.0,
+    purpose: str,
+    network_timeout_s: float | None = 30.0,
+    statement_timeout_s: float | None = None,
 ) -> Any:
     """Open a psycopg 3 connection (autocommit) to a PostgreSQL store, its schema up to date.
 
@@ -113,6 +153,11 @@ def connect_postgres(
         create: create the tables in an empty schema.
         connect_timeout_s: give up connecting after this long.
         purpose: who asks, for the install hint when psycopg is missing.
+        network_timeout_s: TCP keepalive and ``tcp_user_timeout`` settings so that the kernel
+            declares a silent peer dead after about this long (``None``: libpq's defaults).
+            Settings the DSN gives itself win.
+        statement_timeout_s: the server cancels any statement running longer (``None``: the
+            server's setting).
 
     Raises:
         StoreError: the server cannot be reached or the schema is not usable; the message names
@@ -126,6 +171,7 @@ def connect_postgres(
             autocommit=True,
             connect_timeout=max(1, round(connect_timeout_s)),
             application_name="batchtap",
+            **_network_options(psycopg, dsn, network_timeout_s, statement_timeout_s),
         )
     except psycopg.Error as exc:
         # libpq's messages name host and port, never the password; the DSN we print is redacted.
