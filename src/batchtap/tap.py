@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from batchtap import _env
+from batchtap._names import check_storable
 from batchtap._ending import wait_for_sinks
 from batchtap._config import to_json_config
 from batchtap._defaults import store_url
@@ -349,6 +350,11 @@ class Tap:
             raise RunStateError("this Tap is closed; make a new one")
         if self._state is not None:
             raise RunStateError(f"run {self._state.info.name!r} is still active; runs of one Tap cannot nest")
+        for label, text in (("run name", name), ("resume id", resume)):
+            if text is not None:
+                if not isinstance(text, str):
+                    raise InputError(f"{label} must be a string or None, got {type(text).__name__}")
+                check_storable(label, text)
         try:
             config_json, as_repr = to_json_config(config)
         except TypeError as exc:
@@ -709,6 +715,7 @@ class Tap:
         for name, value in values.items():
             if not isinstance(name, str) or not name:
                 raise InputError(f"log() names must be non-empty strings, got {name!r}")
+            check_storable("log() name", name)
             if name in taken or name in RESERVED_NAMES:
                 raise InputError(
                     f"log() name {name!r} is already a per-step value or record field of this run; log it "
@@ -1136,6 +1143,10 @@ def _check_metrics(metrics: Sequence[Metric]) -> None:
                 raise ConfigError(
                     f"metric value name {output.name!r} is used twice or reserved; give the metric another name"
                 )
+            try:
+                check_storable("metric value name", output.name)
+            except InputError as exc:
+                raise ConfigError(str(exc)) from None
             seen.add(output.name)
 
 
@@ -1159,6 +1170,7 @@ def _declared_extras(
 def _check_extra_name(name: object, taken: set[str]) -> None:
     if not isinstance(name, str) or not name:
         raise InputError(f"extra names must be non-empty strings, got {name!r}")
+    check_storable("extra name", name)
     if name in taken or name in RESERVED_NAMES:
         raise InputError(
             f"extra {name!r} clashes with a built-in metric or record field of the same name; rename it, "

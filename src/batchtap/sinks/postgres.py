@@ -235,6 +235,8 @@ class Postgres(Sink):
     def start_run(self, run: RunInfo) -> None:
         """Insert (or, on resume, update) the run's row with status ``running``."""
         row = run_row(run)
+        # a stop reason may quote anything (an exception's text): keep it, escaped, not the NUL
+        row = tuple(v.replace("\x00", "\\x00") if i in (1, 5) and isinstance(v, str) else v for i, v in enumerate(row))
         self._transact(f"store run {run.id}", lambda conn: conn.execute(self._upsert_run, row))
 
     def end_run(self, run: RunInfo) -> None:
