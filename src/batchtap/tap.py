@@ -359,6 +359,7 @@ class Tap:
             config_json, as_repr = to_json_config(config)
         except TypeError as exc:
             raise ConfigError(str(exc)) from None
+        config_json = _env.scrub_secrets(config_json)  # passwords and tokens are never stored
         started = time.time()
         stored_name = None
         first_step = 0

@@ -17,7 +17,7 @@ from batchtap.store._conn import connect_postgres
 from batchtap.store._deadline import Watchdog
 from batchtap.store._errors import StoreError
 from batchtap.store._split import Row, describe_rejected, store_what_fits
-from batchtap.store._url import redact_dsn
+from batchtap.store._url import redact_dsn, redact_message
 from batchtap.store.schema import (
     ENSURE_RUN,
     INSERT_EVENTS,
@@ -223,13 +223,15 @@ class Postgres(Sink):
                         self._delay = min(self._delay * 2, self._max)
                     if attempt == 2 or stalled:
                         raise SinkError(
-                            f"cannot {what} in PostgreSQL at {self.dsn}: {_reason(exc, self._watchdog, self._timeout_s)}; "
+                            f"cannot {what} in PostgreSQL at {self.dsn}: "
+                            f"{redact_message(_reason(exc, self._watchdog, self._timeout_s), self._dsn)}; "
                             "the block was not stored (rolled back); it can be written again later"
                         ) from None
                 except (psycopg.DataError, psycopg.IntegrityError) as exc:
                     raise SinkDataError(f"cannot {what} in PostgreSQL at {self.dsn}: {_reason(exc)}") from None
                 except psycopg.Error as exc:
-                    raise SinkError(f"cannot {what} in PostgreSQL at {self.dsn}: {_reason(exc)}") from None
+                    reason = redact_message(_reason(exc), self._dsn)
+                    raise SinkError(f"cannot {what} in PostgreSQL at {self.dsn}: {reason}") from None
 
     # -- sink -------------------------------------------------------------------------------
     def start_run(self, run: RunInfo) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from batchtap._optional import require
 from batchtap.store._errors import StoreError
-from batchtap.store._url import redact_dsn
+from batchtap.store._url import redact_dsn, redact_message
 from batchtap.store.schema import POSTGRES, SQLITE, ensure_schema
 
 __all__ = ["connect_sqlite", "connect_postgres"]
@@ -175,7 +175,7 @@ def connect_postgres(
         )
     except psycopg.Error as exc:
         # libpq's messages name host and port, never the password; the DSN we print is redacted.
-        reason = str(exc).strip().replace("\n", " ")
+        reason = redact_message(str(exc).strip().replace("\n", " "), dsn)
         raise StoreError(
             f"cannot connect to PostgreSQL at {shown}: {reason}; expected a reachable server "
             "accepting this user and database; fix: check host, port, user, database and that the "
@@ -194,7 +194,7 @@ def connect_postgres(
         raise
     except psycopg.Error as exc:
         conn.close()
-        reason = str(exc).strip().replace("\n", " ")
+        reason = redact_message(str(exc).strip().replace("\n", " "), dsn)
         raise StoreError(
             f"cannot use PostgreSQL at {shown} as a batchtap store: {reason}; expected permission to "
             "create and write tables; fix: grant them or choose another database or schema"
