@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from batchtap import _env
 from batchtap._names import check_storable
+from batchtap._owner import ThreadOwner
 from batchtap._ending import wait_for_sinks
 from batchtap._config import to_json_config
 from batchtap._defaults import store_url
@@ -146,6 +147,7 @@ class _RunState:
     group: _Group | None = None  # process-group facts, None outside a process group
     micro: MicroBatches | None = None  # accumulate() before the run's first step() made the capture
     sigterm_handler: Any = None  # the SIGTERM handler run() replaced, restored at its end
+    owner: ThreadOwner = dataclasses.field(default_factory=ThreadOwner)  # the one thread that steps
 
 
 class Tap:
@@ -572,6 +574,7 @@ class Tap:
             RunStateError: called outside :meth:`run`.
         """
         state = self._require_run("step()")
+        state.owner.check("step()")
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
             raise error
@@ -652,6 +655,7 @@ class Tap:
             1
         """
         state = self._require_run("accumulate()")
+        state.owner.check("accumulate()")
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
             raise error
@@ -708,6 +712,7 @@ class Tap:
             ...     tap.log({"val_loss": 0.31, "val_acc": torch.tensor(0.9)})
         """
         state = self._require_run("log()")
+        state.owner.check("log()")
         if not isinstance(values, Mapping) or not values:
             raise InputError(f"log() takes a non-empty mapping of name -> number or 0-dim tensor, got {values!r}")
         if step is not None:
