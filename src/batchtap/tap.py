@@ -376,6 +376,9 @@ class Tap:
             environment=_env.environment(),
         )
         self._state = _RunState(info, step=first_step, group=self._group())
+        if self._state.group is not None and resume is None:
+            # every rank's rows and events belong to the one run: rank 0's id
+            info.id = _dist.shared_run_id(info.id, self._state.group.agreement)
         self._stop_reason = None
         self._local_stop = None
         self._pending_error = None
@@ -1069,8 +1072,8 @@ class Tap:
         if capture is not None and capture.pipeline.reducer is not None:
             capture.pipeline.reducer.broken = "the agreement exchange failed"
         raise DistributedError(
-            f"rank {group.rank}: ranks could not agree at step {state.step - 1} within "
-            f"{self.collective_timeout:g} s ({type(exc).__name__}: {exc}); a rank probably died or "
+            f"rank {group.rank}: ranks could not agree at step {state.step - 1}: "
+            f"{_dist.describe_failure(exc, self.collective_timeout)}; a rank probably died or "
             "stalled. Every step captured so far is being stored."
         ) from exc
 
