@@ -388,6 +388,10 @@ class Tap:
             self._engine.reset()
         self.steps_recorded = 0
         self._harvester.start_run(dataclasses.replace(info), writes=self._writes(self._state))
+        # sync: run start — the run's row is stored before training starts, so a run killed before
+        # its first flush can still be resumed (bounded; a down sink spools or reports it).
+        if self._harvester.drain(self.end_timeout):
+            self._dispatcher.flush(timeout=self.end_timeout)
         if as_repr:
             message = (
                 f"config values stored as their repr (JSON cannot hold them): {', '.join(as_repr)}; "
@@ -439,13 +443,14 @@ class Tap:
         name the run was stored under."""
         self._dispatcher.flush()  # sink workers idle: the sinks can be asked directly
         stored = [s for s in (sink.last_step(run_id) for sink in self.sinks) if s is not None]
-        if not stored:
-            raise ConfigError(
-                f"cannot resume run {run_id!r}: no sink has stored a step of it; resume needs a sink "
-                "that can tell (bt.sinks.SQLite or bt.sinks.Postgres) holding that run"
-            )
         names = [n for n in (sink.run_name(run_id) for sink in self.sinks) if n is not None]
-        return max(stored) + 1, (names[0] if names else None)
+        if not stored and not names:
+            raise ConfigError(
+                f"cannot resume run {run_id!r}: no sink holds that run; resume needs a sink that can tell "
+                "(bt.sinks.SQLite or bt.sinks.Postgres) holding it; fix: check the id (batchtap runs) and the store"
+            )
+        # a run stored before its first flush (killed early) has no step yet: it resumes at step 0
+        return (max(stored) + 1 if stored else 0), (names[0] if names else None)
 
     def _finish(self, status: RunStatus, reason: str | None, *, timeout: float | None = None) -> None:
         state = self._state
