@@ -606,9 +606,12 @@ class Tap:
             assert micro is not None
             sampled, data_time = True, micro.data_time  # accumulate() only sums sampled steps
         if sampled:
-            self._capture_step(
-                state, loss, outputs, targets, extra or {}, batch_size, tokens, grad_norm, ep, index, data_time, micro
-            )
+            try:
+                self._capture_step(
+                    state, loss, outputs, targets, extra or {}, batch_size, tokens, grad_norm, ep, index, data_time, micro
+                )
+            except OverflowError:  # nothing was recorded yet: a number too large for a float
+                raise InputError(_overflow_message(extra or {}, tokens)) from None
         if micro is not None:
             micro.reset()
         state.step += 1
@@ -1241,9 +1244,29 @@ def _tensors(inputs: StepInputs) -> list[tuple[str, torch.Tensor]]:
 
 def _device_of(inputs: StepInputs) -> torch.device:
     tensors = _tensors(inputs)
+    for label, tensor in tensors:
+        if tensor.device.type == "meta":
+            raise InputError(
+                f"{label} is a meta tensor (shape and dtype only, no data); expected a computed tensor; fix: "
+                "pass the value computed on a real device (cpu, cuda...)"
+            )
     if tensors:
         return tensors[0][1].device
     return torch.device("cpu")
+
+
+def _overflow_message(extra: Mapping[str, object], tokens: object) -> str:
+    named = [(f"extra[{k!r}]", v) for k, v in extra.items()] + [("tokens", tokens)]
+    for label, value in named:
+        if isinstance(value, int) and not isinstance(value, bool):
+            try:
+                float(value)
+            except OverflowError:
+                return (
+                    f"{label} = an integer of {len(str(abs(value)))} digits does not fit a float (max ~1.8e308); "
+                    "expected a number a float can hold; fix: pass a float or a smaller number"
+                )
+    return "a value does not fit a float (max ~1.8e308); fix: pass floats or smaller numbers"
 
 
 def _check_count(name: str, value: object, *, minimum: int = 1) -> None:
