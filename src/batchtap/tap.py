@@ -197,7 +197,7 @@ class Tap:
             seconds for the sinks; a sink still busy then (a server that stopped answering) is
             reported with exactly what it had not stored (log warning, and an event to the other
             sinks), and the call returns. With ``spool_dir`` a hung sink's blocks are spooled
-            within its ``call_timeout`` (30 s) instead.
+            within its ``call_timeout`` (10 s) instead.
 
     In an initialized ``torch.distributed`` process group every rank runs the same code: rows are
     flushed at the same steps (``flush_seconds`` is not used there), reduced over ranks on

@@ -330,7 +330,7 @@ class ResilientSink(Sink):
         retry_max: float = 5.0,
         name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
-        call_timeout: float | None = 30.0,
+        call_timeout: float | None = 10.0,
         max_data_tries: int = 3,
     ) -> None:
         if not (retry_initial >= 0 and retry_max >= retry_initial and math.isfinite(retry_max)):
