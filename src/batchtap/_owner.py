@@ -20,8 +20,16 @@ class ThreadOwner:
     Example:
         >>> owner = ThreadOwner()
         >>> owner.check("step()")  # the first caller owns the run
-        >>> t = threading.Thread(target=lambda: owner.check("step()"), name="other")
-        >>> t.start(); t.join()  # raises RunStateError in that thread
+        >>> refused = []
+        >>> def other():
+        ...     try:
+        ...         owner.check("step()")
+        ...     except RunStateError as exc:
+        ...         refused.append(type(exc).__name__)
+        >>> t = threading.Thread(target=other, name="other")
+        >>> t.start(); t.join()
+        >>> refused
+        ['RunStateError']
     """
 
     __slots__ = ("ident", "name")

@@ -1263,7 +1263,7 @@ def _overflow_message(extra: Mapping[str, object], tokens: object) -> str:
                 float(value)
             except OverflowError:
                 return (
-                    f"{label} = an integer of {len(str(abs(value)))} digits does not fit a float (max ~1.8e308); "
+                    f"{label} = an integer of {value.bit_length()} bits does not fit a float (at most 1024 bits, ~1.8e308); "
                     "expected a number a float can hold; fix: pass a float or a smaller number"
                 )
     return "a value does not fit a float (max ~1.8e308); fix: pass floats or smaller numbers"
