@@ -44,6 +44,9 @@ import torch
 import torch.distributed as dist
 
 from batchtap import _env
+from batchtap._names import check_storable
+from batchtap._owner import ThreadOwner
+from batchtap._ending import wait_for_sinks
 from batchtap._config import to_json_config
 from batchtap._defaults import store_url
 from batchtap.capture.accumulate import MicroBatches
@@ -156,6 +159,7 @@ class _RunState:
     group: _Group | None = None  # process-group facts, None outside a process group
     micro: MicroBatches | None = None  # accumulate() before the run's first step() made the capture
     sigterm_handler: Any = None  # the SIGTERM handler run() replaced, restored at its end
+    owner: ThreadOwner = dataclasses.field(default_factory=ThreadOwner)  # the one thread that steps
 
 
 class Tap:
@@ -201,6 +205,11 @@ class Tap:
         exit_timeout: at interpreter exit, a run still open (``start()`` without ``finish()``)
             is ended as ``failed``; its captured steps are stored if the sinks take them within
             this many seconds, and the process exits either way.
+        end_timeout: leaving ``run()`` (or ``finish()``, ``close()``) waits at most this many
+            seconds for the sinks; a sink still busy then (a server that stopped answering) is
+            reported with exactly what it had not stored (log warning, and an event to the other
+            sinks), and the call returns. With ``spool_dir`` a hung sink's blocks are spooled
+            within its ``call_timeout`` (10 s) instead.
 
     In an initialized ``torch.distributed`` process group every rank runs the same code: rows are
     flushed at the same steps (``flush_seconds`` is not used there), reduced over ranks on
@@ -231,6 +240,7 @@ class Tap:
         per_rank_rows: bool = False,
         collective_timeout: float = 300.0,
         exit_timeout: float = 10.0,
+        end_timeout: float = 60.0,
     ) -> None:
         _check_int("flush_every", flush_every, 1)
         _check_int("sample_every", sample_every, 1)
@@ -288,6 +298,9 @@ class Tap:
         self._pending_error: BaseException | None = None
         self._closed = False
         self.exit_timeout = float(exit_timeout)
+        if not (isinstance(end_timeout, (int, float)) and 0 < end_timeout < math.inf):
+            raise ConfigError(f"end_timeout must be a finite number of seconds > 0, got {end_timeout!r}")
+        self.end_timeout = float(end_timeout)
         self.steps_recorded = 0  #: rows captured in the current (or last) run
         _OPEN_AT_EXIT.add(self)  # weak: a run left open at interpreter exit is ended, never hangs
 
@@ -351,10 +364,16 @@ class Tap:
             raise RunStateError("this Tap is closed; make a new one")
         if self._state is not None:
             raise RunStateError(f"run {self._state.info.name!r} is still active; runs of one Tap cannot nest")
+        for label, text in (("run name", name), ("resume id", resume)):
+            if text is not None:
+                if not isinstance(text, str):
+                    raise InputError(f"{label} must be a string or None, got {type(text).__name__}")
+                check_storable(label, text)
         try:
             config_json, as_repr = to_json_config(config)
         except TypeError as exc:
             raise ConfigError(str(exc)) from None
+        config_json = _env.scrub_secrets(config_json)  # passwords and tokens are never stored
         started = time.time()
         stored_name = None
         first_step = 0
@@ -369,6 +388,9 @@ class Tap:
             environment=_env.environment(),
         )
         self._state = _RunState(info, step=first_step, group=self._group())
+        if self._state.group is not None and resume is None:
+            # every rank's rows and events belong to the one run: rank 0's id
+            info.id = _dist.shared_run_id(info.id, self._state.group.agreement)
         self._stop_reason = None
         self._local_stop = None
         self._pending_error = None
@@ -378,6 +400,10 @@ class Tap:
             self._engine.reset()
         self.steps_recorded = 0
         self._harvester.start_run(dataclasses.replace(info), writes=self._writes(self._state))
+        # sync: run start — the run's row is stored before training starts, so a run killed before
+        # its first flush can still be resumed (bounded; a down sink spools or reports it).
+        if self._harvester.drain(self.end_timeout):
+            self._dispatcher.flush(timeout=self.end_timeout)
         if as_repr:
             message = (
                 f"config values stored as their repr (JSON cannot hold them): {', '.join(as_repr)}; "
@@ -429,13 +455,14 @@ class Tap:
         name the run was stored under."""
         self._dispatcher.flush()  # sink workers idle: the sinks can be asked directly
         stored = [s for s in (sink.last_step(run_id) for sink in self.sinks) if s is not None]
-        if not stored:
-            raise ConfigError(
-                f"cannot resume run {run_id!r}: no sink has stored a step of it; resume needs a sink "
-                "that can tell (bt.sinks.SQLite or bt.sinks.Postgres) holding that run"
-            )
         names = [n for n in (sink.run_name(run_id) for sink in self.sinks) if n is not None]
-        return max(stored) + 1, (names[0] if names else None)
+        if not stored and not names:
+            raise ConfigError(
+                f"cannot resume run {run_id!r}: no sink holds that run; resume needs a sink that can tell "
+                "(bt.sinks.SQLite or bt.sinks.Postgres) holding it; fix: check the id (batchtap runs) and the store"
+            )
+        # a run stored before its first flush (killed early) has no step yet: it resumes at step 0
+        return (max(stored) + 1 if stored else 0), (names[0] if names else None)
 
     def _finish(self, status: RunStatus, reason: str | None, *, timeout: float | None = None) -> None:
         state = self._state
@@ -456,12 +483,11 @@ class Tap:
             state.info.stop_reason = reason
             state.info.ended_at = time.time()
             self._harvester.end_run(dataclasses.replace(state.info), writes=self._writes(state))
-            # sync: end of run — every captured step must reach the sinks before run() returns.
-            if self._harvester.drain(timeout):
-                self._dispatcher.flush(timeout=timeout)
-            else:
-                log.warning("batchtap: run %r ended without every captured step stored (pipeline did not drain "
-                            "within %s s)", state.info.name, timeout)
+            # sync: end of run — every captured step reaches the sinks before run() returns, within end_timeout.
+            wait_for_sinks(
+                self._harvester, self._dispatcher, state.info,
+                timeout=self.end_timeout if timeout is None else timeout, last_step=state.step - 1,
+            )
         finally:
             self._state = None
 
@@ -486,7 +512,7 @@ class Tap:
             return
         self._closed = True
         self._harvester.close()
-        self._dispatcher.close()
+        self._dispatcher.close(timeout=self.end_timeout)
 
     def __enter__(self) -> Tap:
         return self
@@ -579,6 +605,7 @@ class Tap:
         ):
             return
         state = self._require_run("step()")
+        state.owner.check("step()")
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
             raise error
@@ -602,9 +629,12 @@ class Tap:
             assert micro is not None
             sampled, data_time = True, micro.data_time  # accumulate() only sums sampled steps
         if sampled:
-            self._capture_step(
-                state, loss, outputs, targets, extra or {}, batch_size, tokens, grad_norm, ep, index, data_time, micro
-            )
+            try:
+                self._capture_step(
+                    state, loss, outputs, targets, extra or {}, batch_size, tokens, grad_norm, ep, index, data_time, micro
+                )
+            except OverflowError:  # nothing was recorded yet: a number too large for a float
+                raise InputError(_overflow_message(extra or {}, tokens)) from None
         if micro is not None:
             micro.reset()
         state.step += 1
@@ -659,6 +689,7 @@ class Tap:
             1
         """
         state = self._require_run("accumulate()")
+        state.owner.check("accumulate()")
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
             raise error
@@ -719,6 +750,7 @@ class Tap:
             ...     tap.log({"val_loss": 0.31, "val_acc": torch.tensor(0.9)})
         """
         state = self._require_run("log()")
+        state.owner.check("log()")
         if not isinstance(values, Mapping) or not values:
             raise InputError(f"log() takes a non-empty mapping of name -> number or 0-dim tensor, got {values!r}")
         if step is not None:
@@ -727,6 +759,7 @@ class Tap:
         for name, value in values.items():
             if not isinstance(name, str) or not name:
                 raise InputError(f"log() names must be non-empty strings, got {name!r}")
+            check_storable("log() name", name)
             if name in taken or name in RESERVED_NAMES:
                 raise InputError(
                     f"log() name {name!r} is already a per-step value or record field of this run; log it "
@@ -1200,8 +1233,8 @@ class Tap:
         if capture is not None and capture.pipeline.reducer is not None:
             capture.pipeline.reducer.broken = "the agreement exchange failed"
         raise DistributedError(
-            f"rank {group.rank}: ranks could not agree at step {state.step - 1} within "
-            f"{self.collective_timeout:g} s ({type(exc).__name__}: {exc}); a rank probably died or "
+            f"rank {group.rank}: ranks could not agree at step {state.step - 1}: "
+            f"{_dist.describe_failure(exc, self.collective_timeout)}; a rank probably died or "
             "stalled. Every step captured so far is being stored."
         ) from exc
 
@@ -1280,6 +1313,10 @@ def _check_metrics(metrics: Sequence[Metric]) -> None:
                 raise ConfigError(
                     f"metric value name {output.name!r} is used twice or reserved; give the metric another name"
                 )
+            try:
+                check_storable("metric value name", output.name)
+            except InputError as exc:
+                raise ConfigError(str(exc)) from None
             seen.add(output.name)
 
 
@@ -1303,6 +1340,7 @@ def _declared_extras(
 def _check_extra_name(name: object, taken: set[str]) -> None:
     if not isinstance(name, str) or not name:
         raise InputError(f"extra names must be non-empty strings, got {name!r}")
+    check_storable("extra name", name)
     if name in taken or name in RESERVED_NAMES:
         raise InputError(
             f"extra {name!r} clashes with a built-in metric or record field of the same name; rename it, "
@@ -1403,9 +1441,29 @@ def _tensors(inputs: StepInputs) -> list[tuple[str, torch.Tensor]]:
 
 def _device_of(inputs: StepInputs) -> torch.device:
     tensors = _tensors(inputs)
+    for label, tensor in tensors:
+        if tensor.device.type == "meta":
+            raise InputError(
+                f"{label} is a meta tensor (shape and dtype only, no data); expected a computed tensor; fix: "
+                "pass the value computed on a real device (cpu, cuda...)"
+            )
     if tensors:
         return tensors[0][1].device
     return torch.device("cpu")
+
+
+def _overflow_message(extra: Mapping[str, object], tokens: object) -> str:
+    named = [(f"extra[{k!r}]", v) for k, v in extra.items()] + [("tokens", tokens)]
+    for label, value in named:
+        if isinstance(value, int) and not isinstance(value, bool):
+            try:
+                float(value)
+            except OverflowError:
+                return (
+                    f"{label} = an integer of {value.bit_length()} bits does not fit a float (at most 1024 bits, ~1.8e308); "
+                    "expected a number a float can hold; fix: pass a float or a smaller number"
+                )
+    return "a value does not fit a float (max ~1.8e308); fix: pass floats or smaller numbers"
 
 
 def _check_count(name: str, value: object, *, minimum: int = 1) -> None:

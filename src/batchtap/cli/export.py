@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from batchtap.cli._common import CLIError, add_db_arguments, open_store, resolve_run, run_info, run_records
+from batchtap.cli._common import CLIError, add_db_arguments, db_url, open_store, resolve_run, run_info, run_records
 from batchtap.errors import SinkError
 from batchtap.records import RunStatus
 
@@ -56,6 +56,11 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument("--format", "-f", choices=("csv", "jsonl"), required=True, help="output format")
     parser.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     parser.add_argument("--force", action="store_true", help="replace FILE (and its CSV parts/events) if it exists")
+    parser.add_argument(
+        "--overwrite-database",
+        action="store_true",
+        help="with --force, also replace a FILE that is a SQLite database (never the store being read)",
+    )
     parser.add_argument("-m", "--metric", action="append", dest="metrics", metavar="NAME", help="only this metric (repeatable; default all)")
     parser.add_argument("--rank", type=_rank, default=None, help="only this rank ('all' = the reduced rows; default every rank)")
     add_db_arguments(parser)
@@ -71,6 +76,59 @@ def _outputs(path: Path, fmt: Format) -> list[Path]:
 
     sidecars = [events_path(path), sparse_path(path)]
     return [*part_paths(path), *sidecars] if path.exists() else sidecars
+
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _is_sqlite(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(len(_SQLITE_HEADER)) == _SQLITE_HEADER
+    except OSError:
+        return False
+
+
+def _store_files(args: argparse.Namespace) -> list[Path]:
+    """The files of the SQLite store being read (with its -wal/-shm/-journal); none for PostgreSQL."""
+    from batchtap.store._url import parse_url
+
+    try:
+        loc = parse_url(db_url(args))
+    except Exception:  # noqa: BLE001 - open_store reports a bad URL itself
+        return []
+    if loc.kind != "sqlite":
+        return []
+    db = Path(loc.target)
+    return [db, *(db.with_name(db.name + suffix) for suffix in ("-wal", "-shm", "-journal"))]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_output(args: argparse.Namespace, path: Path, outputs: list[Path]) -> None:
+    """Refuse an output that would destroy data: a directory, the store being read, a database."""
+    if path.is_dir():
+        raise CLIError(
+            f"-o {path} is a directory; expected a file path; fix: name a file in it, e.g. "
+            f"-o {path / ('run.' + args.format)}"
+        )
+    store = _store_files(args)
+    for p in outputs:
+        if any(_same_file(p, s) for s in store):
+            raise CLIError(
+                f"-o {p} is the store being read ({store[0]}); exporting onto it would destroy it; "
+                "expected a new file; fix: choose another -o"
+            )
+        if p.exists() and _is_sqlite(p) and not args.overwrite_database:
+            raise CLIError(
+                f"-o {p} is a SQLite database (maybe a batchtap store); --force does not replace databases; "
+                "fix: choose another -o, or add --overwrite-database if it really should be replaced"
+            )
 
 
 def export_run(args: argparse.Namespace, fmt: Format, path: Path) -> tuple[int, int, int]:
@@ -116,7 +174,10 @@ def main(args: argparse.Namespace) -> int:
     fmt: Format = args.format
     if args.output and args.output != "-":
         path = Path(args.output)
-        existing = [p for p in _outputs(path, fmt) if p.exists()]
+        _check_output(args, path, [path])
+        outputs = _outputs(path, fmt)
+        _check_output(args, path, outputs)
+        existing = [p for p in outputs if p.exists()]
         if existing and not args.force:
             # The sinks append; exporting onto an old file would mix two exports.
             raise CLIError(

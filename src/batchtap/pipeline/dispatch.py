@@ -11,8 +11,13 @@ Backpressure, when a sink's queue is full:
 * ``"drop_oldest"``: the oldest queued block is dropped to make room; every drop is counted and
   reported as a warning event.
 
-Life-cycle items (run start/end, flush barriers) are never dropped and do not count against the
-queue size.
+Life-cycle items (run start/end, flush barriers) and the end-of-run reports are never dropped and
+do not count against the queue size. Every drop is also summed per sink and run, and the sum is
+reported when the run ends (an event to every sink, where it cannot be dropped, and a log warning),
+so a sink that dropped its own drop reports still has the count stored.
+
+A sink that does not keep up within a deadline (:meth:`Dispatcher.flush` with a timeout) is
+reported with exactly what it had not yet taken (:meth:`Dispatcher.undelivered`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ Backpressure = Literal["block", "drop_oldest"]
 class _Write:
     records: list[Record]
     events: list[Event]
+    keep: bool = False  # never dropped (end-of-run reports)
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,6 +79,11 @@ class SinkWorker:
         self.dropped_blocks = 0
         self.dropped_records = 0
         self.failures = 0
+        #: records handed to the sink in write() calls that raised (not stored by it, unless it
+        #: is a ResilientSink, which never raises for a failing sink)
+        self.failed_records = 0
+        self._current: list[object] = []  # the batch being worked through ...
+        self._pos = 0  # ... and the index of the item in progress
         self.name = type(sink).__name__
         self._thread = threading.Thread(target=self._loop, name=f"batchtap-sink-{self.name}", daemon=True)
         self._thread.start()
@@ -98,9 +109,21 @@ class SinkWorker:
             self._items.append(call)
             self._cv.notify_all()
 
+    def put_report(self, events: list[Event]) -> None:
+        """Queue events that must reach the sink: never dropped, never waiting for room."""
+        self.put_call(_Write([], events, keep=True))
+
+    def undelivered(self) -> tuple[int, int, int | None, int | None]:
+        """What the sink has not taken yet: (blocks, records, first step, last step)."""
+        with self._cv:
+            items = self._current[self._pos :] + list(self._items)
+        writes = [i for i in items if isinstance(i, _Write) and i.records]
+        steps = [r.step for w in writes for r in w.records]
+        return len(writes), len(steps), (min(steps) if steps else None), (max(steps) if steps else None)
+
     def _drop_oldest(self) -> None:
         for i, item in enumerate(self._items):
-            if isinstance(item, _Write):
+            if isinstance(item, _Write) and not item.keep:
                 del self._items[i]
                 self._writes -= 1
                 self.dropped_blocks += 1
@@ -120,14 +143,20 @@ class SinkWorker:
                 batch = list(self._items)
                 self._items.clear()
                 self._writes = 0
+                self._current, self._pos = batch, 0
                 self._cv.notify_all()
             pending = _Write([], [])
-            for item in batch:
+            start = 0  # index in batch of the first item merged into pending
+            for index, item in enumerate(batch):
                 if isinstance(item, _Write):
+                    if not pending.records and not pending.events:
+                        start = index
                     pending.records.extend(item.records)
                     pending.events.extend(item.events)
                     continue
+                self._pos = start if (pending.records or pending.events) else index
                 self._write(pending)
+                self._pos = index
                 pending = _Write([], [])
                 if item is _STOP:
                     self._guarded("close", self.sink.close)
@@ -139,27 +168,45 @@ class SinkWorker:
                     item.done.set()
                 else:
                     self._guarded(item.name, getattr(self.sink, item.name), item.run)
+            if pending.records or pending.events:
+                self._pos = start
             self._write(pending)
+            with self._cv:
+                self._current, self._pos = [], 0
 
     def _write(self, pending: _Write) -> None:
         if pending.records or pending.events:
-            self._guarded("write", self.sink.write, pending.records, pending.events)
+            if not self._guarded("write", self.sink.write, pending.records, pending.events):
+                self.failed_records += len(pending.records)
 
-    def _guarded(self, what: str, fn: Callable[..., None], *args: object) -> None:
+    def _guarded(self, what: str, fn: Callable[..., None], *args: object) -> bool:
+        ok = True
         try:
             fn(*args)
         except Exception as exc:  # a sink must never take the pipeline down
+            ok = False
             self.failures += 1
-            log.warning("batchtap sink %s failed in %s: %r", self.name, what, exc)
-            self._warn(f"sink {self.name} failed in {what}: {exc!r}")
+            lost = ""
+            if what == "write" and args and isinstance(args[0], list) and args[0]:
+                records: list[Record] = args[0]
+                lost = f"; {len(records)} records of steps {records[0].step}..{records[-1].step} were not stored by it"
+            log.warning("batchtap sink %s failed in %s: %r%s", self.name, what, exc, lost)
+            self._warn(f"sink {self.name} failed in {what}: {exc!r}{lost}")
         take_events = getattr(self.sink, "take_events", None)  # ResilientSink reports outages
         if take_events is not None:
             for event in take_events():
                 self._warn(event.message)
+        return ok
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self, timeout: float | None = None) -> bool:
+        """Ask the worker to close its sink and end; False if it had not ended within ``timeout``."""
         self.put_call(_STOP)
+        return self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the worker to end (after a stop); False if it had not within ``timeout``."""
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 class Dispatcher:
@@ -174,9 +221,14 @@ class Dispatcher:
         self.workers = [SinkWorker(s, maxsize=maxsize, policy=policy, warn=self._warnings.append) for s in sinks]
         self._run: RunInfo | None = None
         self._last_step = 0
+        #: (dropped blocks, dropped records, failed records) of each worker when the run started
+        self._baseline: list[tuple[int, int, int]] = []
+        #: the workers whose last flush barrier was not passed in time
+        self.stuck: list[SinkWorker] = []
 
     def start_run(self, run: RunInfo) -> None:
         self._run = run
+        self._baseline = [(w.dropped_blocks, w.dropped_records, w.failed_records) for w in self.workers]
         for w in self.workers:
             w.put_call(_Call("start_run", run))
 
@@ -191,9 +243,39 @@ class Dispatcher:
         warnings = self._take_warnings()
         if warnings:
             for w in self.workers:
-                w.put_write([], warnings)
+                w.put_report(warnings)
         for w in self.workers:
             w.put_call(_Call("end_run", run))
+
+    def loss_report(self, run: RunInfo) -> list[Event]:
+        """One event per sink that dropped or failed to store records in this run so far, with the
+        exact counts (the per-drop warnings may themselves have been dropped); logged as well.
+        Call it once the run's last flush barrier was passed."""
+        out = []
+        base = self._baseline or [(0, 0, 0)] * len(self.workers)
+        for w, (blocks0, records0, failed0) in zip(self.workers, base):
+            blocks, records, failed = w.dropped_blocks - blocks0, w.dropped_records - records0, w.failed_records - failed0
+            parts = []
+            if blocks:
+                parts.append(f"dropped {blocks} blocks ({records} records) under backpressure='drop_oldest'")
+            if failed:
+                parts.append(f"failed to store {failed} records (its write() raised)")
+            if parts:
+                message = f"run {run.name!r}: sink {w.name} {' and '.join(parts)}; those steps are missing from it"
+                log.warning("batchtap: %s", message)
+                out.append(Event(run.id, self._last_step, EventKind.WARNING, message, time.time()))
+        return out
+
+    def undelivered(self) -> list[tuple[str, int, int, int | None, int | None]]:
+        """For each sink stuck at the last flush: (name, blocks, records, first step, last step)
+        it has not taken yet."""
+        return [(w.name, *w.undelivered()) for w in self.stuck]
+
+    def report(self, events: list[Event], *, healthy_only: bool = True) -> None:
+        """Queue events for every sink (or only those not stuck), never dropped."""
+        for w in self.workers:
+            if not (healthy_only and w in self.stuck):
+                w.put_report(events)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every sink wrote and flushed everything queued so far; False on timeout."""
@@ -203,15 +285,27 @@ class Dispatcher:
             w.put_call(_Call("flush", done=done))
             barriers.append(done)
         deadline = None if timeout is None else time.monotonic() + timeout
-        for done in barriers:
+        self.stuck = []
+        for w, done in zip(self.workers, barriers):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not done.wait(remaining):
-                return False
-        return True
+                self.stuck.append(w)
+        return not self.stuck
 
     def close(self, timeout: float | None = 30.0) -> None:
+        """Close every sink, waiting at most ``timeout`` seconds in all (a hung sink is left to its
+        daemon thread and reported)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for w in self.workers:
-            w.stop(timeout)
+            w.put_call(_STOP)
+        for w in self.workers:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not w.join(remaining):
+                blocks, records, first, last = w.undelivered()
+                log.warning(
+                    "batchtap: sink %s did not close within %s s; %d blocks (%d records, steps %s..%s) were "
+                    "not handed to it", w.name, timeout, blocks, records, first, last,
+                )
 
     def _take_warnings(self) -> list[Event]:
         out = []

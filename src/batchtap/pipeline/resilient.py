@@ -17,6 +17,14 @@ Spool format, one JSON object per line (strict JSON; NaN and infinities as the s
     {"v": 1, "op": "start_run", "run": {...RunInfo fields...}}
     {"v": 1, "op": "write", "records": [{"run_id": ..., "values": {"loss": 0.25}}], "events": [...]}
     {"v": 1, "op": "end_run", "run": {...}}
+
+A sink that hangs is a failing sink: every call into it runs on a helper thread and is given
+``call_timeout`` seconds; past that the block is spooled and training goes on, and until the hung
+call returns every further block is spooled too. A block the sink refuses for what it holds
+(:class:`~batchtap.sinks.base.SinkDataError`, or a ``ValueError``/``TypeError`` from a sink of
+your own) is never held in front of the others: it is set aside in a quarantine file
+(``<spool>.quarantine.jsonl``, same format) and reported, after ``max_data_tries`` tries when
+it comes from the spool.
 """
 
 from __future__ import annotations
@@ -34,9 +42,9 @@ from typing import Any
 
 from batchtap.errors import ConfigError, SinkError
 from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus
-from batchtap.sinks.base import Sink
+from batchtap.sinks.base import Sink, SinkDataError
 
-__all__ = ["ResilientSink", "encode_entry", "decode_entry"]
+__all__ = ["ResilientSink", "SinkStalled", "encode_entry", "decode_entry"]
 
 _log = logging.getLogger(__name__)
 _SPOOL_VERSION = 1
@@ -182,6 +190,84 @@ def decode_entry(line: str) -> _Op:
     raise ValueError(f"expected op write, start_run or end_run in a spool entry, got {kind!r}")
 
 
+# -- calls with a deadline ----------------------------------------------------------------------
+class SinkStalled(SinkError):
+    """A call into a sink did not return within its deadline (or an earlier one still has not)."""
+
+
+class _Caller:
+    """Runs a sink's calls on one helper thread so that the caller can stop waiting for a hung one.
+
+    A call that outlives its timeout keeps running on the helper thread (Python cannot abandon
+    it); until it returns, further calls fail at once with :class:`SinkStalled`.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._cv = threading.Condition()
+        self._job: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None
+        self.busy_since: float | None = None  # monotonic start of the call in progress
+        self._thread: threading.Thread | None = None
+
+    def call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
+        box: dict[str, Any] = {"done": threading.Event()}
+        with self._cv:
+            if self.busy_since is not None:
+                raise SinkStalled(
+                    f"sink {self.name} is still inside a call made {time.monotonic() - self.busy_since:.1f} s ago"
+                )
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"batchtap-call-{self.name}", daemon=True)
+                self._thread.start()
+            self.busy_since = time.monotonic()
+            self._job = (fn, args, box)
+            self._cv.notify_all()
+        if not box["done"].wait(timeout):
+            raise SinkStalled(
+                f"sink {self.name} did not return from {getattr(fn, '__name__', 'a call')}() within "
+                f"call_timeout={timeout:g} s (hung: a server that stopped answering, a stuck disk)"
+            )
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                # sync: the sink-call helper thread idles until a call arrives (no device involved)
+                self._cv.wait_for(lambda: self._job is not None)
+                assert self._job is not None
+                fn, args, box = self._job
+                self._job = None
+            try:
+                box["result"] = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                box["error"] = exc
+            with self._cv:
+                self.busy_since = None
+            box["done"].set()
+
+
+def _is_data_error(exc: BaseException) -> bool:
+    """Whether a sink refused a block for what it holds (retrying cannot help), rather than
+    because it is unavailable (retrying later can)."""
+    if isinstance(exc, SinkDataError):
+        return True
+    if isinstance(exc, (SinkError, ConfigError, OSError)):
+        return False
+    return isinstance(exc, (ValueError, TypeError, KeyError, ArithmeticError))
+
+
+def _describe_op(op: _Op) -> str:
+    kind, payload = op
+    if kind != "write":
+        return f"{kind} of run {payload.id}"
+    records, events = payload
+    steps = [r.step for r in records]
+    where = f"steps {min(steps)}..{max(steps)}, " if steps else ""
+    return f"a block ({where}{len(records)} records, {len(events)} events)"
+
+
 # -- the wrapper --------------------------------------------------------------------------------
 class ResilientSink(Sink):
     """Wrap a sink so that its failures are retried with backoff and nothing is lost meanwhile.
@@ -193,7 +279,8 @@ class ResilientSink(Sink):
     logged), for the dispatcher to route to the other sinks.
 
     Retries happen on later calls (``write``, ``start_run``, ``end_run``, ``flush``) once the
-    backoff delay has passed; the wrapper has no thread of its own. The delay starts at
+    backoff delay has passed; the wrapper's only thread runs the sink's calls under
+    ``call_timeout``. The delay starts at
     ``retry_initial`` seconds, doubles after each failed retry, and is capped at ``retry_max``.
     ``close()`` makes one last attempt regardless of the delay; what still fails stays in the spool
     for the next start.
@@ -208,6 +295,10 @@ class ResilientSink(Sink):
         retry_max: longest delay between retries, in seconds.
         name: the sink's name in messages (default: its class name).
         clock: monotonic clock in seconds (tests may drive time by hand).
+        call_timeout: seconds one call into the sink may take before the sink counts as failed
+            (``None``: wait as long as it takes, on the caller's thread).
+        max_data_tries: tries of a spooled block the sink refuses for what it holds before it is
+            moved to the quarantine file.
 
     Example:
         >>> import tempfile, os
@@ -239,15 +330,28 @@ class ResilientSink(Sink):
         retry_max: float = 5.0,
         name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        call_timeout: float | None = 10.0,
+        max_data_tries: int = 3,
     ) -> None:
         if not (retry_initial >= 0 and retry_max >= retry_initial and math.isfinite(retry_max)):
             raise ConfigError(
                 f"need 0 <= retry_initial <= retry_max (finite), got retry_initial={retry_initial} "
                 f"and retry_max={retry_max}"
             )
+        if call_timeout is not None and not (call_timeout > 0 and math.isfinite(call_timeout)):
+            raise ConfigError(f"call_timeout must be a finite number of seconds > 0 or None, got {call_timeout!r}")
+        if isinstance(max_data_tries, bool) or not isinstance(max_data_tries, int) or max_data_tries < 1:
+            raise ConfigError(f"max_data_tries must be an integer >= 1, got {max_data_tries!r}")
         self.sink = sink
         self.spool_path = Path(spool_path)
         self.name = name or type(sink).__name__
+        self.quarantine_path = self.spool_path.with_name(self.spool_path.name + ".quarantine.jsonl")
+        self.call_timeout = call_timeout
+        self.max_data_tries = max_data_tries
+        self._caller = _Caller(self.name)
+        self._head_tries = 0  # data failures of the spool's first entry so far
+        #: blocks (and run calls) set aside in the quarantine file since construction
+        self.quarantined = 0
         self._initial = float(retry_initial)
         self._max = float(retry_max)
         self._delay = self._initial
@@ -289,22 +393,27 @@ class ResilientSink(Sink):
     def last_step(self, run_id: str) -> int | None:
         """The wrapped sink's last stored step for ``run_id`` (None while it is down)."""
         try:
-            return self.sink.last_step(run_id)
+            found = self._call(self.sink.last_step, run_id)
         except Exception:  # down: the caller treats "unknown" as such
             return None
+        return None if found is None else int(found)
 
     def run_name(self, run_id: str) -> str | None:
         """The wrapped sink's stored name of ``run_id`` (None while it is down)."""
         try:
-            return self.sink.run_name(run_id)
+            found = self._call(self.sink.run_name, run_id)
         except Exception:  # down: the caller treats "unknown" as such
             return None
+        return None if found is None else str(found)
 
     def take_events(self) -> list[Event]:
         """The WARNING events raised since the last call (sink failed, recovered, spool damaged)."""
         with self._lock:
             out, self._events = self._events, []
-            return out
+        inner = getattr(self.sink, "take_events", None)  # e.g. rows a SQL sink refused
+        if inner is not None:
+            out += inner()
+        return out
 
     def _warn(self, message: str) -> None:
         _log.warning("%s", message)
@@ -333,7 +442,7 @@ class ResilientSink(Sink):
                 if self.pending:
                     return
             try:
-                self.sink.flush()
+                self._call(self.sink.flush)
             except Exception as exc:  # noqa: BLE001 - any failure of a sink is reported, not raised
                 self._warn(f"sink {self.name}: flush failed: {type(exc).__name__}: {exc}")
 
@@ -349,19 +458,44 @@ class ResilientSink(Sink):
                     )
             self._close_spool()
             try:
-                self.sink.close()
+                self._call(self.sink.close)
             except Exception as exc:  # noqa: BLE001
                 self._warn(f"sink {self.name}: close failed: {type(exc).__name__}: {exc}")
 
     # -- machinery --------------------------------------------------------------------------
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.call_timeout is None:
+            return fn(*args)
+        return self._caller.call(fn, args, self.call_timeout)
+
     def _apply(self, op: _Op) -> None:
         kind, payload = op
         if kind == "write":
-            self.sink.write(*payload)
+            self._call(self.sink.write, *payload)
         elif kind == "start_run":
-            self.sink.start_run(payload)
+            self._call(self.sink.start_run, payload)
         else:
-            self.sink.end_run(payload)
+            self._call(self.sink.end_run, payload)
+
+    def _quarantine(self, line: str, op: _Op | None, exc: BaseException, *, tries: int) -> None:
+        """Set a block the sink refuses for what it holds aside, so it never blocks the others."""
+        try:
+            with self.quarantine_path.open("a", encoding="utf-8") as f:
+                f.write(line if line.endswith("\n") else line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:
+            raise SinkError(
+                f"sink {self.name} refused {_describe_op(op) if op else 'a spooled block'} and its quarantine file "
+                f"{self.quarantine_path} cannot be written ({err.strerror or err}); fix: make the spool's "
+                "directory writable or free disk space"
+            ) from err
+        self.quarantined += 1
+        self._warn(
+            f"sink {self.name} refused {_describe_op(op) if op else 'a spooled block'} for what it holds "
+            f"({type(exc).__name__}: {exc}) after {tries} {'try' if tries == 1 else 'tries'}; set aside in "
+            f"{self.quarantine_path} so that later blocks are not held up behind it"
+        )
 
     def _note_where(self, op: _Op) -> None:
         kind, payload = op
@@ -385,6 +519,10 @@ class ResilientSink(Sink):
             try:
                 self._apply(op)
             except Exception as exc:  # noqa: BLE001 - whatever the sink raises, the block is kept
+                if _is_data_error(exc):
+                    # it would fail the same way again: never hold the queue up behind it
+                    self._quarantine(encode_entry(op), op, exc, tries=1)
+                    return
                 self._append(op)
                 now = self._clock()
                 self._down_since = now
@@ -450,7 +588,16 @@ class ResilientSink(Sink):
                     self._warn(f"sink {self.name}: spool {self.spool_path} line {lineno} is damaged ({exc}); skipping it")
                     done_offset = end
                     continue
-                self._apply(op)
+                try:
+                    self._apply(op)
+                except Exception as exc:  # noqa: BLE001 - classified below
+                    if not _is_data_error(exc):
+                        raise
+                    self._head_tries += 1
+                    if self._head_tries < self.max_data_tries:
+                        raise
+                    self._quarantine(line, op, exc, tries=self._head_tries)
+                self._head_tries = 0
                 done_offset = end
                 delivered += 1
                 self.replayed += 1

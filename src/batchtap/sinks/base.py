@@ -17,11 +17,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from batchtap.errors import SinkError
 from batchtap.records import Event, Record, RunInfo
 
 from batchtap._optional import require  # re-exported: sinks import it from here
 
-__all__ = ["Sink", "require"]
+__all__ = ["Sink", "SinkDataError", "require"]
+
+
+class SinkDataError(SinkError):
+    """A block cannot be stored because of what it holds (a value or name the store refuses),
+    not because the store is unavailable: writing it again later fails the same way.
+
+    :class:`batchtap.pipeline.resilient.ResilientSink` therefore never spools such a block
+    behind the others: it reports it and, for a spooled block, sets it aside in a quarantine
+    file after a bounded number of tries.
+    """
 
 
 class Sink:

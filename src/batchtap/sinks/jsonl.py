@@ -7,7 +7,7 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from batchtap.errors import SinkError
 from batchtap.records import Event, Record, RunInfo
@@ -31,6 +31,11 @@ class JSONL(Sink):
     (``Tap.log()``) is a ``"record"`` line with ``"sparse": true``, ``"batch": -1`` and only the
     names logged together.
 
+    Every call writes its lines with one unbuffered append, whole records only: when the disk
+    fills up (or any write fails) the file is truncated back to where the call began and the
+    call raises :class:`~batchtap.errors.SinkError`, so the file never ends in half a record
+    (a ``ResilientSink`` then keeps the block and writes it again later).
+
     Args:
         path: file to append to; parent folders are created.
         fsync: also ``os.fsync`` on every flush (durable against power loss, slower).
@@ -50,7 +55,7 @@ class JSONL(Sink):
         self.fsync = fsync
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
             raise SinkError(
                 f"JSONL sink cannot open {str(self.path)!r} for appending: {exc.strerror}; "
@@ -72,22 +77,37 @@ class JSONL(Sink):
         self._emit([self._line(_run_dict("run_end", run))])
 
     def _emit(self, lines: list[str]) -> None:
-        if self._file is None:
+        fd = self._fd
+        if fd is None:
             raise SinkError(f"JSONL sink for {str(self.path)!r} is closed")
-        if lines:
-            self._file.write("\n".join(lines) + "\n")
+        if not lines:
+            return
+        data = memoryview(("\n".join(lines) + "\n").encode("utf-8"))
+        start = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+        except OSError as exc:
+            try:
+                os.ftruncate(fd, start)  # never leave half a record behind
+                cut = "truncated back to its last whole record"
+            except OSError:
+                cut = "could not be truncated back: its last line may be incomplete"
+            raise SinkError(
+                f"JSONL sink cannot append {len(lines)} lines to {str(self.path)!r}: {exc.strerror or exc}; "
+                f"the file was {cut}; fix: free disk space (or raise the file size limit)"
+            ) from exc
 
     def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-            if self.fsync:
-                os.fsync(self._file.fileno())
+        """Every line is with the OS once written; with ``fsync`` also on disk."""
+        if self._fd is not None and self.fsync:
+            os.fsync(self._fd)
 
     def close(self) -> None:
-        if self._file is not None:
+        if self._fd is not None:
             self.flush()
-            self._file.close()
-            self._file = None
+            os.close(self._fd)
+            self._fd = None
 
 
 def _run_dict(kind: str, run: RunInfo) -> dict[str, Any]:

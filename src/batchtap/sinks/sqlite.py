@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from pathlib import Path
 from collections.abc import Sequence
 
 from batchtap.errors import SinkError
 from batchtap.records import Event, Record, RunInfo
 from batchtap.sinks.base import Sink
 from batchtap.store._conn import connect_sqlite
+from batchtap.store._locks import describe_lock
 from batchtap.store._url import parse_url
 from batchtap.store.schema import (
     ENSURE_RUN,
@@ -68,6 +70,7 @@ class SQLite(Sink):
                 "fix: use bt.sinks.Postgres for a PostgreSQL URL"
             )
         self.path = loc.target
+        self._busy_timeout_s = float(busy_timeout_s)
         self._conn: sqlite3.Connection | None = connect_sqlite(loc.target, create=True, busy_timeout_s=busy_timeout_s)
         self._upsert_metrics = SQLITE.q(UPSERT_METRICS)
         self._insert_events = SQLITE.q(INSERT_EVENTS)
@@ -86,7 +89,7 @@ class SQLite(Sink):
             with transaction(conn, SQLITE):
                 conn.execute(self._upsert_run, run_row(run))
         except sqlite3.Error as exc:
-            raise SinkError(f"cannot store run {run.id} in SQLite store {self.path}: {exc}") from exc
+            raise SinkError(f"cannot store run {run.id} in SQLite store {self.path}: {exc}; {self._fix(exc)}") from exc
 
     def start_run(self, run: RunInfo) -> None:
         """Insert (or, on resume, update) the run's row with status ``running``."""
@@ -115,8 +118,19 @@ class SQLite(Sink):
         except sqlite3.Error as exc:
             raise SinkError(
                 f"cannot write {len(rows)} values and {len(events)} events to SQLite store {self.path}: {exc}; "
-                "the block was not stored (nothing partial); fix: check free disk space and permissions"
+                f"the block was not stored (nothing partial); {self._fix(exc)}"
             ) from exc
+
+    def _fix(self, exc: sqlite3.Error) -> str:
+        text = str(exc).lower()
+        if "locked" in text or "busy" in text:
+            return (
+                f"the store's write lock is held by {describe_lock(Path(self.path))}, longer than "
+                f"busy_timeout_s={self._busy_timeout_s:g} s; fix: wait for it to finish (a long transaction or an open "
+                "sqlite3 shell), raise busy_timeout_s, or give the Tap a spool_dir so blocks are kept and retried "
+                "meanwhile"
+            )
+        return "fix: check free disk space and permissions"
 
     def last_step(self, run_id: str) -> int | None:
         """The largest step of ``run_id``'s step values (None when it has none); values logged with

@@ -10,14 +10,54 @@ from typing import Any
 
 from batchtap._optional import require
 from batchtap.store._errors import StoreError
-from batchtap.store._url import redact_dsn
-from batchtap.store.schema import POSTGRES, SQLITE, ensure_schema
+from batchtap.store._url import redact_dsn, redact_message
+from batchtap.store.schema import POSTGRES, SQLITE, _current_version, ensure_schema
 
 __all__ = ["connect_sqlite", "connect_postgres"]
 
 
+def _network_options(
+    psycopg: Any, dsn: str, network_timeout_s: float | None, statement_timeout_s: float | None
+) -> dict[str, Any]:
+    """libpq settings that give every network wait a deadline, unless the DSN sets them itself.
+
+    Keepalives find a peer that vanished while the connection was idle; ``tcp_user_timeout``
+    one that stopped acknowledging what was sent; ``statement_timeout`` a server that is up but
+    stuck. (A peer that acknowledges but never answers needs a client-side deadline as well:
+    :class:`batchtap.store._deadline.Watchdog`.)
+    """
+    try:
+        given = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.Error:
+        given = {}  # psycopg.connect reports the malformed DSN itself
+    out: dict[str, Any] = {}
+    if network_timeout_s is not None:
+        t = max(1, round(network_timeout_s))
+        wanted = {
+            "keepalives": 1,
+            "keepalives_idle": max(1, t // 3),
+            "keepalives_interval": max(1, t // 9),
+            "keepalives_count": 3,
+            "tcp_user_timeout": t * 1000,
+        }
+        out.update({k: v for k, v in wanted.items() if k not in given})
+    if statement_timeout_s is not None:
+        setting = f"-c statement_timeout={max(1, round(statement_timeout_s * 1000))}"
+        options = str(given.get("options", ""))
+        if "statement_timeout" not in options:
+            out["options"] = f"{options} {setting}".strip()
+    return out
+
+
 def connect_sqlite(path: str | os.PathLike[str], *, create: bool, busy_timeout_s: float = 10.0) -> sqlite3.Connection:
-    """Open (and with ``create``, make) a SQLite store, in WAL mode with its schema up to date.
+    """Open a SQLite store: with ``create`` for writing (made when missing, WAL mode, schema up
+    to date), else for reading only.
+
+    A file that is not a batchtap store is refused before anything is written to it: its tables
+    are read first, and only a batchtap store (or an empty file) is switched to WAL mode. A
+    reader opens the file read-only (``mode=ro``), never changes its journal mode, and writes
+    only to apply the migrations an older store lacks; on a read-only file system, where SQLite
+    cannot make the WAL index, it reads the file as immutable.
 
     The connection is in autocommit mode (``isolation_level=None``): writers open their
     transactions explicitly with :func:`batchtap.store.schema.transaction`. It may be used from a
@@ -30,36 +70,19 @@ def connect_sqlite(path: str | os.PathLike[str], *, create: bool, busy_timeout_s
     """
     p = Path(path)
     where = str(p)
-    if create:
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(
-                f"cannot create the directory of SQLite store {where}: {exc.strerror or exc}; "
-                "expected a writable location; fix: choose another path or fix its permissions"
-            ) from exc
-        target = str(p)
-        uri = False
-    else:
-        if not p.is_file():
-            raise StoreError(
-                f"no batchtap store at {where}: the file does not exist; expected a SQLite file "
-                "written by bt.sinks.SQLite; fix: check the path"
-            )
-        # mode=rw: a reader must never create an empty file where it expected a store.
-        target = p.resolve().as_uri() + "?mode=rw"
-        uri = True
+    if not create:
+        return _open_reader(p, where, busy_timeout_s)
     try:
-        conn = sqlite3.connect(
-            target, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False, uri=uri
-        )
-    except sqlite3.Error as exc:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
         raise StoreError(
-            f"cannot open SQLite store {where}: {exc}; expected a readable and writable file "
-            "(SQLite in WAL mode also writes -wal and -shm files next to it); "
-            "fix: choose another path or fix its permissions"
+            f"cannot create the directory of SQLite store {where}: {exc.strerror or exc}; "
+            "expected a writable location; fix: choose another path or fix its permissions"
         ) from exc
+    conn = _open(str(p), where, busy_timeout_s, uri=False)
     try:
+        # What the file is, before any pragma that writes: a foreign database stays untouched.
+        _current_version(conn, SQLITE, where)
         mode = _switch_to_wal(conn, busy_timeout_s)
         if str(mode).lower() != "wal":
             raise StoreError(
@@ -69,16 +92,81 @@ def connect_sqlite(path: str | os.PathLike[str], *, create: bool, busy_timeout_s
         # WAL + NORMAL: a committed block survives a crash of the process (the tested case);
         # only an OS crash or power loss can lose the last commits, never corrupt the file.
         conn.execute("PRAGMA synchronous = NORMAL")
-        ensure_schema(conn, SQLITE, where=where, create=create)
+        ensure_schema(conn, SQLITE, where=where, create=True)
+    except BaseException as exc:
+        conn.close()
+        raise _store_error(exc, where) from exc
+    return conn
+
+
+def _open(target: str, where: str, busy_timeout_s: float, *, uri: bool) -> sqlite3.Connection:
+    try:
+        return sqlite3.connect(target, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False, uri=uri)
+    except sqlite3.Error as exc:
+        raise StoreError(
+            f"cannot open SQLite store {where}: {exc}; expected a readable and writable file "
+            "(SQLite in WAL mode also writes -wal and -shm files next to it); "
+            "fix: choose another path or fix its permissions"
+        ) from exc
+
+
+def _store_error(exc: BaseException, where: str) -> BaseException:
+    if isinstance(exc, sqlite3.DatabaseError):
+        return StoreError(
+            f"cannot use {where} as a batchtap store: {exc}; expected a SQLite database written by "
+            "bt.sinks.SQLite (or a new, writable path); fix: check the path and its permissions"
+        )
+    return exc
+
+
+def _open_reader(p: Path, where: str, busy_timeout_s: float) -> sqlite3.Connection:
+    if not p.is_file():
+        raise StoreError(
+            f"no batchtap store at {where}: the file does not exist; expected a SQLite file "
+            "written by bt.sinks.SQLite; fix: check the path"
+        )
+    base = p.resolve().as_uri()
+    read_only_fs = not os.access(p.parent, os.W_OK)
+    # mode=ro: a reader never creates a file, changes a journal mode or writes a page. On a
+    # read-only file system SQLite cannot make the -shm index of a WAL file: read it as immutable
+    # (nothing can be writing it there).
+    targets = [base + "?mode=ro"] + ([base + "?mode=ro&immutable=1"] if read_only_fs else [])
+    conn: sqlite3.Connection | None = None
+    for i, target in enumerate(targets):
+        conn = _open(target, where, busy_timeout_s, uri=True)
+        try:
+            version = _current_version(conn, SQLITE, where)
+            break
+        except sqlite3.OperationalError:
+            conn.close()
+            if i == len(targets) - 1:
+                raise StoreError(
+                    f"cannot read SQLite store {where}: SQLite cannot open it read-only; expected a readable "
+                    "file (and, for a WAL file, its -shm/-wal files or a writable directory); fix: check "
+                    "its permissions"
+                ) from None
+        except BaseException as exc:
+            conn.close()
+            raise _store_error(exc, where) from exc
+    assert conn is not None
+    try:
+        ensure_schema(conn, SQLITE, where=where, create=False)
+        return conn
     except StoreError:
         conn.close()
         raise
-    except sqlite3.DatabaseError as exc:
+    except sqlite3.OperationalError as exc:
+        if version is None or "readonly" not in str(exc).replace(" ", "").lower():
+            conn.close()
+            raise _store_error(exc, where) from exc
+    # An older store: the one write a reader makes is the migration it lacks.
+    conn.close()
+    conn = _open(base + "?mode=rw", where, busy_timeout_s, uri=True)
+    try:
+        ensure_schema(conn, SQLITE, where=where, create=False)
+    except BaseException as exc:
         conn.close()
-        raise StoreError(
-            f"cannot use {where} as a batchtap store: {exc}; expected a SQLite database written by "
-            "bt.sinks.SQLite (or a new, writable path); fix: check the path and its permissions"
-        ) from exc
+        raise _store_error(exc, where) from exc
     return conn
 
 
@@ -102,7 +190,14 @@ def _switch_to_wal(conn: sqlite3.Connection, busy_timeout_s: float) -> str:
 
 
 def connect_postgres(
-    dsn: str, *, schema: str | None, create: bool, connect_timeout_s: float = 5.0, purpose: str
+    dsn: str,
+    *,
+    schema: str | None,
+    create: bool,
+    connect_timeout_s: float = 5.0,
+    purpose: str,
+    network_timeout_s: float | None = 30.0,
+    statement_timeout_s: float | None = None,
 ) -> Any:
     """Open a psycopg 3 connection (autocommit) to a PostgreSQL store, its schema up to date.
 
@@ -113,6 +208,11 @@ def connect_postgres(
         create: create the tables in an empty schema.
         connect_timeout_s: give up connecting after this long.
         purpose: who asks, for the install hint when psycopg is missing.
+        network_timeout_s: TCP keepalive and ``tcp_user_timeout`` settings so that the kernel
+            declares a silent peer dead after about this long (``None``: libpq's defaults).
+            Settings the DSN gives itself win.
+        statement_timeout_s: the server cancels any statement running longer (``None``: the
+            server's setting).
 
     Raises:
         StoreError: the server cannot be reached or the schema is not usable; the message names
@@ -126,10 +226,11 @@ def connect_postgres(
             autocommit=True,
             connect_timeout=max(1, round(connect_timeout_s)),
             application_name="batchtap",
+            **_network_options(psycopg, dsn, network_timeout_s, statement_timeout_s),
         )
     except psycopg.Error as exc:
         # libpq's messages name host and port, never the password; the DSN we print is redacted.
-        reason = str(exc).strip().replace("\n", " ")
+        reason = redact_message(str(exc).strip().replace("\n", " "), dsn)
         raise StoreError(
             f"cannot connect to PostgreSQL at {shown}: {reason}; expected a reachable server "
             "accepting this user and database; fix: check host, port, user, database and that the "
@@ -148,7 +249,7 @@ def connect_postgres(
         raise
     except psycopg.Error as exc:
         conn.close()
-        reason = str(exc).strip().replace("\n", " ")
+        reason = redact_message(str(exc).strip().replace("\n", " "), dsn)
         raise StoreError(
             f"cannot use PostgreSQL at {shown} as a batchtap store: {reason}; expected permission to "
             "create and write tables; fix: grant them or choose another database or schema"

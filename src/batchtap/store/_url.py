@@ -10,12 +10,12 @@ from typing import Literal
 
 from batchtap.store._errors import StoreError
 
-__all__ = ["StoreURL", "parse_url", "redact_dsn"]
+__all__ = ["StoreURL", "parse_url", "redact_dsn", "redact_message", "redact_text"]
 
 _PG_SCHEMES = ("postgresql://", "postgres://")
 _SQLITE_SCHEME = "sqlite:///"
 # key=value conninfo: password='quoted \' value' or password=bare
-_KV_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)")
+_KV_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,29 +69,95 @@ def parse_url(url: str | os.PathLike[str]) -> StoreURL:
 def redact_dsn(dsn: str) -> str:
     """A PostgreSQL DSN (URL or ``key=value`` form) with any password replaced by ``***``.
 
+    The text is redacted by pattern (URL user info up to the *last* ``@``, so a password holding
+    ``/``, ``#``, ``?`` or ``@`` is covered whole; ``password=`` in a query or a ``key=value``
+    string), and then the password as libpq itself reads it (psycopg's conninfo parser) is
+    removed wherever it still appears, raw or percent-encoded. Everything else is kept as given
+    (``postgresql:///db?host=/socket`` keeps its ``//``).
+
     Example:
         >>> redact_dsn("postgresql://bob:s3cret@db:5432/x?sslmode=disable")
         'postgresql://bob:***@db:5432/x?sslmode=disable'
         >>> redact_dsn("host=db password='a b' user=bob")
         'host=db password=*** user=bob'
+        >>> redact_dsn("postgresql://bob:pa/ss#w?rd@db/x")
+        'postgresql://bob:***@db/x'
+        >>> redact_dsn("postgresql:///x?host=/tmp&password=p%26w")
+        'postgresql:///x?host=/tmp&password=***'
     """
-    if "://" not in dsn:
-        return _KV_PASSWORD.sub(r"\1***", dsn)
-    try:
-        parts = urllib.parse.urlsplit(dsn)
-    except ValueError:
-        return "<unparsable DSN>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, hostport = netloc.rpartition("@")
+    out = dsn
+    if dsn.startswith(_PG_SCHEMES):
+        # a whole DSN: its user info runs to the last '@', white space and quotes included
+        scheme, _, rest = dsn.partition("://")
+        userinfo, at, hostpart = rest.rpartition("@")
+        if at and ":" in userinfo and "/" not in userinfo.split(":", 1)[0]:
+            out = f"{scheme}://{userinfo.split(':', 1)[0]}:***@{hostpart}"
+    out = redact_text(out)
+    for secret in _libpq_passwords(dsn):
+        out = _scrub_value(out, secret)
+    return out
+
+
+# scheme://user:password@  — the user info runs to the last '@' before white space or a quote
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:@/\s'\"]*):(?P<pw>[^\s'\"]*)@")
+_QUERY_PASSWORD = re.compile(r"([?&](?:password|passwd|pwd|token|secret|api_?key)=)[^&#\s'\"]*", re.IGNORECASE)
+
+
+def redact_text(text: str) -> str:
+    """``text`` with URL passwords, ``password=`` query values and ``key=value`` passwords
+    replaced by ``***`` (for argv, config values, messages).
+
+    Example:
+        >>> redact_text("--db postgresql://u:p@h/d --x 1")
+        '--db postgresql://u:***@h/d --x 1'
+    """
+    if "://" in text:
+        text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+        text = _QUERY_PASSWORD.sub(r"\1***", text)
+    if "password" in text.lower():
+        text = _KV_PASSWORD.sub(r"\1***", text)
+    return text
+
+
+def redact_message(message: str, dsn: str) -> str:
+    """A driver's error message about ``dsn`` without any piece of its password.
+
+    libpq echoes what it took for the host, and a DSN with an unencoded ``@`` in its password
+    puts part of the password there; every ``@``-separated piece of the password is removed.
+
+    Example:
+        >>> redact_message("failed to resolve host 'cret@db'", "postgresql://bob:s@cret@db/x")
+        "failed to resolve host '***@db'"
+    """
+    secrets = list(_libpq_passwords(dsn))
+    if dsn.startswith(_PG_SCHEMES):
+        userinfo = dsn.partition("://")[2].rpartition("@")[0]
         if ":" in userinfo:
-            userinfo = userinfo.split(":", 1)[0] + ":***"
-        netloc = f"{userinfo}@{hostport}"
-    query = parts.query
-    if query:
-        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-        if any(k == "password" for k, _ in pairs):
-            query = "&".join(
-                f"{k}=***" if k == "password" else f"{k}={urllib.parse.quote(v, safe='')}" for k, v in pairs
-            )
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+            secrets.append(userinfo.split(":", 1)[1])
+    out = redact_text(message)
+    for secret in secrets:
+        for piece in {secret, *secret.split("@")}:
+            if len(piece) >= 3:
+                out = _scrub_value(out, piece)
+    return out
+
+
+def _libpq_passwords(dsn: str) -> list[str]:
+    """The password of ``dsn`` as libpq parses it (none when psycopg is missing or the DSN does
+    not parse; the pattern redaction covers those)."""
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        return []
+    try:
+        found = conninfo_to_dict(dsn).get("password")
+    except Exception:  # noqa: BLE001 - malformed DSN: nothing more to learn from the parser
+        return []
+    return [str(found)] if found else []
+
+
+def _scrub_value(text: str, secret: str) -> str:
+    for form in {secret, urllib.parse.quote(secret, safe=""), urllib.parse.quote_plus(secret), urllib.parse.quote(secret)}:
+        if form and form != "***":
+            text = text.replace(form, "***")
+    return text
