@@ -885,6 +885,7 @@ class Tap:
         sampled, no process group, no rule actions (those take the general path). Returns False,
         having done nothing, when the step does not qualify.
         """
+        state.owner.check("step()")
         if capture.cuda:
             if _stream_capturing():
                 raise InputError(_GRAPH_CAPTURE)
@@ -901,9 +902,16 @@ class Tap:
             or (capture.autocast_device and torch.is_autocast_enabled(capture.autocast_device))
         ):
             return False
+        if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
+            _check_scalar("grad_norm", grad_norm)  # a Python number: its value may not fit a float
         samples = _samples(batch_size, outputs, targets)
+        step_tokens = math.nan
         if tokens is not None:
             _check_count("tokens", tokens)
+            try:
+                step_tokens = float(tokens)
+            except OverflowError:  # nothing was recorded yet, as in step()
+                raise InputError(_overflow_message({}, tokens)) from None
         if state.watching:
             epoch, batch, data_time = state.epoch, state.batch, state.data_time
         else:
@@ -922,7 +930,7 @@ class Tap:
             host_values = [v for metric in capture.host_readers for v in metric.read_host(inputs)]
             ring.write(
                 slot, device_values, host_values, step=state.step, epoch=epoch, batch=batch, wall_time=wall,
-                samples=samples, data_time=data_time, tokens=math.nan if tokens is None else float(tokens),
+                samples=samples, data_time=data_time, tokens=step_tokens,
             )
         finally:
             _set_grad_enabled(grad_was)
