@@ -262,7 +262,9 @@ class DeviceReadTracker(TorchDispatchMode):
                 return original(tensor, *args, **kwargs)
             tracker._record("to(cpu)", True, sys._getframe(1))
             out = tracker._plain(original, tensor, *args, **kwargs)
-            return tracker._alias(out, device=False) if out is tensor else out
+            if out is not tensor or isinstance(tensor, torch.nn.Parameter):
+                return out  # module.cpu() keeps its parameters (a new object there would replace .data)
+            return tracker._alias(out, device=False)
 
         return cpu
 
