@@ -115,6 +115,7 @@ class DeviceReadTracker(TorchDispatchMode):
         self._saved: list[tuple[type, str, Any]] = []
         self._depth = 0  # >0 inside a wrapped method: its own dispatches are not reads of their own
         self._bypass = 0  # >0 inside Module.to: its per-tensor .to calls are plain
+        self._writes: dict[Any, list[tuple[int, str]]] = {}  # op -> the arguments it writes into
 
     # -- which tensors are device tensors -------------------------------------------------------
 
@@ -174,10 +175,20 @@ class DeviceReadTracker(TorchDispatchMode):
         if not taint and (not tensors or func in _FACTORY_INPUT):
             taint = self._on_user_line_naming_a_device(sys._getframe(1))
         if taint:
-            for o in tree_flatten(out)[0]:
+            for o in tree_flatten((out, self._written(func, args, kwargs)))[0]:
                 if isinstance(o, torch.Tensor):
                     self.mark(o)
         return out
+
+    def _written(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """The arguments ``func`` writes into (``out=``, in-place ops that return nothing, like
+        GradScaler's ``found_inf`` check): written with device values, they hold device values."""
+        where = self._writes.get(func)
+        if where is None:
+            where = self._writes[func] = [
+                (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+            ]
+        return [args[i] if i < len(args) else kwargs.get(name) for i, name in where]
 
     def _check_read(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if func is _aten._local_scalar_dense.default:

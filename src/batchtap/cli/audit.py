@@ -125,16 +125,19 @@ def _library_file(path: str) -> str:
     return path
 
 
+def _relative(path: str) -> str:
+    """``path`` relative to the working folder when it lies below it."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return path
+    return rel if not rel.startswith("..") else path
+
+
 def _where(f: Finding) -> str:
     if f.filename is None:
         return "<no line of yours>"
-    path = f.filename
-    try:
-        rel = os.path.relpath(path)
-        path = rel if not rel.startswith("..") else path
-    except ValueError:  # another drive on Windows
-        pass
-    return f"{path}:{f.lineno}"
+    return f"{_relative(f.filename)}:{f.lineno}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +161,7 @@ def _table(findings: Sequence[Finding], steps: int, top: int) -> list[str]:
             rows.append(["", "", "", "", f"  via {site}: {n}"])
         if len(f.via) > 3:
             rows.append(["", "", "", "", f"  via {len(f.via) - 3} more library lines: {sum(n for _, n in f.via[3:])}"])
-    lines = table(["file:line", "reads", "per step", "op", "source"], rows, right=[False, True, True, False, False])
+    lines = list(table(["file:line", "reads", "per step", "op", "source"], rows, right=[False, True, True, False, False]))
     if len(findings) > top:
         lines.append(f"... {len(findings) - top} more lines (--top N shows more)")
     return lines
@@ -270,16 +273,10 @@ def _crash_site(exc: BaseException, classifier: FrameClassifier) -> str:
     """The innermost line of the traceback in the user's files (else the innermost line at all)."""
     frames = traceback.extract_tb(exc.__traceback__)
     mine = [f for f in frames if classifier.kind(f.filename) is Kind.USER]
-    frame = (mine or frames or [None])[-1]
-    if frame is None:
+    chosen = mine or list(frames)
+    if not chosen:
         return ""
-    path = frame.filename
-    try:
-        rel = os.path.relpath(path)
-        path = rel if not rel.startswith("..") else path
-    except ValueError:
-        pass
-    return f" at {path}:{frame.lineno}"
+    return f" at {_relative(chosen[-1].filename)}:{chosen[-1].lineno}"
 
 
 def _run_script(script: Path, classifier: FrameClassifier) -> Outcome:
