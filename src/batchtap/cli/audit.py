@@ -177,6 +177,7 @@ def report_lines(
     host_only: Sequence[Finding] = (),
     show_host_only: bool = False,
     internal: int = 0,
+    internal_device: int = 0,
 ) -> list[str]:
     """The audit report as lines of text: a crash first, then the device reads by line.
 
@@ -189,6 +190,7 @@ def report_lines(
         host_only: reads of tensors that stay on the host on a GPU too (counted; listed with ``show_host_only``).
         show_host_only: list ``host_only`` in a table of its own (``--all``).
         internal: reads made inside batchtap's own code (not listed).
+        internal_device: how many of those read device tensors.
 
     Example:
         >>> report_lines("t.py", [], 10)[:2]
@@ -228,8 +230,13 @@ def report_lines(
             f"({other} more reads of tensors that stay on the host on a GPU too - data indexing, optimizer step "
             "counters, seeds - not listed: they never wait for the device; --all lists them)"
         )
-    if internal:
-        lines.append(f"({internal} reads inside batchtap itself not listed: its own labelled sync points and buffer copies)")
+    if internal and not internal_device:
+        lines.append(f"({internal} reads inside batchtap itself not listed: none of a device tensor)")
+    elif internal:
+        lines.append(
+            f"({internal} reads inside batchtap itself not listed, {internal_device} of device tensors: "
+            "batchtap's own labelled sync points and copies into its host buffers)"
+        )
     return lines
 
 
@@ -317,12 +324,14 @@ def main(args: argparse.Namespace) -> int:
             outcome = _run_script(script, classifier)
     sys.stdout.flush()
     mine = [r for r in tracker.reads if not r.in_batchtap]
+    internal = [r for r in tracker.reads if r.in_batchtap]
     findings = summarize([r for r in mine if r.device])
     host_only = summarize([r for r in mine if not r.device])
     print()
     print("\n".join(report_lines(
         str(script), findings, steps[0], top=args.top, outcome=outcome, host_only=host_only,
-        show_host_only=args.all, internal=len(tracker.reads) - len(mine),
+        show_host_only=args.all, internal=len(internal),
+        internal_device=sum(r.device for r in internal),
     )))
     if outcome.status != 0:
         return 1
