@@ -55,6 +55,16 @@ def test_a_move_to_the_device_is_a_new_device_tensor_and_the_host_original_stays
         assert tracker.is_device(moved.to(torch.float64))
 
 
+def test_a_leaf_moved_to_the_device_stays_a_leaf_an_optimizer_accepts() -> None:
+    with DeviceReadTracker() as tracker:
+        w = torch.randn(3, requires_grad=True).to(DEVICE)
+        assert w.is_leaf and tracker.is_device(w)
+        opt = torch.optim.SGD([w], lr=0.1)
+        w.pow(2).sum().backward()
+        opt.step()
+        assert w.grad is not None and tracker.is_device(w.grad)
+
+
 def test_copies_to_the_host_are_reads_and_their_results_host_tensors() -> None:
     layer = torch.nn.Linear(2, 2)
     with DeviceReadTracker() as tracker:
@@ -71,6 +81,15 @@ def test_copies_to_the_host_are_reads_and_their_results_host_tensors() -> None:
         assert not tracker.is_device(host)  # copy_ does not move its destination
         host.copy_(y, non_blocking=True)
     assert _ops(tracker) == [("to(cpu)", True)] * 3 + [("Tensor.numpy", False), ("copy_ to host", True)]
+
+
+def test_printing_a_device_tensor_is_one_read() -> None:
+    layer = torch.nn.Linear(4, 3)
+    with DeviceReadTracker() as tracker:
+        text = repr(layer.weight)  # Parameter.__repr__, then torch's printing with modes disabled
+        str(torch.arange(3))
+    assert "Parameter containing" in text
+    assert _ops(tracker) == [("print/repr", True), ("print/repr", False)]
 
 
 def test_data_dependent_shapes_are_reads() -> None:

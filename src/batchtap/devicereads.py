@@ -21,8 +21,9 @@ on the device when the same script runs on a GPU ("device tensors"):
 Reads recorded (each with whether the tensor read is a device tensor, and where in the stack):
 ``item``/``float``/``int``/``bool``/``if t:``/``f"{t:.3f}"`` (``_local_scalar_dense``); blocking
 copies to the host (``.cpu()``, ``.to("cpu")``, ``host.copy_(t)``); ``.tolist()``, ``.numpy()``,
-``np.asarray(t)``; and ops whose output shape depends on the values, which wait for the device to
-know it (``nonzero``, indexing with a boolean mask, ``masked_select``, ``unique``, ``equal``).
+``np.asarray(t)``, ``print(t)``; and ops whose output shape depends on the values, which wait for
+the device to know it (``nonzero``, indexing with a boolean mask, ``masked_select``, ``unique``,
+``equal``).
 
 Example:
     >>> import torch
@@ -211,6 +212,8 @@ class DeviceReadTracker(TorchDispatchMode):
         self._thread = threading.get_ident()
         for name in ("tolist", "numpy", "__array__"):
             self._patch(torch.Tensor, name, self._reader(name, getattr(torch.Tensor, name)))
+        # Printing runs with dispatch modes disabled (torch._tensor_str): one read per print.
+        self._patch(torch.Tensor, "__repr__", self._reader("__repr__", torch.Tensor.__repr__, op="print/repr"))
         self._patch(torch.Tensor, "cpu", self._cpu(torch.Tensor.cpu))
         self._patch(torch.Tensor, "to", self._to(torch.Tensor.to))
         self._patch(torch.Tensor, "data", self._data(torch._C.TensorBase.data))  # type: ignore[attr-defined]
@@ -244,22 +247,34 @@ class DeviceReadTracker(TorchDispatchMode):
     def _alias(self, tensor: torch.Tensor, *, device: bool) -> torch.Tensor:
         """A new tensor object over the same storage, so that a "moved" copy and its source can
         differ in status on a machine where the move is a no-op."""
+        if tensor.is_leaf and tensor.requires_grad:
+            # An alias would be a non-leaf, and an optimizer refuses it; on the CPU the script
+            # gets this very tensor back, so it is the one that takes the new status.
+            return self._restatus(tensor, device=device)
         try:
             alias = tensor.view_as(tensor)
-        except RuntimeError:  # layouts without views (sparse): the tensor itself, status unchanged
-            return tensor
+        except RuntimeError:  # layouts without views (sparse): the tensor itself takes the status
+            return self._restatus(tensor, device=device)
         if device:
             self.mark(alias)
         else:
             self._unmark(alias)
         return alias
 
-    def _reader(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _restatus(self, tensor: torch.Tensor, *, device: bool) -> torch.Tensor:
+        if device:
+            self.mark(tensor)
+        elif not isinstance(tensor, torch.nn.Parameter):
+            self._unmark(tensor)
+        return tensor
+
+    def _reader(self, name: str, original: Callable[..., Any], *, op: str | None = None) -> Callable[..., Any]:
         tracker = self
+        label = op or f"Tensor.{name}"
 
         def wrapped(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if tracker._here():
-                tracker._record(f"Tensor.{name}", tracker.is_device(tensor), sys._getframe(1))
+                tracker._record(label, tracker.is_device(tensor), sys._getframe(1))
             return tracker._plain(original, tensor, *args, **kwargs)
 
         wrapped.__name__ = name
