@@ -1,9 +1,10 @@
 """A planted-sync Lightning module, trained by the real ``lightning.Trainer`` on the CPU.
 
-Lightning moves each batch with ``.to(device)`` in its own code and reads logged values inside
-``trainer.fit``; those reads are attributed to the ``trainer.fit`` line, with Lightning's line
-under it. Every line that syncs on a GPU ends with a ``SYNC`` comment; ``batchtap audit`` must list
-exactly these.
+Lightning moves each batch with ``.to(device)`` in its own code, and at the end of ``fit`` its
+strategy's teardown moves the model back to the host (``module.cpu()``): reads made inside
+Lightning are attributed to the ``trainer.fit`` line, with the library line under it. The
+``self.log`` calls read nothing here (no logger, no progress bar). Every line that syncs on a GPU
+ends with a ``SYNC`` comment; ``batchtap audit`` must list exactly these.
 """
 
 import lightning as L
