@@ -98,7 +98,7 @@ def _is_real_device(t: torch.Tensor) -> bool:
 class DeviceReadTracker(TorchDispatchMode):
     """Context manager: track device tensors and record host reads on the thread that entered it.
 
-    While active, ``Tensor.to``/``cpu``/``tolist``/``numpy``/``__array__``/``data`` and
+    While active, ``Tensor.to``/``cpu``/``tolist``/``numpy``/``__array__``/``__repr__``/``data`` and
     ``nn.Module.to`` are wrapped (restored on exit): the calls that move tensors or read them
     without passing the dispatcher.
 
