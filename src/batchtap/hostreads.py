@@ -9,7 +9,9 @@ them on any device, so a CPU-only test proves the CUDA path free of them:
 * ``Tensor.tolist``, ``Tensor.numpy`` and ``Tensor.__array__`` bypass the dispatcher for CPU
   tensors, so they are wrapped while the counter is active.
 
-Used by the test suite, the benchmarks and ``batchtap audit``.
+Used by the test suite and the benchmarks. It counts every read, of host tensors too; ``batchtap
+audit`` uses :class:`batchtap.devicereads.DeviceReadTracker`, which tells apart the reads of
+tensors that would live on the accelerator.
 
 Example:
     >>> import torch
@@ -61,7 +63,7 @@ class HostReadCounter(TorchDispatchMode):
 
     Args:
         locate: also record the first stack frame outside torch and batchtap for each read (slower;
-            what ``batchtap audit`` uses to print ``file:line``).
+            gives each read a ``file:line``).
     """
 
     def __init__(self, *, locate: bool = False) -> None:
