@@ -46,7 +46,10 @@ class ListSink(Sink):
 
 
 #: What the suite needs besides torch; `make test` installs all of it (the extras in pyproject.toml).
-OPTIONAL_TEST_DEPENDENCIES = ("psycopg", "tensorboard", "matplotlib", "sklearn", "mypy", "hypothesis", "lightning")
+OPTIONAL_TEST_DEPENDENCIES = (
+    "psycopg", "tensorboard", "matplotlib", "sklearn", "mypy", "hypothesis", "lightning",
+    "pandas", "pyarrow", "mlflow", "sqlalchemy", "alembic", "wandb", "prometheus_client",
+)  # fmt: skip
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
