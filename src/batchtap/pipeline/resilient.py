@@ -16,6 +16,7 @@ Spool format, one JSON object per line (strict JSON; NaN and infinities as the s
 
     {"v": 1, "op": "start_run", "run": {...RunInfo fields...}}
     {"v": 1, "op": "write", "records": [{"run_id": ..., "values": {"loss": 0.25}}], "events": [...]}
+    (a record logged with ``Tap.log()`` also has ``"sparse": true``)
     {"v": 1, "op": "end_run", "run": {...}}
 """
 
@@ -57,7 +58,7 @@ def _enc_opt(x: float | None) -> float | str | None:
 
 
 def _record_to_json(r: Record) -> dict[str, Any]:
-    return {
+    d = {
         "run_id": r.run_id,
         "step": r.step,
         "epoch": r.epoch,
@@ -66,6 +67,9 @@ def _record_to_json(r: Record) -> dict[str, Any]:
         "wall_time": _enc(r.wall_time),
         "values": {k: _enc(v) for k, v in r.values.items()},
     }
+    if r.sparse:  # a Tap.log() record must replay as one, not as a step record
+        d["sparse"] = True
+    return d
 
 
 def _record_from_json(d: dict[str, Any]) -> Record:
@@ -77,6 +81,7 @@ def _record_from_json(d: dict[str, Any]) -> Record:
         rank=int(d["rank"]),
         wall_time=_dec(d["wall_time"]),
         values={k: _dec(v) for k, v in d["values"].items()},
+        sparse=bool(d.get("sparse", False)),
     )
 
 
