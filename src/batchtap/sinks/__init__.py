@@ -11,7 +11,8 @@ from batchtap.sinks.csv import CSV
 from batchtap.sinks.jsonl import JSONL
 from batchtap.sinks.mlflow import MLflow
 from batchtap.sinks.postgres import Postgres
+from batchtap.sinks.prometheus import Prometheus
 from batchtap.sinks.sqlite import SQLite
 from batchtap.sinks.tensorboard import TensorBoard
 
-__all__ = ["Sink", "Console", "JSONL", "CSV", "SQLite", "Postgres", "TensorBoard", "MLflow"]
+__all__ = ["Sink", "Console", "JSONL", "CSV", "SQLite", "Postgres", "TensorBoard", "MLflow", "Prometheus"]
