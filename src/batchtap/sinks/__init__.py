@@ -14,5 +14,6 @@ from batchtap.sinks.postgres import Postgres
 from batchtap.sinks.prometheus import Prometheus
 from batchtap.sinks.sqlite import SQLite
 from batchtap.sinks.tensorboard import TensorBoard
+from batchtap.sinks.wandb import WandB
 
-__all__ = ["Sink", "Console", "JSONL", "CSV", "SQLite", "Postgres", "TensorBoard", "MLflow", "Prometheus"]
+__all__ = ["Sink", "Console", "JSONL", "CSV", "SQLite", "Postgres", "TensorBoard", "MLflow", "Prometheus", "WandB"]
