@@ -329,6 +329,17 @@ class ResilientSink(Sink):
         """Forward ``end_run`` (spooled if the sink is down)."""
         self._do(("end_run", run))
 
+    def start_epoch(self, run_id: str, epoch: int, total: int | None) -> None:
+        """Forward ``start_epoch`` while the sink is up; it only feeds progress displays, so it is
+        neither spooled nor retried."""
+        with self._lock:
+            if self.pending:
+                return
+            try:
+                self.sink.start_epoch(run_id, epoch, total)
+            except Exception as exc:  # noqa: BLE001 - reported like any failure of the sink
+                self._warn(f"sink {self.name}: start_epoch failed: {type(exc).__name__}: {exc}")
+
     def flush(self) -> None:
         """Retry a down sink if its backoff delay has passed, then flush it."""
         with self._lock:
