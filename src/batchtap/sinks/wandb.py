@@ -152,7 +152,7 @@ class WandB(Sink):
         run.define_metric("*", step_metric=STEP_KEY)
         sync_file = getattr(run.settings, "sync_file", None)
         if sync_file:
-            self.files.setdefault(run_id, []).append(str(sync_file))
+            self.files.setdefault(run_id, []).append(os.path.abspath(sync_file))
         self._runs[run_id] = run
         again = [x for x in self._resend if x[1] == run_id]
         if again:
