@@ -191,3 +191,36 @@ def test_prints_never_share_a_line_with_the_console_on_a_terminal(tmp_path: Path
     assert any(line.startswith("epoch 1: 100%") and "40/40" in line for line in lines)
     assert sum(line.startswith("eval  step") for line in lines) == 2
     assert lines[-1] == "script done"
+
+
+LOG_SCRIPT = textwrap.dedent(
+    """
+    import torch, batchtap as bt
+    with bt.Tap([bt.metrics.Loss()], sinks=[bt.sinks.Console(every=1)], flush_every=1) as tap, tap.run("log"):
+        for i in range(1500):
+            tap.step(loss=torch.tensor(1.0))
+            print(f"user line {i:05d} " + "x" * 40)
+            if i % 100 == 50:
+                print("partial", end="", flush=True)  # as progress dots are printed
+                tap.flush()  # sync: the console writes while the script's line is unfinished
+                print(" and the rest of it")
+    """
+)
+
+
+def test_prints_never_share_a_line_with_the_console_in_a_log_file(tmp_path: Path) -> None:
+    """`python train.py > log 2>&1`: stdout block-buffered, stderr not, one file."""
+    script = tmp_path / "train.py"
+    script.write_text(LOG_SCRIPT)
+    log = tmp_path / "train.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    env["BATCHTAP_DB"] = str(tmp_path / "bt.db")
+    with log.open("wb") as f:
+        done = subprocess.run([sys.executable, str(script)], stdout=f, stderr=subprocess.STDOUT, env=env, timeout=300, check=False)
+    assert done.returncode == 0
+    lines = log.read_text().splitlines()
+    user = [line for line in lines if "user line" in line]
+    assert user == [f"user line {i:05d} " + "x" * 40 for i in range(1500)]  # each whole, on its own
+    console = [line for line in lines if line.startswith("epoch 0 batch")]
+    assert len(console) == 1500 and all(re.fullmatch(r"epoch 0 batch \d+: loss=1\.0000", line) for line in console)
+    assert all(line in ("partial", "partial and the rest of it", " and the rest of it") for line in lines if "partial" in line or "rest of it" in line)

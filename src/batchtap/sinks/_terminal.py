@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["SCREEN", "GuardedStdout", "guard_stdout", "unguard_stdout"]
+__all__ = ["SCREEN", "GuardedStdout", "guard_stdout", "unguard_stdout", "flush_script_stdout"]
 
 
 class _Screen:
@@ -93,6 +93,20 @@ def unguard_stdout() -> None:
         if SCREEN.guards == 0 and isinstance(sys.stdout, GuardedStdout):
             sys.stdout = sys.stdout.wrapped  # type: ignore[assignment]
             SCREEN.mid_line = False
+
+
+def flush_script_stdout() -> None:
+    """Push the script's buffered stdout out before batchtap writes a line (call under the lock).
+
+    Redirected to a file (``python train.py > log 2>&1``) stdout is block-buffered: without this, a
+    buffer boundary in the middle of the script's line would put batchtap's line inside it.
+    """
+    out = sys.stdout
+    if isinstance(out, GuardedStdout):
+        try:
+            out.wrapped.flush()
+        except (OSError, ValueError):  # closed or broken: nothing of it can reach the screen anyway
+            pass
 
 
 def real_stream(stream: IO[str]) -> IO[str]:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo
-from batchtap.sinks._terminal import SCREEN, guard_stdout, real_stream, unguard_stdout
+from batchtap.sinks._terminal import SCREEN, flush_script_stdout, guard_stdout, real_stream, unguard_stdout
 from batchtap.sinks.base import Sink
 
 __all__ = ["Console", "format_values", "format_sparse"]
@@ -271,6 +271,7 @@ class Console(Sink):
         """One whole line, never on the script's unfinished line nor on the bar's."""
         with SCREEN.lock:
             self._hide()
+            flush_script_stdout()  # what the script printed so far comes first, and whole
             text = line + "\n"
             if SCREEN.mid_line:
                 text = "\n" + text  # end the script's unfinished line first
