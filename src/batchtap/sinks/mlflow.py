@@ -94,8 +94,8 @@ class MLflow(Sink):
 
     **When the tracking server is down** a request raises; give the Tap a ``spool_dir`` and the
     blocks are spooled to disk and replayed in order when the server answers again (nothing is lost;
-    a replayed block logs the same values again, which MLflow stores once per step for the SQL
-    stores). MLflow itself retries an HTTP request ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` times (default
+    a replayed block logs the same values again, which MLflow's SQL stores keep once: a metric
+    value is keyed by name, step, timestamp and value). MLflow itself retries an HTTP request ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` times (default
     7, with backoff, up to minutes); lower it (e.g. ``2``) to fall back on the spool sooner.
 
     Args:
