@@ -117,8 +117,11 @@ def test_scraped_while_training_runs(tmp_path: Path) -> None:
                         assert get(got, "batchtap_logged_step", metric="val_loss", **run) == step
                         assert get(got, "batchtap_run_status", batchtap_run_status="running", **run) == 1.0
                         steps = [r for r in seen.records if not r.sparse]
-                        window = [r for r in steps if r.wall_time > steps[-1].wall_time - sink.rate_window]
-                        span = steps[-1].wall_time - window[0].wall_time if len(window) > 1 else 0.0
+                        # the window starts at the latest step at least rate_window before the last
+                        # (or at the first step, when the run is younger than that)
+                        before = [r for r in steps[:-1] if r.wall_time <= steps[-1].wall_time - sink.rate_window]
+                        window = [before[-1] if before else steps[0], steps[-1]]
+                        span = window[1].wall_time - window[0].wall_time
                         rate = get(got, "batchtap_steps_per_second", **run)
                         if span > 0:  # the speed of the recorded steps, from their own wall times
                             assert rate == pytest.approx((steps[-1].step - window[0].step) / span, rel=1e-9)

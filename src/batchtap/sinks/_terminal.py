@@ -25,11 +25,22 @@ __all__ = ["SCREEN", "GuardedStdout", "guard_stdout", "unguard_stdout", "flush_s
 class _Screen:
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        #: the script's stdout holds text after its last newline
-        self.mid_line = False
         #: (hide, show) of every bar on screen
         self.bars: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
         self.guards = 0
+
+    @property
+    def mid_line(self) -> bool:
+        """The script's stdout holds text after its last newline. Kept by the guard of the
+        ``sys.stdout`` in place now, so a stream swapped in since (a test's capture) starts clean."""
+        out = sys.stdout
+        return isinstance(out, GuardedStdout) and out.mid_line
+
+    @mid_line.setter
+    def mid_line(self, value: bool) -> None:
+        out = sys.stdout
+        if isinstance(out, GuardedStdout):
+            out.mid_line = value
 
     def hide_bars(self) -> None:
         for hide, _ in self.bars.values():
@@ -58,14 +69,15 @@ class GuardedStdout:
 
     def __init__(self, wrapped: IO[str]) -> None:
         self.wrapped = wrapped
+        self.mid_line = False
 
     def write(self, text: str) -> int:
         with SCREEN.lock:
-            if SCREEN.bars and not SCREEN.mid_line:
+            if SCREEN.bars and not self.mid_line:
                 SCREEN.hide_bars()
             n = self.wrapped.write(text)
             if text:
-                SCREEN.mid_line = not text.endswith("\n")
+                self.mid_line = not text.endswith("\n")
             if SCREEN.bars:
                 self.wrapped.flush()  # on the terminal before a bar is drawn below it
                 SCREEN.show_bars()
@@ -92,7 +104,6 @@ def unguard_stdout() -> None:
         SCREEN.guards = max(0, SCREEN.guards - 1)
         if SCREEN.guards == 0 and isinstance(sys.stdout, GuardedStdout):
             sys.stdout = sys.stdout.wrapped  # type: ignore[assignment]
-            SCREEN.mid_line = False
 
 
 def flush_script_stdout() -> None:
