@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	  fi; \
 	fi
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[demo,dev,tensorboard,postgres,plot,lightning,transformers,accelerate]'
+	$(BIN)/python -m pip install -q -e '.[demo,dev,tensorboard,postgres,plot,lightning,transformers,accelerate,pandas,mlflow,wandb,prometheus]'
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -48,8 +48,9 @@ class ListSink(Sink):
 #: What the suite needs besides torch; `make test` installs all of it (the extras in pyproject.toml).
 OPTIONAL_TEST_DEPENDENCIES = (
     "psycopg", "tensorboard", "matplotlib", "sklearn", "mypy", "hypothesis", "lightning", "transformers",
-    "accelerate", "jsonargparse",
-)
+    "accelerate", "jsonargparse", "pandas", "pyarrow", "mlflow", "sqlalchemy", "alembic", "wandb",
+    "prometheus_client",
+)  # fmt: skip
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -537,6 +537,12 @@ class Tap:
         state.next_epoch = state.epoch + 1
         state.watching = True
         try:
+            total: int | None = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            total = None  # an iterable without a length: progress shows a count, no percentage
+        # Through the pipeline queue (no I/O here): progress displays learn the epoch's length.
+        self._harvester.start_epoch(state.info.id, state.epoch, total, writes=self._writes(state))
+        try:
             for index, (batch, data_time, is_last) in enumerate(timed_batches(loader, self.sample_every > 1)):
                 if self._runner is not None and self._runner.should_skip(
                     state.epoch, index, step=state.step, run_id=state.info.id

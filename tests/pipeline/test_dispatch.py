@@ -99,3 +99,42 @@ def test_a_slow_sink_gets_coalesced_blocks_and_keeps_up() -> None:
             tap.step(loss=torch.tensor(float(i)))
     assert [r.step for r in slow.records] == list(range(300))
     assert slow.writes < 300 / 5  # many flushed blocks per write call
+
+
+def test_start_epoch_reaches_every_sink_in_order_with_the_blocks() -> None:
+    """``Dispatcher.start_epoch`` travels the workers' queues like a block: a sink sees it between
+    the blocks written before and after it; a sink without the hook is skipped."""
+    from batchtap.sinks.base import Sink
+
+    class Seen(Sink):
+        def __init__(self) -> None:
+            self.log: list[object] = []
+
+        def write(self, records, events=()):  # type: ignore[no-untyped-def]
+            self.log.extend(r.step for r in records)
+
+        def start_epoch(self, run_id: str, epoch: int, total: int | None) -> None:
+            self.log.append((run_id, epoch, total))
+
+    class Bare:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def write(self, records, events=()):  # type: ignore[no-untyped-def]
+            self.n += len(records)
+
+        def flush(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    seen, bare = Seen(), Bare()
+    d = Dispatcher([seen, bare])  # type: ignore[list-item]
+    rec = [Record("r", s, 0, s, 0, 0.0, {"loss": 1.0}) for s in range(4)]
+    d.write(rec[:2], [])
+    d.start_epoch("r", 1, 12)
+    d.write(rec[2:], [])
+    assert d.flush(timeout=30)
+    d.close()
+    assert seen.log == [0, 1, ("r", 1, 12), 2, 3] and bare.n == 4

@@ -294,3 +294,24 @@ def test_run_info_round_trips() -> None:
     run = replace(make_run(), status=RunStatus.FAILED, ended_at=12.5, stop_reason="boom", world_size=4)
     kind, back = decode_entry(encode_entry(("end_run", run)))
     assert kind == "end_run" and back == run
+
+
+def test_a_logged_record_replays_as_a_logged_record(tmp_path: Path) -> None:
+    """A ``Tap.log()`` record spooled while the sink was down reaches it with ``sparse=True`` (the
+    SQL sinks note its names in ``sparse_metrics`` only then)."""
+    db = tmp_path / "bt.db"
+    inner = Switchable(SQLite(db))
+    sink = ResilientSink(inner, spool_path=tmp_path / "spool.jsonl", retry_initial=0.0001)
+    run = make_run()
+    sink.start_run(run)
+    inner.down = True
+    step = Record(run.id, 4, 0, 4, 0, 1.0, {"loss": 0.5})
+    logged = Record(run.id, 4, 0, -1, 0, 1.5, {"val_acc": 0.75}, sparse=True)
+    sink.write([step, logged])
+    assert sink.pending
+    assert decode_entry(sink.spool_path.read_text().splitlines()[-1])[1][0] == [step, logged]  # type: ignore[index]
+    inner.down = False
+    sink.close()
+    assert not sink.pending
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT metric FROM sparse_metrics").fetchall() == [("val_acc",)]

@@ -1,7 +1,9 @@
-"""``batchtap export RUN --format csv|jsonl [-o FILE]``: a stored run as CSV or JSON lines.
+"""``batchtap export RUN --format csv|jsonl|parquet [-o FILE]``: a stored run as CSV, JSON lines or Parquet.
 
-The files are written by batchtap's own CSV and JSONL sinks, so an export reads back with
+CSV and JSONL files are written by batchtap's own CSV and JSONL sinks, so an export reads back with
 :func:`batchtap.sinks.csv.read_records` (or any CSV/JSON reader) exactly like a sink's output.
+Parquet (pyarrow, ``pip install 'batchtap[pandas]'``) is written by :mod:`batchtap.store.parquet`
+and reads back with its ``read_records`` or with pandas/pyarrow/DuckDB.
 """
 
 from __future__ import annotations
@@ -24,14 +26,19 @@ EXAMPLE = """examples:
   batchtap export demo --format csv -o demo.csv      # also writes demo.events.csv
   batchtap export demo --format jsonl > demo.jsonl
   batchtap export 3f2a9c --format csv -m loss -m accuracy --rank all -o loss.csv
+  batchtap export demo --format parquet -o demo.parquet  # also writes demo.events.parquet
 
 CSV: one row per (step, rank), columns run_id,step,epoch,batch,rank,wall_time,<metrics>; empty
 cell = no value, 'nan' = a value that failed validation; events go to <FILE stem>.events.csv and
 values logged with tap.log() to <FILE stem>.sparse.csv, one line per value (run_id,step,epoch,
 rank,wall_time,name,value) (both with -o only). JSONL: run_start, record, event and run_end lines
-(NaN as the string "nan"); a tap.log() record has "sparse": true and only its own names."""
+(NaN as the string "nan"); a tap.log() record has "sparse": true and only its own names.
+Parquet (needs -o and pyarrow): one row per record, columns run_id,step,epoch,batch,rank,
+wall_time,sparse,<metrics>; a tap.log() record is a row with sparse=true; null = no value, NaN =
+a value that failed validation; the run in the file metadata (batchtap.run); events in
+<FILE stem>.events.parquet."""
 
-Format = Literal["csv", "jsonl"]
+Format = Literal["csv", "jsonl", "parquet"]
 
 
 def _rank(text: str) -> int:
@@ -47,13 +54,13 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     """Add the ``export`` subcommand."""
     parser = commands.add_parser(
         "export",
-        help="write a run's values and events as CSV or JSON lines",
-        description="Write a stored run's metric values and events as CSV or JSON lines, to FILE or stdout.",
+        help="write a run's values and events as CSV, JSON lines or Parquet",
+        description="Write a stored run's metric values and events as CSV or JSON lines (to FILE or stdout) or Parquet (to FILE).",
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run", metavar="RUN", help="run id, unique id prefix, or name")
-    parser.add_argument("--format", "-f", choices=("csv", "jsonl"), required=True, help="output format")
+    parser.add_argument("--format", "-f", choices=("csv", "jsonl", "parquet"), required=True, help="output format")
     parser.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     parser.add_argument("--force", action="store_true", help="replace FILE (and its CSV parts/events) if it exists")
     parser.add_argument(
@@ -72,6 +79,10 @@ def _outputs(path: Path, fmt: Format) -> list[Path]:
     ``x.sparse.csv``)."""
     if fmt == "jsonl":
         return [path]
+    if fmt == "parquet":
+        from batchtap.store.parquet import events_path as parquet_events
+
+        return [path, parquet_events(path)]
     from batchtap.sinks.csv import events_path, part_paths, sparse_path
 
     sidecars = [events_path(path), sparse_path(path)]
@@ -148,6 +159,15 @@ def export_run(args: argparse.Namespace, fmt: Format, path: Path) -> tuple[int, 
         events = store.events(run.id)
     if args.rank is not None:
         events = [e for e in events if e.rank == args.rank]
+    if fmt == "parquet":
+        from batchtap.store.parquet import write_run
+
+        try:
+            write_run(path, run_info(run), records, events)
+        except OSError as exc:
+            raise CLIError(f"cannot write {path}: {exc.strerror or exc}; fix: choose another -o") from None
+        sparse = sum(r.sparse for r in records)
+        return len(records) - sparse, sparse, len(events)
     if fmt == "csv":
         from batchtap.sinks.csv import CSV as Writer
     else:
@@ -172,6 +192,15 @@ def export_run(args: argparse.Namespace, fmt: Format, path: Path) -> tuple[int, 
 def main(args: argparse.Namespace) -> int:
     """Export one run; returns the exit status."""
     fmt: Format = args.format
+    if fmt == "parquet":
+        if not args.output or args.output == "-":
+            raise CLIError("--format parquet writes a binary file, not stdout; fix: pass -o FILE.parquet")
+        from batchtap._optional import require
+
+        try:
+            require("pyarrow", extra="pandas", purpose="batchtap export --format parquet")
+        except ImportError as exc:
+            raise CLIError(str(exc)) from None
     if args.output and args.output != "-":
         path = Path(args.output)
         _check_output(args, path, [path])
@@ -190,7 +219,7 @@ def main(args: argparse.Namespace) -> int:
         if k:
             from batchtap.sinks.csv import sparse_path
 
-            where = f" in {sparse_path(path)}" if fmt == "csv" else ""
+            where = f" in {sparse_path(path)}" if fmt == "csv" else (" as rows with sparse=true" if fmt == "parquet" else "")
             logged = f" ({k} records of tap.log() values{where})"
         print(f"wrote {n} records and {m} events to {path}{logged}", file=sys.stderr)
         return 0

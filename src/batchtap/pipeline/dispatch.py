@@ -54,6 +54,13 @@ class _Call:
     done: threading.Event | None = None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Epoch:
+    run_id: str
+    epoch: int
+    total: int | None
+
+
 _STOP = object()
 
 
@@ -161,6 +168,11 @@ class SinkWorker:
                 if item is _STOP:
                     self._guarded("close", self.sink.close)
                     return
+                if isinstance(item, _Epoch):
+                    start_epoch = getattr(self.sink, "start_epoch", None)  # sinks need not derive from Sink
+                    if start_epoch is not None:
+                        self._guarded("start_epoch", start_epoch, item.run_id, item.epoch, item.total)
+                    continue
                 assert isinstance(item, _Call)
                 if item.name == "flush":
                     self._guarded("flush", self.sink.flush)
@@ -238,6 +250,10 @@ class Dispatcher:
         events = self._take_warnings() + events
         for w in self.workers:
             w.put_write(records, events)
+
+    def start_epoch(self, run_id: str, epoch: int, total: int | None) -> None:
+        for w in self.workers:
+            w.put_call(_Epoch(run_id, epoch, total))
 
     def end_run(self, run: RunInfo) -> None:
         warnings = self._take_warnings()

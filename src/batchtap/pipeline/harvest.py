@@ -102,6 +102,11 @@ class Harvester:
         if writes:
             self._queue.put(("end_run", run))
 
+    def start_epoch(self, run_id: str, epoch: int, total: int | None, *, writes: bool = True) -> None:
+        """An epoch of ``total`` batches began (for the sinks' progress displays)."""
+        if writes:
+            self._queue.put(("start_epoch", (run_id, epoch, total)))
+
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted so far was decoded and handed to the sinks.
 
@@ -172,5 +177,7 @@ class Harvester:
             self.dispatcher.start_run(payload)
         elif kind == "end_run":
             self.dispatcher.end_run(payload)
+        elif kind == "start_epoch":
+            self.dispatcher.start_epoch(*payload)
         elif kind == "barrier":
             payload.set()

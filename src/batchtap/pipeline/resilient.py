@@ -16,6 +16,7 @@ Spool format, one JSON object per line (strict JSON; NaN and infinities as the s
 
     {"v": 1, "op": "start_run", "run": {...RunInfo fields...}}
     {"v": 1, "op": "write", "records": [{"run_id": ..., "values": {"loss": 0.25}}], "events": [...]}
+    (a record logged with ``Tap.log()`` also has ``"sparse": true``)
     {"v": 1, "op": "end_run", "run": {...}}
 
 A sink that hangs is a failing sink: every call into it runs on a helper thread and is given
@@ -65,7 +66,7 @@ def _enc_opt(x: float | None) -> float | str | None:
 
 
 def _record_to_json(r: Record) -> dict[str, Any]:
-    return {
+    d = {
         "run_id": r.run_id,
         "step": r.step,
         "epoch": r.epoch,
@@ -74,6 +75,9 @@ def _record_to_json(r: Record) -> dict[str, Any]:
         "wall_time": _enc(r.wall_time),
         "values": {k: _enc(v) for k, v in r.values.items()},
     }
+    if r.sparse:  # a Tap.log() record must replay as one, not as a step record
+        d["sparse"] = True
+    return d
 
 
 def _record_from_json(d: dict[str, Any]) -> Record:
@@ -85,6 +89,7 @@ def _record_from_json(d: dict[str, Any]) -> Record:
         rank=int(d["rank"]),
         wall_time=_dec(d["wall_time"]),
         values={k: _dec(v) for k, v in d["values"].items()},
+        sparse=bool(d.get("sparse", False)),
     )
 
 
@@ -432,6 +437,17 @@ class ResilientSink(Sink):
     def end_run(self, run: RunInfo) -> None:
         """Forward ``end_run`` (spooled if the sink is down)."""
         self._do(("end_run", run))
+
+    def start_epoch(self, run_id: str, epoch: int, total: int | None) -> None:
+        """Forward ``start_epoch`` while the sink is up; it only feeds progress displays, so it is
+        neither spooled nor retried."""
+        with self._lock:
+            if self.pending:
+                return
+            try:
+                self.sink.start_epoch(run_id, epoch, total)
+            except Exception as exc:  # noqa: BLE001 - reported like any failure of the sink
+                self._warn(f"sink {self.name}: start_epoch failed: {type(exc).__name__}: {exc}")
 
     def flush(self) -> None:
         """Retry a down sink if its backoff delay has passed, then flush it."""

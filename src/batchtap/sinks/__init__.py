@@ -9,8 +9,11 @@ from batchtap.sinks.base import Sink
 from batchtap.sinks.console import Console
 from batchtap.sinks.csv import CSV
 from batchtap.sinks.jsonl import JSONL
+from batchtap.sinks.mlflow import MLflow
 from batchtap.sinks.postgres import Postgres
+from batchtap.sinks.prometheus import Prometheus
 from batchtap.sinks.sqlite import SQLite
 from batchtap.sinks.tensorboard import TensorBoard
+from batchtap.sinks.wandb import WandB
 
-__all__ = ["Sink", "Console", "JSONL", "CSV", "SQLite", "Postgres", "TensorBoard"]
+__all__ = ["Sink", "Console", "JSONL", "CSV", "SQLite", "Postgres", "TensorBoard", "MLflow", "Prometheus", "WandB"]

@@ -8,6 +8,8 @@ only. The contract is deliberately small:
 * ``flush()`` — make everything written so far durable/visible.
 * ``close()`` — release files and connections.
 * ``start_run(run)`` / ``end_run(run)`` — run life-cycle hooks; the defaults do nothing.
+* ``start_epoch(run_id, epoch, total)`` — ``Tap.watch()`` began an epoch of ``total`` batches
+  (None: the loader has no length); for progress displays; the default does nothing.
 
 Optional third-party packages a sink needs are imported inside the sink's constructor, with an error
 naming the extra to install (see :func:`require`).
@@ -57,6 +59,11 @@ class Sink:
 
     def end_run(self, run: RunInfo) -> None:
         """Called once when a run ends, after all of its records; ``run.status`` is final."""
+
+    def start_epoch(self, run_id: str, epoch: int, total: int | None) -> None:
+        """``Tap.watch()`` began epoch ``epoch`` of a loader of ``total`` batches (None: no
+        ``len()``). Sent through the pipeline like records, so it may arrive while the previous
+        epoch's last records are still on their way: key what it tells by ``epoch``."""
 
     def flush(self) -> None:
         """Make everything written so far durable or visible."""

@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -298,6 +298,54 @@ class Store:
         return [
             Point(int(s), _NAN if v is None else float(v), float(w), int(e), int(b)) for s, v, w, e, b in rows
         ]
+
+    def frame(
+        self, run: str | RunRow, metrics: Sequence[str] | None = None, *, rank: int | None = None, positions: bool = False
+    ) -> Any:
+        """A run as a wide ``pandas.DataFrame``: one row per step (index ``step``), one float column
+        per metric, step values first (declared order), then the values logged with ``Tap.log()``.
+
+        Needs pandas (``pip install 'batchtap[pandas]'``). A cell is NaN where the metric has no
+        value at that step (a ``Tap.log()`` value exists only at the steps it was logged at) and
+        where a value failed validation (:meth:`events` has the anomaly with the raw value).
+        ``frame.attrs`` holds ``run_id``, ``run_name`` and ``sparse`` (the logged names shown).
+
+        Args:
+            run: a run id, unique id prefix or name (as :meth:`run` resolves it), or a :class:`RunRow`.
+            metrics: only these metrics, in this order (default: :meth:`metric_names`).
+            rank: one process rank (``-1``: the rows reduced over all ranks); default: per metric,
+                the reduced rows when stored, else the lowest rank (as :meth:`series`).
+            positions: also give each step's ``epoch``, ``batch`` and ``wall_time`` as the first
+                columns (a metric of one of those names is then renamed ``metric:<name>``).
+
+        Raises:
+            RunNotFound: no such run.
+            StoreError: a name in ``metrics`` has no values in the run (the message lists those it has).
+            ImportError: pandas is missing.
+
+        Example:
+            >>> import tempfile, os, batchtap.store
+            >>> from batchtap.sinks.sqlite import SQLite
+            >>> from batchtap.records import Record, RunInfo
+            >>> path = os.path.join(tempfile.mkdtemp(), "bt.db")
+            >>> sink = SQLite(path)
+            >>> sink.start_run(RunInfo("a1b2", "demo", {}, started_at=0.0))
+            >>> sink.write([Record("a1b2", step=s, epoch=0, batch=s, rank=0, wall_time=1.0 + s,
+            ...                    values={"loss": 1.0 / (s + 1)}) for s in range(3)])
+            >>> sink.write([Record("a1b2", step=2, epoch=0, batch=-1, rank=0, wall_time=3.5,
+            ...                    values={"val_acc": 0.75}, sparse=True)])
+            >>> sink.close()
+            >>> with batchtap.store.open(path) as st:
+            ...     print(st.frame("demo"))  # doctest: +NORMALIZE_WHITESPACE
+                      loss  val_acc
+            step
+            0     1.000000      NaN
+            1     0.500000      NaN
+            2     0.333333     0.75
+        """
+        from batchtap.store.frame import run_frame
+
+        return run_frame(self, run, metrics, rank=rank, positions=positions)
 
     def iter_metrics(self, run_id: str) -> Iterator[tuple[str, int, int, float]]:
         """Every stored value of a run as ``(metric, step, rank, value)``, by metric then step."""

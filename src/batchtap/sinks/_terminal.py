@@ -1,0 +1,125 @@
+"""One terminal, two writers: the training script's own prints and batchtap's console output.
+
+A progress bar is a line without its newline at the bottom of the terminal. A ``print()`` from the
+script (``sys.stdout``) while the bar is drawn would land on the bar's line, and a bar or a
+batchtap line drawn while the script's line is unfinished (``print("a", end="")``, or between the
+two writes of one ``print``) would land on the script's line. :data:`SCREEN` arbitrates:
+
+* while a :class:`~batchtap.sinks.Console` shows a bar, ``sys.stdout`` is wrapped by
+  :class:`GuardedStdout`, which hides the bars before the script's text, flushes it, and draws
+  them again once the script's line is complete;
+* the console draws and prints only under :data:`SCREEN` ``.lock``, never while the script's line
+  is unfinished (a batchtap line then starts on a new line).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import IO, Any
+
+__all__ = ["SCREEN", "GuardedStdout", "guard_stdout", "unguard_stdout", "flush_script_stdout"]
+
+
+class _Screen:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        #: (hide, show) of every bar on screen
+        self.bars: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
+        self.guards = 0
+
+    @property
+    def mid_line(self) -> bool:
+        """The script's stdout holds text after its last newline. Kept by the guard of the
+        ``sys.stdout`` in place now, so a stream swapped in since (a test's capture) starts clean."""
+        out = sys.stdout
+        return isinstance(out, GuardedStdout) and out.mid_line
+
+    @mid_line.setter
+    def mid_line(self, value: bool) -> None:
+        out = sys.stdout
+        if isinstance(out, GuardedStdout):
+            out.mid_line = value
+
+    def hide_bars(self) -> None:
+        for hide, _ in self.bars.values():
+            hide()
+
+    def show_bars(self) -> None:
+        if not self.mid_line:
+            for _, show in self.bars.values():
+                show()
+
+
+SCREEN = _Screen()
+
+
+class GuardedStdout:
+    """``sys.stdout`` as the script sees it while a bar is shown: every write goes to the real
+    stream between hiding the bars and showing them again (once the line is complete).
+
+    Example:
+        >>> import io
+        >>> real = io.StringIO()
+        >>> out = GuardedStdout(real)
+        >>> out.write("epoch done\\n"), real.getvalue()
+        (11, 'epoch done\\n')
+    """
+
+    def __init__(self, wrapped: IO[str]) -> None:
+        self.wrapped = wrapped
+        self.mid_line = False
+
+    def write(self, text: str) -> int:
+        with SCREEN.lock:
+            if SCREEN.bars and not self.mid_line:
+                SCREEN.hide_bars()
+            n = self.wrapped.write(text)
+            if text:
+                self.mid_line = not text.endswith("\n")
+            if SCREEN.bars:
+                self.wrapped.flush()  # on the terminal before a bar is drawn below it
+                SCREEN.show_bars()
+            return n
+
+    def flush(self) -> None:
+        self.wrapped.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, buffer...: the real stream's
+        return getattr(self.wrapped, name)
+
+
+def guard_stdout() -> None:
+    """Wrap ``sys.stdout`` (once, however many consoles ask)."""
+    with SCREEN.lock:
+        SCREEN.guards += 1
+        if not isinstance(sys.stdout, GuardedStdout):
+            sys.stdout = GuardedStdout(sys.stdout)  # type: ignore[assignment]
+
+
+def unguard_stdout() -> None:
+    """Undo :func:`guard_stdout` when the last console is done (unless someone wrapped it since)."""
+    with SCREEN.lock:
+        SCREEN.guards = max(0, SCREEN.guards - 1)
+        if SCREEN.guards == 0 and isinstance(sys.stdout, GuardedStdout):
+            sys.stdout = sys.stdout.wrapped  # type: ignore[assignment]
+
+
+def flush_script_stdout() -> None:
+    """Push the script's buffered stdout out before batchtap writes a line (call under the lock).
+
+    Redirected to a file (``python train.py > log 2>&1``) stdout is block-buffered: without this, a
+    buffer boundary in the middle of the script's line would put batchtap's line inside it.
+    """
+    out = sys.stdout
+    if isinstance(out, GuardedStdout):
+        try:
+            out.wrapped.flush()
+        except (OSError, ValueError):  # closed or broken: nothing of it can reach the screen anyway
+            pass
+
+
+def real_stream(stream: IO[str]) -> IO[str]:
+    """The stream under a :class:`GuardedStdout` (the console writes there, under the lock)."""
+    return stream.wrapped if isinstance(stream, GuardedStdout) else stream
