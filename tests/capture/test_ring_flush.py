@@ -90,23 +90,46 @@ def test_a_slot_is_not_reused_before_its_row_was_released() -> None:
     assert data.step.tolist() == [0, 1] and flusher.waits == 1
 
 
-def test_due_by_count_or_by_age_and_never_when_empty() -> None:
+class _Monotonic:
+    """``time.monotonic`` for the flusher, moved only by the test: ages are what the test says."""
+
+    def __init__(self) -> None:
+        self.now = 64.0  # binary-exact times throughout: an age is exactly what the test added
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_due_by_count_or_by_age_and_never_when_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import batchtap.capture.flush as flush_module
+
+    clock = _Monotonic()
+    monkeypatch.setattr(flush_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
     ring = _ring(capacity=8)
-    flusher = Flusher(ring, HostClock(8), flush_every=3, flush_seconds=0.05)
+    flusher = Flusher(ring, HostClock(8), flush_every=3, flush_seconds=0.5)
     assert not flusher.due()
-    time.sleep(0.06)
+    clock.now += 0.75
     assert not flusher.due(), "an empty ring is never due, however old the last flush"
     _write(ring, flusher, 0, 1.0)
     assert flusher.due(), "one row older than flush_seconds is due"
     flusher.flush()
     _write(ring, flusher, 1, 1.0)
+    clock.now += 0.25
     _write(ring, flusher, 2, 1.0)
+    assert not flusher.due(), "2 rows < flush_every, 0.25 s < flush_seconds: not due"
+    clock.now += 0.25
+    assert flusher.due(), "exactly flush_seconds since the last flush: due by age"
+    flusher.flush()
+    for step in (3, 4):
+        _write(ring, flusher, step, 1.0)
     assert not flusher.due()
-    _write(ring, flusher, 3, 1.0)
-    assert flusher.due()
+    _write(ring, flusher, 5, 1.0)
+    assert flusher.due(), "flush_every rows are due at once, whatever their age"
     count_only = Flusher(_ring(capacity=8), HostClock(8), flush_every=3, flush_seconds=None)
     _write(count_only.ring, count_only, 0, 1.0)
-    time.sleep(0.06)
+    clock.now += 3600.0
     assert not count_only.due(), "flush_seconds=None flushes on the count only (process groups)"
 
 
