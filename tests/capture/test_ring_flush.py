@@ -232,3 +232,33 @@ def test_timed_batches_measures_the_wait_for_a_slow_loader() -> None:
 
     waits = [w for _, w, _ in timed_batches(slow(), need_last=False)]
     assert len(waits) == 2 and all(w >= 0.025 for w in waits)
+
+
+def test_guard_settles_a_wrapped_row_only_once_a_whole_ring_has_passed_it() -> None:
+    # After the ring wrapped, a row's slot number is smaller than the row: the guard must compare
+    # rows, not slots. Step 6 (slot 2 of 4) holds a NaN; its copy is final once row 10 takes the
+    # slot again, not before (on a device, an earlier read could see a copy still in flight).
+    ring = _ring(capacity=4)
+    clock = _LaggingClock(4)
+    flusher = Flusher(ring, clock, flush_every=2, flush_seconds=None)
+    guard = LossGuard(ring, clock)
+    hits = []
+    for row in range(12):
+        slot = flusher.claim(row)
+        guard.settle(row)
+        loss = math.nan if row == 6 else 1.0 / (row + 1)
+        ring.write(slot, [torch.tensor(loss), torch.tensor(0.0)], [0.0], step=row, epoch=0, batch=row,
+                   wall_time=0.0, samples=1.0, data_time=math.nan)
+        clock.mark_end(slot)
+        guard.track(slot, row)
+        flusher.rows += 1
+        if flusher.due():
+            block = flusher.flush()
+            assert block is not None
+            flusher.read(block)
+            flusher.release(block)
+        hits.append(guard.poll())
+    assert hits[:10] == [None] * 10
+    step, value = hits[10]  # type: ignore[misc]
+    assert step == 6 and math.isnan(value)
+    assert hits[11] is None
