@@ -53,14 +53,14 @@ _DIST = "tests/pipeline/test_distributed.py::"
 TESTS: dict[str, list[str]] = {
     "capture/clock.py": ["tests/capture", "tests/pipeline/test_harvest.py"],
     "capture/flush.py": ["tests/capture", "tests/pipeline/test_harvest.py"],
-    "capture/ring.py": ["tests/capture", "tests/pipeline/test_harvest.py", "tests/test_tap.py"],
+    "capture/ring.py": ["tests/capture", "tests/pipeline/test_harvest.py", "tests/test_tap.py", "tests/test_launches.py"],
     "capture/guard.py": ["tests/capture", "tests/test_tap.py"],
     "capture/accumulate.py": ["tests/test_accumulate.py"],
     "metrics/builtin.py": ["tests/metrics", "tests/test_properties.py", "tests/test_bad_input.py"],
     "metrics/functional.py": ["tests/metrics", "tests/test_properties.py"],
     "metrics/domain.py": ["tests/metrics", "tests/test_bad_input.py"],
-    "pipeline/decode.py": ["tests/metrics/test_domains.py", "tests/test_bad_input.py", "tests/test_tap.py",
-                           "tests/metrics/test_builtin.py"],
+    "pipeline/decode.py": ["tests/pipeline/test_decode.py", "tests/metrics/test_domains.py", "tests/test_bad_input.py",
+                           "tests/test_tap.py", "tests/metrics/test_builtin.py"],
     # the fast arithmetic first (-x stops there); the real gloo runs only for what survives it
     "pipeline/reduce.py": ["tests/pipeline/test_reduce.py",
                            _DIST + "test_every_reduction_kind_over_real_ranks",

@@ -283,3 +283,35 @@ def test_fused_counts_of_the_gpu_path_equal_the_plain_counts(shape: tuple[int, .
         inputs = StepInputs(None, outputs, targets, float(shape[0]))
         assert [float(v) for v in fused.compute(inputs)] == [float(v) for v in plain.compute(inputs)]
     assert fused._facts is not None and fused._facts.counts is not None, "the fused path ran"
+
+
+def test_a_class_index_as_ignore_index_keeps_the_plain_path_and_masks_hits() -> None:
+    # ignore_index=0 (a pad id that is also a class): a prediction of 0 on an ignored target is no
+    # hit. The fused counting cannot mask hits, so it must not be used there even when forced.
+    g = torch.Generator().manual_seed(4)
+    plain, forced = bt.metrics.Accuracy(ignore_index=0), bt.metrics.Accuracy(ignore_index=0)
+    forced._fuse_counts = True
+    outputs = torch.randn(24, 5, generator=g)
+    targets = outputs.argmax(1)  # every prediction right...
+    targets[::2] = 0  # ...and half the targets are padding, some of them predicted as 0
+    inputs = StepInputs(None, outputs, targets, 24.0)
+    kept = targets != 0
+    expected = float((outputs.argmax(1)[kept] == targets[kept]).float().mean())
+    assert step(plain, inputs) == [expected] == [1.0]
+    assert step(forced, inputs) == [expected]
+    assert forced._facts is not None and forced._facts.counts is None, "the fused path cannot mask hits"
+
+
+@pytest.mark.parametrize(("dtype", "ignore"), [(torch.uint8, 255), (torch.int8, 127), (torch.int8, -128)],
+                         ids=["uint8-max", "int8-max", "int8-min"])
+def test_an_ignore_index_at_the_edge_of_the_target_dtype_is_ignored(dtype: torch.dtype, ignore: int) -> None:
+    g = torch.Generator().manual_seed(6)
+    outputs = torch.randn(10, 4, generator=g)
+    targets = torch.randint(0, 4, (10,), generator=g).to(dtype)
+    targets[[1, 4, 7]] = ignore
+    metric = bt.metrics.Accuracy(ignore_index=ignore, check_targets_every=1)
+    inputs = StepInputs(None, outputs, targets, 10.0)
+    kept = targets.long() != ignore
+    expected = float((outputs.argmax(1)[kept] == targets.long()[kept]).float().mean())
+    assert step(metric, inputs) == [expected]
+    assert metric.input_error(raw(metric, inputs)) is None  # the ignored value is no bad index
