@@ -294,3 +294,29 @@ def test_run_info_round_trips() -> None:
     run = replace(make_run(), status=RunStatus.FAILED, ended_at=12.5, stop_reason="boom", world_size=4)
     kind, back = decode_entry(encode_entry(("end_run", run)))
     assert kind == "end_run" and back == run
+
+
+def test_a_spool_left_behind_and_still_undeliverable_is_retried_after_the_initial_delay(tmp_path: Path) -> None:
+    # The replay at construction is the first attempt: when it fails, the next comes after
+    # retry_initial (the backoff starts from the beginning), not after a doubled delay.
+    spool = tmp_path / "s.jsonl"
+    first = Switchable(Collect())
+    first.down = True
+    old = ResilientSink(first, spool_path=spool, retry_initial=1.0, clock=Clock())
+    old.write(make_records("r", [0, 1], ["loss"], random.Random(55)))
+    old.close()
+    assert old.pending
+    flaky = Switchable(Collect())
+    flaky.down = True
+    clock = Clock()
+    start = clock.now
+    sink = ResilientSink(flaky, spool_path=spool, retry_initial=1.0, retry_max=8.0, clock=clock)
+    assert flaky.attempts == 1 and sink.pending  # tried at once, still down
+    attempts_at = []
+    for i in range(1, 33):  # a block every 0.25 s for 8 s
+        clock.now = start + i * 0.25
+        before = flaky.attempts
+        sink.write(make_records("r", [i + 1], ["loss"], random.Random(i)))
+        if flaky.attempts > before:
+            attempts_at.append(clock.now - start)
+    assert attempts_at[:3] == [1.0, 3.0, 7.0]  # gaps 1, 2, 4 from the attempt at construction
