@@ -19,7 +19,7 @@ database and a config per module. This script does the one thing we need and not
    docstrings or message strings;
 3. for each mutant (a fixed-seed sample of ``--fraction`` of each module's sites), writes the mutated
    module (``ast.unparse`` of the changed tree) into the scratch tree and runs that module's tests
-   (``TESTS`` below) with ``PYTHONPATH`` pointing at the scratch ``src``; a failing or timed-out run
+   (``TESTS`` below, then the module's own doctests) with ``PYTHONPATH`` pointing at the scratch ``src``; a failing or timed-out run
    kills the mutant, a passing run is a survivor;
 4. prints a table and writes ``mutants.json`` (every mutant, its diff line and its fate) to ``--out``.
 
@@ -246,8 +246,8 @@ def _scratch() -> Path:
 
 def _run_tests(work: Path, tests: list[str], timeout: float) -> tuple[str, float]:
     env = dict(os.environ, PYTHONPATH=f"{work / 'src'}{os.pathsep}{work}", PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", "-o",
-           "addopts=", *tests]
+    # the project's addopts stay (--doctest-modules): a module's own doctests are among its tests
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "--no-header", *tests]
     started = time.monotonic()
     # its own session, so a timeout ends the test run with every process it started (gloo ranks)
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -306,7 +306,7 @@ def main() -> None:
                 continue
             target = work / PKG / module
             original = target.read_text()
-            tests = [t for t in TESTS[module] if (ROOT / t.split("::")[0]).exists()]
+            tests = [t for t in TESTS[module] if (ROOT / t.split("::")[0]).exists()] + [f"{PKG}/{module}"]
             try:
                 for mutant, tree in listed:
                     target.write_text(ast.unparse(tree) + "\n")
