@@ -262,3 +262,37 @@ def test_guard_settles_a_wrapped_row_only_once_a_whole_ring_has_passed_it() -> N
     step, value = hits[10]  # type: ignore[misc]
     assert step == 6 and math.isnan(value)
     assert hits[11] is None
+
+
+class _PerSlotClock(HostClock):
+    """Answers end_done per slot, as CUDA events do: asking for a slot the ring lacks is an error."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.ended = np.zeros(capacity, dtype=bool)
+
+    def _record_end(self, slot: int) -> None:
+        super()._record_end(slot)
+        self.ended[slot] = True
+
+    def end_done(self, slot: int) -> bool:
+        return bool(self.ended[slot])  # IndexError for anything but a slot
+
+
+def test_guard_polls_the_end_mark_of_a_rows_slot_after_the_ring_wrapped() -> None:
+    ring = _ring(capacity=4)
+    clock = _PerSlotClock(4)
+    flusher = Flusher(ring, clock, flush_every=2, flush_seconds=None)
+    guard = LossGuard(ring, clock)
+    hits = []
+    for step in range(7):
+        loss = math.inf if step == 5 else 0.5
+        slot = _write(ring, flusher, step, loss)
+        guard.track(slot, step)
+        hits.append(guard.poll())
+        if flusher.due():
+            block = flusher.flush()
+            assert block is not None
+            flusher.read(block)
+            flusher.release(block)
+    assert hits == [None] * 5 + [(5, math.inf), None]  # step 5 lives in slot 1

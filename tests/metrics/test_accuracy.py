@@ -102,6 +102,8 @@ def test_each_target_boundary_alone_is_an_input_error(bad, ignore_index, smalles
     message = metric.input_error(raw(metric, StepInputs(None, outputs, targets, 40.0)))
     assert message is not None
     assert f"outside [0, 7) (smallest {smallest}, largest {largest}) for outputs with 7 classes" in message
+    left_out = f" (targets equal to {ignore_index} left out)"
+    assert message.count(left_out if ignore_index is not None else "left out") == (ignore_index is not None)
 
 
 def test_valid_extremes_and_ignored_targets_are_no_error() -> None:
@@ -262,6 +264,12 @@ def test_targets_are_checked_on_the_first_call_and_every_nth_after() -> None:
             assert (error is not None) == checked, (call, error)
             if checked:
                 assert "outside [0, 5)" in error
+
+
+@pytest.mark.parametrize("bad", [1.5, "-100", True], ids=["float", "str", "bool"])
+def test_ignore_index_must_be_an_integer_or_none(bad: object) -> None:
+    with pytest.raises(bt.ConfigError, match=rf"Accuracy ignore_index must be an integer or None, got {bad!r}"):
+        bt.metrics.Accuracy(ignore_index=bad)  # type: ignore[arg-type]
 
 
 def test_check_targets_every_must_be_a_positive_integer() -> None:
