@@ -120,3 +120,21 @@ def test_close_delivers_blocks_still_queued_without_a_flush() -> None:
     assert not closer.is_alive()
     assert [r.step for r in gated.records] == list(range(15))
     assert gated.closed and gated.writes == 2  # the four queued blocks went in one call, then close
+
+
+def test_warnings_raised_after_the_last_block_still_reach_the_sinks_at_run_end() -> None:
+    from batchtap.records import RunInfo
+
+    good = ListSink()
+    d = Dispatcher([FailingSink(), good])
+    run = RunInfo(id="r", name="r", config={}, started_at=0.0)
+    d.start_run(run)
+    d.write(_records(0, 2), [])
+    assert d.flush(timeout=10)  # the failing sink's worker has raised and queued its warning by now
+    assert not any("disk full" in e.message for e in good.events)  # nothing carried it yet
+    d.end_run(run)
+    assert d.flush(timeout=10)
+    d.close()
+    (warning,) = [e for e in good.events if "disk full" in e.message]
+    assert warning.kind is EventKind.WARNING and warning.run_id == "r" and warning.step == 1
+    assert good.ended == [run]
