@@ -320,3 +320,21 @@ def test_a_spool_left_behind_and_still_undeliverable_is_retried_after_the_initia
         if flaky.attempts > before:
             attempts_at.append(clock.now - start)
     assert attempts_at[:3] == [1.0, 3.0, 7.0]  # gaps 1, 2, 4 from the attempt at construction
+
+
+def test_the_recovery_event_counts_the_blocks_replayed(tmp_path: Path) -> None:
+    inner = Collect()
+    flaky = Switchable(inner)
+    clock = Clock()
+    sink = ResilientSink(flaky, spool_path=tmp_path / "s.jsonl", retry_initial=1.0, clock=clock)
+    flaky.down = True
+    for s in range(3):
+        sink.write(make_records("r", [s], ["loss"], random.Random(s)))  # the first fails, all are spooled
+    assert sink.spooled == 3 and sink.pending
+    flaky.down = False
+    clock.now += 5.0
+    sink.flush()  # the retry is due: the spool is replayed
+    assert not sink.pending and sink.replayed == 3
+    assert inner.ops == [("write", [0]), ("write", [1]), ("write", [2])]
+    messages = [e.message for e in sink.take_events()]
+    assert any("recovered (on flush)" in m and "replayed 3 spooled blocks" in m for m in messages), messages

@@ -206,3 +206,12 @@ def test_float_text_round_trips_exactly(value: float | None) -> None:
     assert text_to_float(float_to_text(value)) == value
     nan = text_to_float(float_to_text(math.nan))
     assert nan is not None and math.isnan(nan)
+
+
+def test_dedupe_returns_the_rows_themselves_without_duplicates_and_the_last_row_per_key_with_them() -> None:
+    from batchtap.store.schema import dedupe_metric_rows
+
+    rows = [("r", "loss", s, 0, 0, s, 0.0, float(s)) for s in range(3)] + [("r", "acc", 0, 0, 0, 0, 0.0, 0.5)]
+    assert dedupe_metric_rows(rows) is rows  # the common case costs no copy
+    again = [*rows, ("r", "loss", 1, 0, 0, 1, 9.0, 7.0), ("r", "loss", 1, 1, 0, 1, 0.0, 8.0)]
+    assert dedupe_metric_rows(again) == [rows[0], again[4], rows[2], rows[3], again[5]]
