@@ -8,7 +8,8 @@
 # brings them back): nvidia-smi.txt, gpu-tests.txt, gpu-bench.md, gpu-bench.json. Budget: tests
 # ~1-2 min, bench/gpu.py < 7 min; each step is capped so the whole fits one 10-minute call.
 # Local dry run on a CPU box (tests skip, the bench runs its smoke mode):
-#   GPU_CHECK_BENCH_ARGS="--device cpu --quick" PYTHON=.venv/bin/python bash bench/gpu_check.sh
+#   BATCHTAP_REQUIRE_GPU=0 GPU_CHECK_BENCH_ARGS="--device cpu --quick" PYTHON=.venv/bin/python bash bench/gpu_check.sh
+# (on the GPU machine a skipped GPU test is a failure: tests/_gpu_skips.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -21,7 +22,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
 # 1. the CUDA tests: 1,000 steps under set_sync_debug_mode("error"), rollback on the GPU, and the
 #    no-host-read tests (which also run their CPU/FakeTensor halves).
-timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider -o addopts="" \
+BATCHTAP_REQUIRE_GPU=${BATCHTAP_REQUIRE_GPU:-1} timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider -o addopts="" \
     tests/test_tap_gpu.py tests/rules/test_rollback_gpu.py tests/metrics/test_builtin_gpu.py tests/test_no_sync.py \
     tests/test_fake_cuda.py tests/test_launches.py tests/test_graph_capture.py 2>&1 | tee "$OUT/gpu-tests.txt"
 tests_rc=${PIPESTATUS[0]}

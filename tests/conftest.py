@@ -12,6 +12,7 @@ import torch
 
 from batchtap.records import Event, Record, RunInfo
 from batchtap.sinks.base import Sink
+from tests._gpu_skips import pytest_runtest_makereport, pytest_terminal_summary  # noqa: F401 (pytest hooks)
 
 
 class ListSink(Sink):

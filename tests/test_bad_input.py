@@ -98,6 +98,33 @@ def test_class_indices_out_of_range_raise_at_a_following_step_and_store_nan() ->
 
 
 @pytest.mark.parametrize(
+    ("bad", "smallest", "largest"),
+    [pytest.param(4, 0, 4, id="target-equal-to-classes"), pytest.param(-1, -1, 3, id="target-minus-1")],
+)
+def test_each_target_boundary_alone_raises_through_the_tap(bad: int, smallest: int, largest: int) -> None:
+    # One bad index per test, next to the valid extremes 0 and C - 1: neither check can hide
+    # behind the other (a batch holding -1 and C at once lets a weakened upper check pass).
+    sink = ListSink()
+    metrics = [bt.metrics.Loss(), bt.metrics.Accuracy(check_targets_every=1)]
+    expected = (rf"step 3: targets hold class indices outside \[0, 4\) \(smallest {smallest}, largest {largest}\) "
+                "for outputs with 4 classes")
+    with bt.Tap(metrics, [sink], flush_every=1) as tap:
+        with pytest.raises(bt.InputError, match=expected):
+            with tap.run():
+                _good(tap)
+                out = torch.randn(8, 4)
+                targets = torch.tensor([0, 3, 1, 2, 0, 3, 1, 2])
+                targets[4] = bad
+                tap.step(loss=torch.tensor(9.0), outputs=out, targets=targets)
+                for _ in range(100):  # the error surfaces once the row reached the host
+                    tap.flush()
+                    _good(tap, 1)
+    assert [r.values["loss"] for r in sink.records][:4] == [0.5, 1.5, 2.5, 9.0]  # nothing recorded is lost
+    assert math.isnan(sink.records[3].values["accuracy"])
+    assert all(0.0 <= r.values["accuracy"] <= 1.0 for r in sink.records[:3])
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         pytest.param(dict(flush_every=0), r"flush_every must be an integer >= 1, got 0", id="flush-every-0"),

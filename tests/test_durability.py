@@ -85,27 +85,47 @@ def test_sigkill_mid_write_leaves_a_consistent_db_and_resume_continues(tmp_path:
         assert s.run(run_id).status is bt.RunStatus.FINISHED
 
 
-class SleepySink(ListSink):
+class StuckSink(ListSink):
+    """Its first write does not return until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
     def write(self, records, events=()):
-        time.sleep(0.1)
+        self.entered.set()
+        self.gate.wait()
         super().write(records, events)
 
 
-def test_a_sink_sleeping_100ms_per_write_does_not_hold_up_steps() -> None:
-    # 500 steps/s with a flush every 5 steps: 100 blocks/s against a sink that manages 10 calls/s.
-    # The sink's worker takes every queued block in one call, so it keeps up and the training
-    # thread never waits. (A bounded queue cannot absorb a sink slower than the step rate forever:
-    # then "block" applies backpressure and "drop_oldest" drops, as tests/pipeline/test_dispatch.py shows.)
-    sink = SleepySink()
-    tap = bt.Tap([bt.metrics.Loss()], [sink], flush_every=5)
-    with tap, tap.run():
-        for i in range(500):
+def test_a_sink_stuck_in_write_does_not_hold_up_steps() -> None:
+    # The sink's first write hangs for the whole loop: 250 steps, a flush every 5 -- 50 blocks, within
+    # the sink queue's 64 -- must still all be taken, because the pipeline hands blocks to the sink's
+    # own worker and never waits for the sink. The loop runs in a thread so that a regression shows
+    # as a failed wait instead of a hung suite. (Past the queue's size, "block" applies backpressure
+    # and "drop_oldest" drops, as tests/pipeline/test_dispatch.py shows.)
+    sink = StuckSink()
+    tap = bt.Tap([bt.metrics.Loss()], [sink], flush_every=5, queue_size=64)
+    looped = threading.Event()
+
+    def loop() -> None:
+        for i in range(250):
             tap.step(loss=torch.tensor(float(i)))
-            time.sleep(0.002)
-        flusher = tap._state.capture.flusher
-        assert flusher.waits == 0  # the training thread never waited for a ring slot
-    assert [r.step for r in sink.records] == list(range(500))
-    assert sink.writes < 100 / 2
+        looped.set()
+
+    with tap, tap.run():
+        trainer = threading.Thread(target=loop)
+        trainer.start()
+        try:
+            assert looped.wait(120), "the training loop waited for a stuck sink"
+            assert sink.entered.is_set() and sink.writes == 0  # the sink really was stuck all along
+            assert tap._harvester.drain(60)  # every block handed to the sink's queue
+        finally:
+            sink.gate.set()
+            trainer.join(60)
+    assert [r.step for r in sink.records] == list(range(250))
+    assert sink.writes == 2  # the stuck call, then everything queued meanwhile in one call
 
 
 class OutageSink(ListSink):

@@ -55,6 +55,9 @@ class _HostToDevice(TorchDispatchMode):
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tap_module, "clock_for", lambda device, capacity: HostClock(capacity))
+    # A CPU build of torch has no CUDA streams to ask (its query raises); under fake CUDA nothing
+    # is being captured. tests/test_graph_capture.py covers the capturing case.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(ring_module, "host_buffer", lambda shape, pin: torch.zeros(shape))
     monkeypatch.setattr(logged_module, "host_buffer", lambda shape, pin: torch.zeros(shape))
 

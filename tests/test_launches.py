@@ -53,6 +53,9 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     # CUDA events and pinned memory need a driver; the host clock and pageable buffers stand in
     # (neither launches anything: events are not kernels, the pinned copy is counted either way).
     monkeypatch.setattr(tap_module, "clock_for", lambda device, capacity: HostClock(capacity))
+    # A CPU build of torch has no CUDA streams to ask (its query raises); under fake CUDA nothing
+    # is being captured. tests/test_graph_capture.py covers the capturing case.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(ring_module, "host_buffer", lambda shape, pin: torch.zeros(shape))
 
 

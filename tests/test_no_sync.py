@@ -68,6 +68,9 @@ def test_cuda_path_issues_no_host_read_under_fake_tensors(monkeypatch: pytest.Mo
     # Events need a real GPU; everything else of the CUDA path (ring on cuda, pinned buffers,
     # non_blocking copies, metric kernels) runs under FakeTensorMode, where a host read raises.
     monkeypatch.setattr(tap_module, "clock_for", lambda device, capacity: HostClock(capacity))
+    # A CPU build of torch has no CUDA streams to ask (its query raises); under fake CUDA nothing
+    # is being captured. tests/test_graph_capture.py covers the capturing case.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     # Pinned memory needs a CUDA driver; pageable memory behaves the same for what is tested here.
     monkeypatch.setattr(ring_module, "host_buffer", lambda shape, pin: torch.zeros(shape))
     tap = bt.Tap(

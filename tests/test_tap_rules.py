@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -51,10 +50,11 @@ def test_threshold_stop_ends_the_run_as_stopped_with_the_reason() -> None:
             tap.step(outputs=out, targets=(out.argmax(1) + 1) % 4)  # always wrong: accuracy 0
             if tap.should_stop:
                 break
-            time.sleep(0.001)  # a step's worth of work; the rule runs on the pipeline thread meanwhile
-    # The rule can fire at the third record (patience 3); its decision reaches the loop once the
-    # pipeline thread has seen the block, which depends on thread scheduling, hence a loose bound.
-    assert 2 <= step < 100
+            if step % 2 == 1:
+                tap.flush()  # wait until the pipeline thread ran the rule on the block just flushed
+    # The rule fires at the third record (patience 3), in the block of steps 2-3 flushed at step 3;
+    # the flush above makes its decision arrive before step 4, which applies it: the loop stops there.
+    assert step == 4
     assert sink.ended[0].status is RunStatus.STOPPED and "threshold(accuracy<0.5)" in sink.ended[0].stop_reason
     actions = [e for e in sink.events if e.kind is EventKind.ACTION]
     assert actions and "stop requested" in actions[0].message

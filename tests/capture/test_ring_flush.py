@@ -90,23 +90,46 @@ def test_a_slot_is_not_reused_before_its_row_was_released() -> None:
     assert data.step.tolist() == [0, 1] and flusher.waits == 1
 
 
-def test_due_by_count_or_by_age_and_never_when_empty() -> None:
+class _Monotonic:
+    """``time.monotonic`` for the flusher, moved only by the test: ages are what the test says."""
+
+    def __init__(self) -> None:
+        self.now = 64.0  # binary-exact times throughout: an age is exactly what the test added
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_due_by_count_or_by_age_and_never_when_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import batchtap.capture.flush as flush_module
+
+    clock = _Monotonic()
+    monkeypatch.setattr(flush_module, "time", types.SimpleNamespace(monotonic=clock.monotonic))
     ring = _ring(capacity=8)
-    flusher = Flusher(ring, HostClock(8), flush_every=3, flush_seconds=0.05)
+    flusher = Flusher(ring, HostClock(8), flush_every=3, flush_seconds=0.5)
     assert not flusher.due()
-    time.sleep(0.06)
+    clock.now += 0.75
     assert not flusher.due(), "an empty ring is never due, however old the last flush"
     _write(ring, flusher, 0, 1.0)
     assert flusher.due(), "one row older than flush_seconds is due"
     flusher.flush()
     _write(ring, flusher, 1, 1.0)
+    clock.now += 0.25
     _write(ring, flusher, 2, 1.0)
+    assert not flusher.due(), "2 rows < flush_every, 0.25 s < flush_seconds: not due"
+    clock.now += 0.25
+    assert flusher.due(), "exactly flush_seconds since the last flush: due by age"
+    flusher.flush()
+    for step in (3, 4):
+        _write(ring, flusher, step, 1.0)
     assert not flusher.due()
-    _write(ring, flusher, 3, 1.0)
-    assert flusher.due()
+    _write(ring, flusher, 5, 1.0)
+    assert flusher.due(), "flush_every rows are due at once, whatever their age"
     count_only = Flusher(_ring(capacity=8), HostClock(8), flush_every=3, flush_seconds=None)
     _write(count_only.ring, count_only, 0, 1.0)
-    time.sleep(0.06)
+    clock.now += 3600.0
     assert not count_only.due(), "flush_seconds=None flushes on the count only (process groups)"
 
 
@@ -209,3 +232,67 @@ def test_timed_batches_measures_the_wait_for_a_slow_loader() -> None:
 
     waits = [w for _, w, _ in timed_batches(slow(), need_last=False)]
     assert len(waits) == 2 and all(w >= 0.025 for w in waits)
+
+
+def test_guard_settles_a_wrapped_row_only_once_a_whole_ring_has_passed_it() -> None:
+    # After the ring wrapped, a row's slot number is smaller than the row: the guard must compare
+    # rows, not slots. Step 6 (slot 2 of 4) holds a NaN; its copy is final once row 10 takes the
+    # slot again, not before (on a device, an earlier read could see a copy still in flight).
+    ring = _ring(capacity=4)
+    clock = _LaggingClock(4)
+    flusher = Flusher(ring, clock, flush_every=2, flush_seconds=None)
+    guard = LossGuard(ring, clock)
+    hits = []
+    for row in range(12):
+        slot = flusher.claim(row)
+        guard.settle(row)
+        loss = math.nan if row == 6 else 1.0 / (row + 1)
+        ring.write(slot, [torch.tensor(loss), torch.tensor(0.0)], [0.0], step=row, epoch=0, batch=row,
+                   wall_time=0.0, samples=1.0, data_time=math.nan)
+        clock.mark_end(slot)
+        guard.track(slot, row)
+        flusher.rows += 1
+        if flusher.due():
+            block = flusher.flush()
+            assert block is not None
+            flusher.read(block)
+            flusher.release(block)
+        hits.append(guard.poll())
+    assert hits[:10] == [None] * 10
+    step, value = hits[10]  # type: ignore[misc]
+    assert step == 6 and math.isnan(value)
+    assert hits[11] is None
+
+
+class _PerSlotClock(HostClock):
+    """Answers end_done per slot, as CUDA events do: asking for a slot the ring lacks is an error."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.ended = np.zeros(capacity, dtype=bool)
+
+    def _record_end(self, slot: int) -> None:
+        super()._record_end(slot)
+        self.ended[slot] = True
+
+    def end_done(self, slot: int) -> bool:
+        return bool(self.ended[slot])  # IndexError for anything but a slot
+
+
+def test_guard_polls_the_end_mark_of_a_rows_slot_after_the_ring_wrapped() -> None:
+    ring = _ring(capacity=4)
+    clock = _PerSlotClock(4)
+    flusher = Flusher(ring, clock, flush_every=2, flush_seconds=None)
+    guard = LossGuard(ring, clock)
+    hits = []
+    for step in range(7):
+        loss = math.inf if step == 5 else 0.5
+        slot = _write(ring, flusher, step, loss)
+        guard.track(slot, step)
+        hits.append(guard.poll())
+        if flusher.due():
+            block = flusher.flush()
+            assert block is not None
+            flusher.read(block)
+            flusher.release(block)
+    assert hits == [None] * 5 + [(5, math.inf), None]  # step 5 lives in slot 1

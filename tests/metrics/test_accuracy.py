@@ -102,6 +102,8 @@ def test_each_target_boundary_alone_is_an_input_error(bad, ignore_index, smalles
     message = metric.input_error(raw(metric, StepInputs(None, outputs, targets, 40.0)))
     assert message is not None
     assert f"outside [0, 7) (smallest {smallest}, largest {largest}) for outputs with 7 classes" in message
+    left_out = f" (targets equal to {ignore_index} left out)"
+    assert message.count(left_out if ignore_index is not None else "left out") == (ignore_index is not None)
 
 
 def test_valid_extremes_and_ignored_targets_are_no_error() -> None:
@@ -264,6 +266,12 @@ def test_targets_are_checked_on_the_first_call_and_every_nth_after() -> None:
                 assert "outside [0, 5)" in error
 
 
+@pytest.mark.parametrize("bad", [1.5, "-100", True], ids=["float", "str", "bool"])
+def test_ignore_index_must_be_an_integer_or_none(bad: object) -> None:
+    with pytest.raises(bt.ConfigError, match=rf"Accuracy ignore_index must be an integer or None, got {bad!r}"):
+        bt.metrics.Accuracy(ignore_index=bad)  # type: ignore[arg-type]
+
+
 def test_check_targets_every_must_be_a_positive_integer() -> None:
     with pytest.raises(bt.ConfigError, match="check_targets_every must be a positive integer, got 0"):
         bt.metrics.Accuracy(check_targets_every=0)
@@ -283,3 +291,35 @@ def test_fused_counts_of_the_gpu_path_equal_the_plain_counts(shape: tuple[int, .
         inputs = StepInputs(None, outputs, targets, float(shape[0]))
         assert [float(v) for v in fused.compute(inputs)] == [float(v) for v in plain.compute(inputs)]
     assert fused._facts is not None and fused._facts.counts is not None, "the fused path ran"
+
+
+def test_a_class_index_as_ignore_index_keeps_the_plain_path_and_masks_hits() -> None:
+    # ignore_index=0 (a pad id that is also a class): a prediction of 0 on an ignored target is no
+    # hit. The fused counting cannot mask hits, so it must not be used there even when forced.
+    g = torch.Generator().manual_seed(4)
+    plain, forced = bt.metrics.Accuracy(ignore_index=0), bt.metrics.Accuracy(ignore_index=0)
+    forced._fuse_counts = True
+    outputs = torch.randn(24, 5, generator=g)
+    targets = outputs.argmax(1)  # every prediction right...
+    targets[::2] = 0  # ...and half the targets are padding, some of them predicted as 0
+    inputs = StepInputs(None, outputs, targets, 24.0)
+    kept = targets != 0
+    expected = float((outputs.argmax(1)[kept] == targets[kept]).float().mean())
+    assert step(plain, inputs) == [expected] == [1.0]
+    assert step(forced, inputs) == [expected]
+    assert forced._facts is not None and forced._facts.counts is None, "the fused path cannot mask hits"
+
+
+@pytest.mark.parametrize(("dtype", "ignore"), [(torch.uint8, 255), (torch.int8, 127), (torch.int8, -128)],
+                         ids=["uint8-max", "int8-max", "int8-min"])
+def test_an_ignore_index_at_the_edge_of_the_target_dtype_is_ignored(dtype: torch.dtype, ignore: int) -> None:
+    g = torch.Generator().manual_seed(6)
+    outputs = torch.randn(10, 4, generator=g)
+    targets = torch.randint(0, 4, (10,), generator=g).to(dtype)
+    targets[[1, 4, 7]] = ignore
+    metric = bt.metrics.Accuracy(ignore_index=ignore, check_targets_every=1)
+    inputs = StepInputs(None, outputs, targets, 10.0)
+    kept = targets.long() != ignore
+    expected = float((outputs.argmax(1)[kept] == targets.long()[kept]).float().mean())
+    assert step(metric, inputs) == [expected]
+    assert metric.input_error(raw(metric, inputs)) is None  # the ignored value is no bad index

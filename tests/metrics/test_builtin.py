@@ -136,3 +136,15 @@ def test_no_metric_reads_the_device_in_compute() -> None:
     inputs = StepInputs(loss.detach(), logits.detach(), targets, 2.0, grad_norm=torch.tensor(1.5))
     for metric in metrics:
         raw(metric, inputs)  # asserts no _local_scalar_dense inside compute, widths, 0-dim values
+
+
+def test_a_missing_device_extra_is_one_reused_nan_tensor_per_device() -> None:
+    # No allocation per step: the NaN placeholder of an absent extra is made once and reused.
+    metric = bt.metrics.Extra("kl", on_device=True)
+    absent = StepInputs(torch.tensor(1.0), None, None, 1.0)
+    (first,) = metric.compute(absent)
+    (second,) = metric.compute(absent)
+    assert first is second and math.isnan(float(first)) and first.dtype == torch.float32
+    assert metric.read_host(absent) == (0.0,)  # and flagged absent
+    present = StepInputs(torch.tensor(1.0), None, None, 1.0, {"kl": torch.tensor(0.25)})
+    assert [float(v) for v in metric.compute(present)] == [0.25] and metric.read_host(present) == (1.0,)

@@ -22,15 +22,41 @@ import batchtap as bt
 from batchtap.hostreads import HostReadCounter
 
 
+class ManualClock:
+    """The step clock's ``time.perf_counter``, moved only by this worker: step times are exact."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+#: seconds of "work" per step on each rank in the clocked scenarios (binary-exact; the last rank is slowest)
+WORK = (0.125, 0.25, 0.5)
+
+
 def main(scenario: str, out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100 + rank)
     result: dict = {"rank": rank, "world": world}
-    per_rank = scenario == "per_rank"
+    per_rank = scenario in ("per_rank", "kinds")
     timeout = 5.0 if scenario == "kill" else 60.0
     sinks = [bt.sinks.JSONL(out / "metrics.jsonl")]
     metrics = [bt.metrics.Loss(), bt.metrics.Accuracy(), bt.metrics.StepTime(), bt.metrics.Throughput()]
+    clock = None
+    if scenario in ("straggler", "kinds"):
+        import types
+
+        import batchtap.capture.clock as clock_module
+
+        clock = ManualClock()
+        clock_module.time = types.SimpleNamespace(perf_counter=clock.perf_counter)  # type: ignore[assignment]
+    optimizer = None
+    if scenario == "kinds":
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.5 + rank)
+        metrics += [bt.metrics.GradNorm(), bt.metrics.LearningRate(optimizer)]
     rules = [bt.Threshold("loss", above=0.0, patience=12, action="stop")] if scenario == "rule" else []
     tap = bt.Tap(metrics, sinks, flush_every=5, per_rank_rows=per_rank, collective_timeout=timeout, rules=rules)
     local = []
@@ -45,10 +71,8 @@ def main(scenario: str, out: Path) -> None:
                 loss = F.cross_entropy(outputs, targets, ignore_index=-100)
                 if scenario == "nan" and rank == 1 and step == 7:
                     loss = loss * math.nan
-                if scenario == "straggler" and rank == world - 1:
-                    time.sleep(0.02)
-                if scenario == "rule":
-                    time.sleep(0.01)  # a step's worth of work: the rule decides on the pipeline thread meanwhile
+                if clock is not None:
+                    clock.now += WORK[rank]  # this step's work, as the step clock sees it
                 if scenario == "kill" and rank == world - 1 and step == 12:
                     os._exit(3)  # dies without a word, like an OOM-killed worker
                 if scenario == "noread" and step > 0:
@@ -56,11 +80,19 @@ def main(scenario: str, out: Path) -> None:
                         tap.step(loss=loss, outputs=outputs, targets=targets)
                         tap.should_stop
                     result["reads"] = result.get("reads", 0) + reads.count
+                elif scenario == "kinds":
+                    grad_norm = torch.tensor(1.5 + rank + step % 4)
+                    tap.step(loss=loss, outputs=outputs, targets=targets, grad_norm=grad_norm)
                 else:
                     tap.step(loss=loss, outputs=outputs, targets=targets)
+                if scenario == "rule" and (step + 1) % 5 == 0:
+                    # Wait (every rank alike) until the pipeline thread reduced the block just
+                    # flushed and ran the rule on it: when the decision arrives is then fixed.
+                    tap.flush()
                 local.append(
                     {"step": step, "n": n, "loss": loss.item(), "correct": (outputs.argmax(1) == targets).sum().item(),
-                     "kept": (targets != -100).sum().item()}
+                     "kept": (targets != -100).sum().item(),
+                     **({"grad_norm": 1.5 + rank + step % 4} if scenario == "kinds" else {})}
                 )
                 if tap.should_stop:
                     result["stopped_at"] = step

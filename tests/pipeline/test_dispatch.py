@@ -18,13 +18,15 @@ def _records(first: int, n: int) -> list[Record]:
 
 
 class GatedSink(ListSink):
-    """Blocks every write until the test opens the gate."""
+    """Blocks every write until the test opens the gate; ``entered`` says a write is waiting there."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gate = threading.Event()
+        self.entered = threading.Event()
 
     def write(self, records, events=()):
+        self.entered.set()
         self.gate.wait()
         super().write(records, events)
 
@@ -44,7 +46,7 @@ def test_drop_oldest_counts_and_reports_every_drop() -> None:
     gated = GatedSink()
     d = Dispatcher([gated], maxsize=2, policy="drop_oldest")
     d.write(_records(0, 5), [])
-    time.sleep(0.05)  # the worker took block 0 and is now stuck in write()
+    assert gated.entered.wait(10)  # the worker took block 0 and is now stuck in write()
     for i in range(1, 6):
         d.write(_records(5 * i, 5), [])
     gated.gate.set()
@@ -64,7 +66,7 @@ def test_block_policy_waits_loses_nothing_and_warns() -> None:
     gated = GatedSink()
     d = Dispatcher([gated], maxsize=1, policy="block")
     d.write(_records(0, 1), [])
-    time.sleep(0.05)
+    assert gated.entered.wait(10)  # the worker holds block 0 inside write()
     d.write(_records(1, 1), [])  # fills the queue
     done = threading.Event()
 
@@ -138,3 +140,40 @@ def test_start_epoch_reaches_every_sink_in_order_with_the_blocks() -> None:
     assert d.flush(timeout=30)
     d.close()
     assert seen.log == [0, 1, ("r", 1, 12), 2, 3] and bare.n == 4
+
+
+def test_close_delivers_blocks_still_queued_without_a_flush() -> None:
+    gated = GatedSink()
+    d = Dispatcher([gated], maxsize=16)
+    d.write(_records(0, 3), [])
+    assert gated.entered.wait(10)  # the worker is stuck writing block 0; the rest stays queued
+    for i in range(1, 5):
+        d.write(_records(3 * i, 3), [])
+    worker = d.workers[0]
+    closer = threading.Thread(target=d.close)
+    closer.start()
+    with worker._cv:  # close() has queued its stop behind the four blocks (no flush anywhere)
+        assert worker._cv.wait_for(lambda: len(worker._items) == 5, timeout=10)
+    gated.gate.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert [r.step for r in gated.records] == list(range(15))
+    assert gated.closed and gated.writes == 2  # the four queued blocks went in one call, then close
+
+
+def test_warnings_raised_after_the_last_block_still_reach_the_sinks_at_run_end() -> None:
+    from batchtap.records import RunInfo
+
+    good = ListSink()
+    d = Dispatcher([FailingSink(), good])
+    run = RunInfo(id="r", name="r", config={}, started_at=0.0)
+    d.start_run(run)
+    d.write(_records(0, 2), [])
+    assert d.flush(timeout=10)  # the failing sink's worker has raised and queued its warning by now
+    assert not any("disk full" in e.message for e in good.events)  # nothing carried it yet
+    d.end_run(run)
+    assert d.flush(timeout=10)
+    d.close()
+    (warning,) = [e for e in good.events if "disk full" in e.message]
+    assert warning.kind is EventKind.WARNING and warning.run_id == "r" and warning.step == 1
+    assert good.ended == [run]

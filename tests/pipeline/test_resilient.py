@@ -315,3 +315,47 @@ def test_a_logged_record_replays_as_a_logged_record(tmp_path: Path) -> None:
     assert not sink.pending
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT metric FROM sparse_metrics").fetchall() == [("val_acc",)]
+
+
+def test_a_spool_left_behind_and_still_undeliverable_is_retried_after_the_initial_delay(tmp_path: Path) -> None:
+    # The replay at construction is the first attempt: when it fails, the next comes after
+    # retry_initial (the backoff starts from the beginning), not after a doubled delay.
+    spool = tmp_path / "s.jsonl"
+    first = Switchable(Collect())
+    first.down = True
+    old = ResilientSink(first, spool_path=spool, retry_initial=1.0, clock=Clock())
+    old.write(make_records("r", [0, 1], ["loss"], random.Random(55)))
+    old.close()
+    assert old.pending
+    flaky = Switchable(Collect())
+    flaky.down = True
+    clock = Clock()
+    start = clock.now
+    sink = ResilientSink(flaky, spool_path=spool, retry_initial=1.0, retry_max=8.0, clock=clock)
+    assert flaky.attempts == 1 and sink.pending  # tried at once, still down
+    attempts_at = []
+    for i in range(1, 33):  # a block every 0.25 s for 8 s
+        clock.now = start + i * 0.25
+        before = flaky.attempts
+        sink.write(make_records("r", [i + 1], ["loss"], random.Random(i)))
+        if flaky.attempts > before:
+            attempts_at.append(clock.now - start)
+    assert attempts_at[:3] == [1.0, 3.0, 7.0]  # gaps 1, 2, 4 from the attempt at construction
+
+
+def test_the_recovery_event_counts_the_blocks_replayed(tmp_path: Path) -> None:
+    inner = Collect()
+    flaky = Switchable(inner)
+    clock = Clock()
+    sink = ResilientSink(flaky, spool_path=tmp_path / "s.jsonl", retry_initial=1.0, clock=clock)
+    flaky.down = True
+    for s in range(3):
+        sink.write(make_records("r", [s], ["loss"], random.Random(s)))  # the first fails, all are spooled
+    assert sink.spooled == 3 and sink.pending
+    flaky.down = False
+    clock.now += 5.0
+    sink.flush()  # the retry is due: the spool is replayed
+    assert not sink.pending and sink.replayed == 3
+    assert inner.ops == [("write", [0]), ("write", [1]), ("write", [2])]
+    messages = [e.message for e in sink.take_events()]
+    assert any("recovered (on flush)" in m and "replayed 3 spooled blocks" in m for m in messages), messages

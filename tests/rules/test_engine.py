@@ -158,3 +158,9 @@ def test_block_boundaries_do_not_change_decisions(values, block):
         return out
 
     assert run(block) == run(max(1, len(values)))
+
+
+@pytest.mark.parametrize("history", [0, -3, True, 2.5], ids=["zero", "negative", "bool", "float"])
+def test_history_must_be_a_positive_integer(history: object) -> None:
+    with pytest.raises(ConfigError, match=rf"RuleEngine: history must be an integer >= 1, got {history!r}"):
+        RuleEngine([], history=history)  # type: ignore[arg-type]

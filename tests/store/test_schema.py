@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -195,3 +196,22 @@ def test_dialects_render_the_same_statement() -> None:
     sql = "SELECT value FROM metrics WHERE run_id = ? AND metric = ?"
     assert SQLITE.q(sql) == sql
     assert POSTGRES.q(sql) == "SELECT value FROM metrics WHERE run_id = %s AND metric = %s"
+
+
+@pytest.mark.parametrize("value", [0.1, -2.5e-300, 1e308, math.inf, -math.inf, 0.0, None],
+                         ids=["0.1", "tiny", "huge", "inf", "-inf", "zero", "none"])
+def test_float_text_round_trips_exactly(value: float | None) -> None:
+    from batchtap.store.schema import float_to_text, text_to_float
+
+    assert text_to_float(float_to_text(value)) == value
+    nan = text_to_float(float_to_text(math.nan))
+    assert nan is not None and math.isnan(nan)
+
+
+def test_dedupe_returns_the_rows_themselves_without_duplicates_and_the_last_row_per_key_with_them() -> None:
+    from batchtap.store.schema import dedupe_metric_rows
+
+    rows = [("r", "loss", s, 0, 0, s, 0.0, float(s)) for s in range(3)] + [("r", "acc", 0, 0, 0, 0, 0.0, 0.5)]
+    assert dedupe_metric_rows(rows) is rows  # the common case costs no copy
+    again = [*rows, ("r", "loss", 1, 0, 0, 1, 9.0, 7.0), ("r", "loss", 1, 1, 0, 1, 0.0, 8.0)]
+    assert dedupe_metric_rows(again) == [rows[0], again[4], rows[2], rows[3], again[5]]
