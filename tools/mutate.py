@@ -62,7 +62,7 @@ TESTS: dict[str, list[str]] = {
     "pipeline/decode.py": ["tests/pipeline/test_decode.py", "tests/metrics/test_domains.py", "tests/test_bad_input.py",
                            "tests/test_tap.py", "tests/metrics/test_builtin.py"],
     # the fast arithmetic first (-x stops there); the real gloo runs only for what survives it
-    "pipeline/reduce.py": ["tests/pipeline/test_reduce.py",
+    "pipeline/reduce.py": ["tests/pipeline/test_reduce.py", "tests/pipeline/test_reduce_packing.py",
                            _DIST + "test_every_reduction_kind_over_real_ranks",
                            _DIST + "test_reduced_loss_and_accuracy_equal_the_union_reference",
                            _DIST + "test_straggler_fields_name_the_slow_rank"],

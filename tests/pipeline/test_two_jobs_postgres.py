@@ -40,3 +40,34 @@ def test_two_jobs_write_one_store_at_once_without_loss(tmp_path: Path, pg_schema
             f'JOIN "{pg_schema}".metrics m ON m.run_id = r.id GROUP BY r.name, r.status ORDER BY r.name'
         ).fetchall()
     assert rows == [("job-a", "finished", 60, 0, 59), ("job-b", "finished", 60, 0, 59)]
+
+
+def test_many_writers_creating_one_new_schema_at_once_all_succeed(pg_schema: str) -> None:
+    # CREATE SCHEMA IF NOT EXISTS is not atomic: two sessions racing can both see no schema, and
+    # the loser gets a unique violation. Every writer must open the store anyway.
+    import threading
+
+    from batchtap.store._conn import connect_postgres
+
+    for attempt in range(5):
+        schema = f"{pg_schema}_{attempt}"
+        barrier = threading.Barrier(6)
+        errors: list[BaseException] = []
+
+        def open_store() -> None:
+            barrier.wait()
+            try:
+                connect_postgres(PG_DSN, schema=schema, create=True, purpose="the two-writer test").close()
+            except BaseException as exc:  # noqa: BLE001 - inspected below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=open_store) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        import psycopg
+
+        with psycopg.connect(PG_DSN, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        assert errors == [], errors

@@ -240,7 +240,10 @@ def connect_postgres(
         if schema is not None:
             sql = require("psycopg.sql", extra="postgres", purpose=purpose)
             if create:
-                conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+                try:
+                    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+                except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateSchema):
+                    pass  # another process created it at the same moment (IF NOT EXISTS is not atomic)
             conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
         where = shown if schema is None else f"{shown} (schema {schema!r})"
         ensure_schema(conn, POSTGRES, where=where, create=create)
