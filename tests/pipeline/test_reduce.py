@@ -81,8 +81,12 @@ class _InProcessGroup:
             everyone = self._all(rank, objects)
             return everyone if rank == 0 else None
 
-        reducer._all_reduce = all_reduce  # type: ignore[method-assign]
-        reducer._gather = gather  # type: ignore[method-assign]
+        def all_gather(obj: Any) -> list[Any]:
+            return self._all(rank, obj)
+
+        reducer._net_all_reduce = all_reduce  # type: ignore[method-assign]
+        reducer._net_gather = gather  # type: ignore[method-assign]
+        reducer._net_all_gather = all_gather  # type: ignore[method-assign]
 
 
 def _run(blocks: list[tuple[Reducer, Decoded, np.ndarray, np.ndarray]]) -> list[Decoded]:
@@ -184,3 +188,70 @@ def test_a_zero_fastest_time_gives_an_infinite_spread_not_a_division_error() -> 
     blocks[0][3][:] = 0.0
     (record,) = _run(blocks)[0].records
     assert record.values["step_time_spread"] == math.inf and record.values["slowest_rank"] == 1.0
+
+
+@pytest.mark.parametrize("steps_of_rank_1", [[7], [7, 9]], ids=["fewer-rows", "other-last-step"])
+def test_blocks_that_do_not_line_up_fall_back_to_the_object_exchange_with_the_same_arithmetic(
+    steps_of_rank_1: list[int],
+) -> None:
+    blocks = [_block(0, [7, 8], per_rank_rows=True), _block(1, steps_of_rank_1, per_rank_rows=True)]
+    for reducer, *_ in blocks:
+        reducer.world_size = 2
+    outs = _run(blocks)
+    for reducer, *_ in blocks:
+        assert reducer.traffic["collectives"] == 2  # the header, then one all_gather_object
+    by_step = {r.step: r for r in outs[0].records if r.rank == ALL_RANKS}
+    assert sorted(by_step) == sorted({7, 8, *steps_of_rank_1})
+    assert by_step[7].values["throughput"] == 28.0  # both ranks: 16 + 12
+    assert by_step[8].values["throughput"] == 16.0  # rank 0 alone had step 8
+    assert by_step[7].values["loss"] == pytest.approx((1.0 * 4 + 3.0 * 12) / 16)
+    # per-rank rows and every rank's events on rank 0 only
+    assert sorted(r.rank for r in outs[0].records if r.rank != ALL_RANKS) == [0, 0] + [1] * len(steps_of_rank_1)
+    assert all(r.rank == ALL_RANKS for r in outs[1].records)
+    assert sorted(e.message for e in outs[0].events) == ["from rank 0", "from rank 1"]
+    assert [e.message for e in outs[1].events] == ["from rank 1"]
+
+
+def test_a_block_with_events_adds_one_gather_of_them() -> None:
+    blocks = [_block(rank, [1, 2]) for rank in range(2)]
+    for reducer, *_ in blocks:
+        reducer.world_size = 2
+    _run(blocks)
+    assert [reducer.traffic["collectives"] for reducer, *_ in blocks] == [4, 4]  # header, SUM, MAX, gather
+
+
+def test_a_block_without_events_takes_three_collectives_and_counts_its_payload() -> None:
+    blocks = [_block(rank, [1, 2]) for rank in range(2)]
+    for reducer, decoded, *_ in blocks:
+        decoded.events.clear()
+        reducer.world_size = 2
+    _run(blocks)
+    reducer = blocks[0][0]
+    assert reducer.traffic["collectives"] == 3  # header, SUM, MAX: no gather without events
+    sums, maxima = reducer._pack(blocks[0][1], blocks[0][2], blocks[0][3])
+    assert reducer.traffic["payload_bytes"] == 8 * 8 + sums.nbytes + maxima.nbytes
+
+
+def test_a_row_of_unknown_size_weighs_one_in_a_mean() -> None:
+    blocks = [_block(rank, [0]) for rank in range(2)]
+    blocks[0][2][:] = math.nan  # rank 0 knows no sample count (a loss-only loop); rank 1 has 12
+    for reducer, *_ in blocks:
+        reducer.world_size = 2
+    (record,) = _run(blocks)[0].records
+    assert record.values["loss"] == pytest.approx((1.0 * 1 + 3.0 * 12) / 13)
+
+
+def test_a_failed_exchange_keeps_the_ranks_own_rows_and_says_so() -> None:
+    reducer, decoded, samples, times = _block(0, [4, 5])
+
+    def broken(array: np.ndarray, op: Any) -> np.ndarray:
+        raise RuntimeError("Connection closed by peer")
+
+    reducer._net_all_reduce = broken  # type: ignore[method-assign]
+    out = reducer.reduce(decoded, samples, times)
+    assert reducer.broken == "RuntimeError: Connection closed by peer"
+    assert [(r.step, r.rank) for r in out.records] == [(4, 0), (5, 0)]  # unreduced, nothing lost
+    warning = out.events[-1]
+    assert warning.kind is EventKind.WARNING and warning.step == 5 and warning.rank == 0
+    assert "rank 0: reducing over ranks failed (RuntimeError: Connection closed by peer)" in warning.message
+    assert reducer.reduce(decoded, samples, times) is decoded  # never tries the group again

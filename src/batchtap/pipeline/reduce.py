@@ -239,20 +239,41 @@ class Reducer:
             values["step_time_spread"] = float(slowest / fastest) if fastest > 0 else math.inf
         return Record(like.run_id, like.step, like.epoch, like.batch, ALL_RANKS, like.wall_time, values)
 
+    # Each collective is counted here and carried out by a ``_net_*`` method: the network part, the
+    # one thing tests replace to run several ranks' reducers in one process.
+
     def _all_reduce(self, array: np.ndarray, op: Any) -> np.ndarray:
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float64))
-        dist.all_reduce(tensor, op=op, group=self.group)
+        array = np.ascontiguousarray(array, dtype=np.float64)
         self.traffic["collectives"] += 1
-        self.traffic["payload_bytes"] += tensor.numel() * 8
-        return tensor.numpy()
+        self.traffic["payload_bytes"] += array.nbytes
+        return self._net_all_reduce(array, op)
 
     def _gather(self, objects: list[Any]) -> list[Any] | None:
         """Every rank's ``objects`` on rank 0 (None elsewhere)."""
-        received: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(objects, received, dst=dist.get_global_rank(self.group, 0), group=self.group)
         self.traffic["collectives"] += 1
         self.traffic["payload_bytes"] += len(pickle.dumps(objects))
+        return self._net_gather(objects)
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, on every rank (the fallback's one collective)."""
+        self.traffic["collectives"] += 1
+        self.traffic["payload_bytes"] += len(pickle.dumps(obj))
+        return self._net_all_gather(obj)
+
+    def _net_all_reduce(self, array: np.ndarray, op: Any) -> np.ndarray:
+        tensor = torch.from_numpy(array)
+        dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor.numpy()
+
+    def _net_gather(self, objects: list[Any]) -> list[Any] | None:
+        received: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(objects, received, dst=dist.get_global_rank(self.group, 0), group=self.group)
         return received
+
+    def _net_all_gather(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
 
     # ----------------------------------------------------------------- the fallback: whole rows
 
@@ -266,9 +287,7 @@ class Reducer:
             one.records = [record]
             one.weights = [decoded.weights[i]] if len(decoded.weights) == n else []
             local.append(self._pack(one, samples[i : i + 1], step_time[i : i + 1]))
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (local, decoded.records, decoded.events), group=self.group)
-        self.traffic["collectives"] += 1
+        gathered = self._all_gather((local, decoded.records, decoded.events))
         out = Decoded()
         out.input_errors = decoded.input_errors
         out.events = [e for _, _, events in gathered for e in events] if self.rank == 0 else list(decoded.events)
