@@ -20,11 +20,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from batchtap.errors import SinkError
-from batchtap.records import Event, Record, RunInfo
+from batchtap.records import Event, EventKind, Record, RunInfo
 
 from batchtap._optional import require  # re-exported: sinks import it from here
 
-__all__ = ["Sink", "SinkDataError", "require"]
+#: Counter names under which sinks of other trackers (MLflow, W&B) count a run's events by kind.
+EVENT_COUNTERS = {
+    EventKind.ANOMALY: "batchtap/anomalies",
+    EventKind.ACTION: "batchtap/actions",
+    EventKind.SKIP: "batchtap/skipped_steps",
+    EventKind.WARNING: "batchtap/warnings",
+}
+
+__all__ = ["Sink", "SinkDataError", "EVENT_COUNTERS", "require"]
 
 
 class SinkDataError(SinkError):

@@ -9,7 +9,7 @@ from typing import Any
 
 from batchtap.errors import ConfigError
 from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo, RunStatus
-from batchtap.sinks.base import Sink, require
+from batchtap.sinks.base import EVENT_COUNTERS, Sink, require
 
 __all__ = ["MLflow"]
 
@@ -31,12 +31,6 @@ _STATUS = {
 }
 #: MLflow tag that holds the batchtap run id (how a resumed or replayed run finds its MLflow run).
 RUN_ID_TAG = "batchtap.run_id"
-_EVENT_COUNTERS = {
-    EventKind.ANOMALY: "batchtap/anomalies",
-    EventKind.ACTION: "batchtap/actions",
-    EventKind.SKIP: "batchtap/skipped_steps",
-    EventKind.WARNING: "batchtap/warnings",
-}
 
 
 def mlflow_key(name: str) -> str:
@@ -234,7 +228,7 @@ class MLflow(Sink):
             slot = (e.run_id, e.kind)
             self._counts[slot] = self._counts.get(slot, 0) + 1
             by_run.setdefault(e.run_id, []).append(
-                metric(_EVENT_COUNTERS[e.kind], float(self._counts[slot]), int(e.wall_time * 1000), e.step)
+                metric(EVENT_COUNTERS[e.kind], float(self._counts[slot]), int(e.wall_time * 1000), e.step)
             )
         for run_id, ms in by_run.items():
             if not run_id:

@@ -10,19 +10,13 @@ from typing import Any, Literal
 
 from batchtap.errors import ConfigError, SinkError
 from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo, RunStatus
-from batchtap.sinks.base import Sink, require
+from batchtap.sinks.base import EVENT_COUNTERS, Sink, require
 
 __all__ = ["WandB", "STEP_KEY"]
 
 #: The x-axis every value is plotted against: the batchtap step (W&B's own ``_step`` only counts rows).
 STEP_KEY = "batchtap/step"
 _EPOCH_KEY = "batchtap/epoch"
-_EVENT_COUNTERS = {
-    EventKind.ANOMALY: "batchtap/anomalies",
-    EventKind.ACTION: "batchtap/actions",
-    EventKind.SKIP: "batchtap/skipped_steps",
-    EventKind.WARNING: "batchtap/warnings",
-}
 Mode = Literal["online", "offline", "disabled"]
 
 
@@ -211,7 +205,7 @@ class WandB(Sink):
             slot = (e.run_id, e.kind)
             self._counts[slot] = self._counts.get(slot, 0) + 1
             rows.setdefault(e.run_id, []).append(
-                {_EVENT_COUNTERS[e.kind]: self._counts[slot], STEP_KEY: e.step, "_timestamp": e.wall_time}
+                {EVENT_COUNTERS[e.kind]: self._counts[slot], STEP_KEY: e.step, "_timestamp": e.wall_time}
             )
         now = time.monotonic()
         while self._sent and self._sent[0][0] < now - self.resend_window:
