@@ -109,6 +109,8 @@ class _Capture:
     cuda: bool = False  # the capture device is a CUDA device (steps check for a graph capture)
     streams: StreamCheck | None = None  # CUDA: the run's stream, checked at every step
     host_readers: list[Metric] = dataclasses.field(default_factory=list)  # metrics with host columns, in order
+    # log() values waiting for the next flush: (values, run id, rank, whether this rank writes)
+    pending_logged: list[tuple[Logged, str, int, bool]] = dataclasses.field(default_factory=list)
 
     @property
     def step_metrics_all(self) -> list[Metric]:
@@ -644,9 +646,11 @@ class Tap:
         if micro is not None:
             micro.reset()
         state.step += 1
-        capture = state.capture
-        if capture is None:
-            return
+        if state.capture is not None:
+            self._after_step(state, state.capture)
+
+    def _after_step(self, state: _RunState, capture: _Capture) -> None:
+        """What follows every step, captured or not: NaN guard, flush, rule decisions, next start mark."""
         if capture.guard is not None:
             self._poll_guard(capture.guard, state)
         if capture.flusher.due():
@@ -699,10 +703,7 @@ class Tap:
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
             raise error
-        if _capturing(state.capture, loss, outputs):
-            raise InputError(_GRAPH_CAPTURE)
-        if state.capture is not None and state.capture.streams is not None:
-            state.capture.streams.check()
+        _check_device_context(state.capture, loss, outputs)
         if state.step % self.sample_every != 0:
             return  # this optimizer step is not sampled
         samples = _samples(batch_size, outputs, targets)
@@ -739,7 +740,9 @@ class Tap:
 
         Any name, first seen at any step; stored in the same store as their own rows (not as
         columns of every step), shown by ``batchtap show/plot/export`` and sent to TensorBoard.
-        Tensors are copied to the host asynchronously: no host read here either.
+        Tensors are copied to the host asynchronously: no host read here either. The values reach
+        the sinks with the next flush (after the rows of the steps before them), as step values do;
+        ``flush()`` or the end of the run hands them over at once.
 
         In a process group every rank may call it; rank 0's values are stored (reduce evaluation
         values over ranks yourself, e.g. with ``all_reduce``, before logging them).
@@ -775,14 +778,18 @@ class Tap:
         if step is None:
             step = max(state.step - 1, 0)
         capture = state.capture
-        if capture is not None and state.group is None:
-            self._flush(capture)  # the steps before come first (a process group flushes at agreed steps only)
         clock = capture.clock if capture is not None else None
         logged = Logged.capture(
             values, step=step, epoch=state.epoch, wall_time=time.time(), marker=lambda: _done_check(clock, values)
         )
         rank = state.group.rank if state.group else 0
-        self._harvester.logged(logged, run_id=state.info.id, rank=rank, writes=self._writes(state))
+        item = (logged, state.info.id, rank, self._writes(state))
+        if capture is not None and state.group is None:
+            # Handed over with the next flush, after the block of the steps before it: no flush of
+            # its own (a Lightning module logging on every step would otherwise flush every step).
+            capture.pending_logged.append(item)
+        else:  # before the first step, or in a process group (which flushes at agreed steps only)
+            self._harvester.logged(logged, run_id=item[1], rank=rank, writes=item[3])
 
     def _capture_step(
         self,
@@ -800,10 +807,7 @@ class Tap:
         micro: MicroBatches | None,
     ) -> None:
         wall = time.time()
-        if _capturing(state.capture, loss, outputs):
-            raise InputError(_GRAPH_CAPTURE)
-        if state.capture is not None and state.capture.streams is not None:
-            state.capture.streams.check()
+        _check_device_context(state.capture, loss, outputs)
         accumulated = micro is not None and micro.count > 0
         if tokens is not None:
             _check_count("tokens", tokens)
@@ -840,35 +844,16 @@ class Tap:
             else:
                 head = None
                 device_values = self._compute(capture.device_metrics, inputs, capture.autocast_device)
-                host_values = [v for metric, _ in capture.host_spans for v in metric.read_host(inputs)]
+                host_values = [v for metric in capture.host_readers for v in metric.read_host(inputs)]
                 device_count = len(device_values)
             if device_count != capture.layout.device_width or len(host_values) != capture.layout.host_width:
                 raise ConfigError(_width_mismatch(capture.metrics, inputs))
-            flusher = capture.flusher
-            row = flusher.rows
-            slot = flusher.claim(row)
-            if capture.guard is not None:
-                capture.guard.settle(row)  # before the write overwrites the slot's last loss copy
-            capture.ring.write(
-                slot,
-                device_values,
-                host_values,
-                step=state.step,
-                epoch=epoch,
-                batch=batch,
-                wall_time=wall,
-                samples=samples,
-                data_time=data_time,
-                tokens=step_tokens,
-                head=head,
+            self._store_row(
+                state, capture, device_values, host_values, epoch=epoch, batch=batch, wall_time=wall,
+                samples=samples, data_time=data_time, tokens=step_tokens, head=head,
             )
         finally:
             _set_grad_enabled(grad_was)
-        capture.clock.mark_end(slot)
-        if capture.guard is not None:
-            capture.guard.track(slot, row)
-        flusher.rows = row + 1
-        self.steps_recorded += 1
         capture.fast_key = None
         if not accumulated and not extra and self.sample_every == 1 and state.group is None and self._runner is None:
             capture.fast_key = (_meta(loss), _meta(outputs), _meta(targets), _meta(grad_norm))
@@ -893,10 +878,7 @@ class Tap:
         """
         state.owner.check("step()")
         if capture.cuda:
-            if _stream_capturing():
-                raise InputError(_GRAPH_CAPTURE)
-            if capture.streams is not None:
-                capture.streams.check()
+            _check_device_context(capture)
         key = capture.fast_key
         if (
             key is None
@@ -923,36 +905,52 @@ class Tap:
         else:
             epoch, batch, data_time = state.epoch, state.step, math.nan
         inputs = StepInputs(loss, outputs, targets, samples, {}, grad_norm, device=capture.device)
-        flusher, ring, guard = capture.flusher, capture.ring, capture.guard
-        row = flusher.rows
-        slot = flusher.claim(row)
-        if guard is not None:
-            guard.settle(row)  # as in _capture_step
         wall = time.time()
         grad_was = torch.is_grad_enabled()
         _set_grad_enabled(False)  # as in _capture_step
         try:
             device_values = [v for m in capture.device_metrics for v in m.compute(inputs)]
             host_values = [v for metric in capture.host_readers for v in metric.read_host(inputs)]
-            ring.write(
-                slot, device_values, host_values, step=state.step, epoch=epoch, batch=batch, wall_time=wall,
+            self._store_row(
+                state, capture, device_values, host_values, epoch=epoch, batch=batch, wall_time=wall,
                 samples=samples, data_time=data_time, tokens=step_tokens,
             )
         finally:
             _set_grad_enabled(grad_was)
+        state.step += 1
+        self._after_step(state, capture)
+        return True
+
+    def _store_row(
+        self,
+        state: _RunState,
+        capture: _Capture,
+        device_values: list[torch.Tensor],
+        host_values: Sequence[float],
+        *,
+        epoch: int,
+        batch: int,
+        wall_time: float,
+        samples: float,
+        data_time: float,
+        tokens: float,
+        head: torch.Tensor | None = None,
+    ) -> None:
+        """Write the step's row into its ring slot, with its end mark and NaN-guard entry (grad mode off)."""
+        flusher, guard = capture.flusher, capture.guard
+        row = flusher.rows
+        slot = flusher.claim(row)
+        if guard is not None:
+            guard.settle(row)  # before the write overwrites the slot's last loss copy
+        capture.ring.write(
+            slot, device_values, host_values, step=state.step, epoch=epoch, batch=batch, wall_time=wall_time,
+            samples=samples, data_time=data_time, tokens=tokens, head=head,
+        )
         capture.clock.mark_end(slot)
         if guard is not None:
             guard.track(slot, row)
         flusher.rows = row + 1
         self.steps_recorded += 1
-        state.step += 1
-        if guard is not None:
-            self._poll_guard(guard, state)
-        if flusher.due():
-            self._flush(capture)
-        if not state.watching:
-            capture.clock.mark_start(flusher.claim(row + 1))  # last: the next step's time excludes our flush
-        return True
 
     def _compute(self, metrics: Sequence[Metric], inputs: StepInputs, autocast_device: str) -> list[torch.Tensor]:
         """Every metric's device values, in float32 whatever precision the forward pass ran in."""
@@ -1166,6 +1164,10 @@ class Tap:
             self._harvester.submit(capture.flusher, block, capture.pipeline)
             for metric in capture.flush_hooks:
                 metric.on_flush()
+        if capture.pending_logged:
+            for logged, run_id, rank, writes in capture.pending_logged:
+                self._harvester.logged(logged, run_id=run_id, rank=rank, writes=writes)
+            capture.pending_logged.clear()
 
     def _poll_guard(self, guard: LossGuard, state: _RunState) -> None:
         hit = guard.poll()
@@ -1401,20 +1403,22 @@ _GRAPH_CAPTURE = (
 )
 
 
-def _capturing(capture: _Capture | None, *tensors: object) -> bool:
-    """Whether a CUDA graph capture is under way on the current stream of the step's device."""
-    if capture is not None:
-        cuda = capture.cuda
-    else:
-        cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors)
-    return cuda and _stream_capturing()
-
-
-def _stream_capturing() -> bool:
+def _check_device_context(capture: _Capture | None, *tensors: object) -> None:
+    """Refuse a step during a CUDA graph capture or on another stream than the run's (CUDA only;
+    before the run's first capture the device is read off ``tensors``)."""
+    cuda = capture.cuda if capture is not None else any(
+        isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors
+    )
+    if not cuda:
+        return
     try:
-        return torch.cuda.is_current_stream_capturing()
+        capturing = torch.cuda.is_current_stream_capturing()
     except RuntimeError:  # no CUDA runtime: the CUDA path driven under FakeTensorMode on a CPU-only build
-        return False
+        capturing = False
+    if capturing:
+        raise InputError(_GRAPH_CAPTURE)
+    if capture is not None and capture.streams is not None:
+        capture.streams.check()
 
 
 def _meta(value: object) -> object:

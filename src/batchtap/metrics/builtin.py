@@ -249,19 +249,20 @@ class Accuracy(Metric):
         ignore = self.ignore_index
         info = torch.iinfo(targets.dtype)
         masked = ignore is not None and info.min <= ignore <= info.max  # see F.kept_mask
+        # A prediction is a class index, so it never equals an ignore_index outside [0, C) (-100):
+        # the mask is needed on hits only when the ignored value is a class (pad id 0).
+        mask_hits = masked and ignore is not None and 0 <= ignore < classes
         n = targets.numel()
-        exact = n <= F.EXACT_FLOAT32
+        exact = n <= F.EXACT_FLOAT32  # float32 sums are exact: no high parts needed
         fuse = self._fuse_counts if self._fuse_counts is not None else outputs.device.type != "cpu"
-        fused = fuse and exact and self.topk == (1,) and masked and not (ignore is not None and 0 <= ignore < classes)
+        fused = fuse and exact and self.topk == (1,) and masked and not mask_hits
         facts = self._facts = _AccuracyShape(
             key=key,
             class_dim=class_dim,
             classes=float(classes),
             masked=masked,
-            # A prediction is a class index, so it never equals an ignore_index outside [0, C)
-            # (-100): the mask is needed on hits only when the ignored value is a class (pad id 0).
-            mask_hits=masked and ignore is not None and 0 <= ignore < classes,
-            exact=exact,  # float32 sums are exact: no high parts needed
+            mask_hits=mask_hits,
+            exact=exact,
             numel=n,
             zero=self._fill(0.0, outputs.device),
             all_kept=self._fill(float(n), outputs.device) if exact else None,
@@ -287,12 +288,8 @@ class Accuracy(Metric):
         else:
             counts = F.topk_correct(outputs, targets, self.topk, class_dim=class_dim, dtype=dtype, keep=hit_mask)
             correct = counts.unbind(0)
-        self._calls, check = self._calls + 1, self._calls % self.check_targets_every == 0
+        low, high = self._sampled_range(targets, keep, facts.zero)
         zero = facts.zero
-        if check:
-            low, high = F.target_range(targets, keep)
-        else:  # (0, 0): 0 is a class index of every output, so an unchecked step never flags
-            low = high = zero
         if facts.exact:
             kept = keep.sum(dtype=torch.float32) if keep is not None else facts.all_kept
             assert kept is not None  # made for every exact shape
@@ -320,10 +317,17 @@ class Accuracy(Metric):
         torch.eq(outputs.argmax(facts.class_dim), targets, out=hits)
         torch.ne(targets, ignore, out=keep)
         correct, kept = counts.flatten(1).sum(1, dtype=torch.float32).unbind(0)
-        self._calls, check = self._calls + 1, self._calls % self.check_targets_every == 0
-        zero = facts.zero
-        low, high = F.target_range(targets, keep) if check else (zero, zero)
-        return (correct, kept, zero, zero, low, high)
+        low, high = self._sampled_range(targets, keep, facts.zero)
+        return (correct, kept, facts.zero, facts.zero, low, high)
+
+    def _sampled_range(
+        self, targets: torch.Tensor, keep: torch.Tensor | None, zero: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept targets' smallest and largest index on the first call and every
+        ``check_targets_every`` calls; else (0, 0), which never flags (0 is a class of every output)."""
+        check = self._calls % self.check_targets_every == 0
+        self._calls += 1
+        return F.target_range(targets, keep) if check else (zero, zero)
 
     def read_host(self, inputs: StepInputs) -> Sequence[float]:
         outputs, targets = inputs.outputs, inputs.targets

@@ -107,12 +107,10 @@ class Reducer:
         self._neg = np.array([kinds[j] is Reduce.MIN for j in self._ext_of], dtype=bool)
         self._sum_width = v + len(self._s1_of) + len(self._s2_of) + 1
         self._max_width = len(self._ext_of) + 3
-        self._s1_col = np.full(v, -1)
-        self._s1_col[self._s1_of] = v + np.arange(len(self._s1_of))
-        self._s2_col = np.full(v, -1)
-        self._s2_col[self._s2_of] = v + len(self._s1_of) + np.arange(len(self._s2_of))
-        self._ext_col = np.full(v, -1)
-        self._ext_col[self._ext_of] = np.arange(len(self._ext_of))
+        # value index -> its column, for the values that have one
+        self._s1_col = {int(j): v + i for i, j in enumerate(self._s1_of)}
+        self._s2_col = {int(j): v + len(self._s1_of) + i for i, j in enumerate(self._s2_of)}
+        self._ext_col = {int(j): i for i, j in enumerate(self._ext_of)}
 
     def reduce(self, decoded: Decoded, samples: np.ndarray, step_time: np.ndarray) -> Decoded:
         """Global records (plus, on rank 0, per-rank rows when asked) and, on rank 0, every rank's events."""
