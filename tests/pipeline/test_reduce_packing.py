@@ -11,20 +11,11 @@ import random
 import numpy as np
 import pytest
 
-from batchtap.metrics.domain import Output, Reduce
+from batchtap.metrics.domain import Reduce
 from batchtap.pipeline.decode import Decoded
 from batchtap.pipeline.reduce import Reducer
 from batchtap.records import Record
-
-OUTPUTS = [
-    Output("loss", reduce=Reduce.MEAN),
-    Output("accuracy", reduce=Reduce.MEAN),
-    Output("throughput", reduce=Reduce.SUM),
-    Output("grad_norm", reduce=Reduce.L2),
-    Output("step_time", reduce=Reduce.MAX),
-    Output("margin", reduce=Reduce.MIN),
-]
-
+from tests.pipeline.test_reduce import OUTPUTS  # one of each reduction kind
 
 def _rank_block(rank: int, rows: list[dict], world: int) -> tuple[Reducer, Decoded, np.ndarray, np.ndarray]:
     reducer = Reducer(OUTPUTS, group=None, rank=rank, world_size=world, per_rank_rows=False)
@@ -108,14 +99,14 @@ def test_every_reduction_kind_equals_the_plain_reference(world: int) -> None:
 
 def test_slowest_rank_on_a_tie_is_the_lowest_and_max_min_are_exact() -> None:
     ranks = [
-        [{"values": {"step_time": 0.25, "margin": -1e-300}, "samples": 1.0, "time": 0.5}],
-        [{"values": {"step_time": 0.5, "margin": 2.0}, "samples": 1.0, "time": 0.75}],
-        [{"values": {"step_time": 0.125, "margin": 3.0}, "samples": 1.0, "time": 0.75}],
+        [{"values": {"step_time": 0.25, "min_lr": -1e-300}, "samples": 1.0, "time": 0.5}],
+        [{"values": {"step_time": 0.5, "min_lr": 2.0}, "samples": 1.0, "time": 0.75}],
+        [{"values": {"step_time": 0.125, "min_lr": 3.0}, "samples": 1.0, "time": 0.75}],
     ]
     (record,) = _reduce(ranks)
     assert record.values["slowest_rank"] == 1.0  # ranks 1 and 2 tie: the lower wins
     assert record.values["step_time_spread"] == 1.5
-    assert record.values["step_time"] == 0.5 and record.values["margin"] == -1e-300
+    assert record.values["step_time"] == 0.5 and record.values["min_lr"] == -1e-300
 
 
 def test_the_packed_width_does_not_depend_on_the_world_size() -> None:
