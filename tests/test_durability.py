@@ -120,7 +120,7 @@ def test_a_sink_stuck_in_write_does_not_hold_up_steps() -> None:
         try:
             assert looped.wait(120), "the training loop waited for a stuck sink"
             assert sink.entered.is_set() and sink.writes == 0  # the sink really was stuck all along
-            assert tap._harvester.drain(60)  # every block handed to the sink's queue
+            assert tap._pipeline.drain(60)  # every block handed to the sink's queue
         finally:
             sink.gate.set()
             trainer.join(60)

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 from batchtap.pipeline.dispatch import Dispatcher
-from batchtap.pipeline.harvest import Harvester
 from batchtap.records import Event, EventKind, RunInfo
 
 __all__ = ["wait_for_sinks"]
 
+
+class _Drains(Protocol):
+    def drain(self, timeout: float | None = None) -> bool: ...
+
 log = logging.getLogger("batchtap")
 
 
-def wait_for_sinks(harvester: Harvester, dispatcher: Dispatcher, info: RunInfo, *, timeout: float, last_step: int) -> bool:
+def wait_for_sinks(pipeline: _Drains, dispatcher: Dispatcher, info: RunInfo, *, timeout: float, last_step: int) -> bool:
     """Wait at most ``timeout`` seconds until every captured step of the run went through the
     pipeline and every sink took it; returns whether all did.
 
@@ -24,7 +28,7 @@ def wait_for_sinks(harvester: Harvester, dispatcher: Dispatcher, info: RunInfo, 
     """
     deadline = time.monotonic() + timeout
     # sync: end of run — the pipeline hands every captured step to the sinks (bounded).
-    drained = harvester.drain(timeout)
+    drained = pipeline.drain(timeout)
     # sync: end of run — the sinks store what they were handed (bounded).
     flushed = dispatcher.flush(timeout=_left(deadline))
     events = dispatcher.loss_report(info)

@@ -128,6 +128,7 @@ class RunStatus(str, enum.Enum):
     FINISHED = "finished"  #: the ``run()`` block ended normally
     FAILED = "failed"  #: an exception left the ``run()`` block
     STOPPED = "stopped"  #: a stop rule, KeyboardInterrupt or SIGTERM ended it
+    KILLED = "killed"  #: the training process died without ending it (stored by the pipeline process)
 
 
 @dataclasses.dataclass(slots=True)

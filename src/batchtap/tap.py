@@ -1,9 +1,13 @@
 """The ``Tap``: the object a training loop talks to.
 
-A ``Tap`` owns the capture side (a device ring per run, its clock, flusher and NaN guard) and the host
-pipeline (one thread that decodes, validates and hands blocks to the sink workers). Per step the
-training thread only launches a few small device ops and writes host arrays; it never reads a device
-value.
+A ``Tap`` is configuration, the run's life cycle and the step call. Per run it owns a
+:class:`~batchtap.capture.session.RunCapture` (the device ring, its clock, flusher and NaN guard),
+made at the first step, and hands flushed blocks to the pipeline: a thread of this process
+(:mod:`batchtap.pipeline.thread`) or a process of its own (:mod:`batchtap.pipeline.process`) that
+decodes, validates, reduces across ranks, runs the rules and feeds the sinks. What comes back (rule
+verdicts, the stop state, errors) waits in one :class:`~batchtap.pipeline.control.Control`, read at
+step boundaries. Per step the training thread only launches a few small device ops and writes host
+arrays; it never reads a device value.
 
 Example:
     >>> import torch, batchtap as bt
@@ -24,10 +28,8 @@ Example:
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -36,41 +38,57 @@ import threading
 import time
 import uuid
 import weakref
-from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
-import torch.distributed as dist
+
+import multiprocessing.util  # noqa: F401  (see _end_open_runs: its exit handler is registered first)
 
 from batchtap import _env
-from batchtap._names import check_storable
-from batchtap._owner import ThreadOwner
-from batchtap._ending import wait_for_sinks
 from batchtap._config import to_json_config
 from batchtap._defaults import store_url
+from batchtap._names import check_storable
+from batchtap._owner import ThreadOwner
 from batchtap.capture.accumulate import MicroBatches
-from batchtap.capture.clock import StepClock, clock_for
-from batchtap.capture.flush import Flusher
-from batchtap.capture.guard import LossGuard
+from batchtap.capture.clock import StepClock
 from batchtap.capture.loader import timed_batches
 from batchtap.capture.logged import Logged
-from batchtap.capture.ring import MetricRing
-from batchtap.capture.streams import StreamCheck, stream_check_for
+from batchtap.capture.session import (
+    CaptureConfig,
+    RowFacts,
+    RunCapture,
+    autocast_device,
+    check_device_context,
+    compute_values,
+)
 from batchtap.errors import ConfigError, DistributedError, InputError, RunStateError
 from batchtap.metrics.base import Metric, StepInputs
-from batchtap.metrics.builtin import Extra, GradNorm, default_metrics
-from batchtap.metrics.layout import Layout
+from batchtap.metrics.builtin import default_metrics
+from batchtap.metrics.inputs import (
+    RESERVED_NAMES,
+    check_count,
+    check_metrics,
+    check_scalar,
+    check_step_inputs,
+    declared_extras,
+    device_of,
+    overflow_message,
+    samples_of,
+    signature,
+)
 from batchtap.pipeline import _dist
-from batchtap.pipeline.decode import Decoded, Decoder
-from batchtap.pipeline.dispatch import Backpressure, Dispatcher
-from batchtap.pipeline.harvest import Harvester, RunPipeline
-from batchtap.pipeline.reduce import Reducer, new_group
+from batchtap.pipeline.agreement import ProcessGroups, RankAgreement
+from batchtap.pipeline.chain import ReduceSpec
+from batchtap.pipeline.control import Control
+from batchtap.pipeline.dispatch import Backpressure
+from batchtap.pipeline.host import PipelineHost, PipelineKind, make_pipeline
 from batchtap.pipeline.resilient import ResilientSink
-from batchtap.records import ALL_RANKS, Event, EventKind, RunInfo, RunStatus
+from batchtap.records import Event, EventKind, RunInfo, RunStatus
 from batchtap.rules.actions import ActionRunner
 from batchtap.rules.builtin import NonFinite
-from batchtap.rules.engine import Decision, RuleEngine, RuleLike
+from batchtap.rules.engine import RuleEngine, RuleLike
 from batchtap.rules.rollback import Rollback
 from batchtap.sinks.base import Sink
 
@@ -79,51 +97,11 @@ __all__ = ["Tap"]
 T = TypeVar("T")
 log = logging.getLogger("batchtap")
 
-#: Record fields that metric and extra names may not shadow.
-RESERVED_NAMES = frozenset({"run_id", "step", "epoch", "batch", "rank", "wall_time"})
-
-
-@dataclasses.dataclass(slots=True)
-class _Capture:
-    """Device-side state of one run, made at its first captured step (when the device is known)."""
-
-    device: torch.device
-    metrics: list[Metric]
-    layout: Layout
-    ring: MetricRing
-    clock: StepClock
-    flusher: Flusher
-    guard: LossGuard | None
-    pipeline: RunPipeline
-    autocast_device: str
-    micro: MicroBatches  # device sums of the open optimizer step's micro-batches (accumulate())
-    device_metrics: list[Metric]  # every metric in device-column order (a plain step)
-    step_metrics: list[Metric]  # metrics computed once per optimizer step, in device-column order
-    host_spans: list[tuple[Metric, bool]]  # every metric in host-column order, and whether per micro-batch
-    checked: tuple[Any, ...] | None = None  # signature of the last inputs that passed the checks
-    checked_micro: tuple[Any, ...] | None = None  # ... of the last accumulate() inputs
-    # (loss, outputs, targets, grad_norm) metadata of the last plain step that passed the checks:
-    # a step whose inputs fit it takes the short path (see Tap._step_fast); None: no short path
-    fast_key: tuple[Any, Any, Any, Any] | None = None
-    flush_hooks: list[Metric] = dataclasses.field(default_factory=list)  # metrics with an on_flush()
-    cuda: bool = False  # the capture device is a CUDA device (steps check for a graph capture)
-    streams: StreamCheck | None = None  # CUDA: the run's stream, checked at every step
-    host_readers: list[Metric] = dataclasses.field(default_factory=list)  # metrics with host columns, in order
-    # log() values waiting for the next flush: (values, run id, rank, whether this rank writes)
-    pending_logged: list[tuple[Logged, str, int, bool]] = dataclasses.field(default_factory=list)
-
-    @property
-    def step_metrics_all(self) -> list[Metric]:
-        """The metrics an accumulated step's ``step()`` call feeds (device or host columns)."""
-        return [m for m in self.metrics if not m.per_micro_batch]
-
-
-#: torch's own grad-mode switch (what ``torch.no_grad`` calls), falling back to the public one
-_set_grad_enabled: Callable[[bool], object] = getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
-
 
 def _eager(method: T) -> T:
-    """Exclude ``method`` from torch.compile tracing (``torch.compiler.disable``)."""
+    """Exclude ``method`` from torch.compile tracing (``torch.compiler.disable``): traced, dynamo
+    would guard on the step counter and recompile every step (host arrays and events cannot be
+    traced anyway)."""
     return torch.compiler.disable(method)  # type: ignore[arg-type,return-value]
 
 
@@ -133,22 +111,10 @@ class _Terminated(BaseException):
 
 
 @dataclasses.dataclass(slots=True)
-class _Group:
-    """This process's place in a process group, and batchtap's own gloo groups."""
-
-    rank: int
-    world_size: int
-    agreement: Any  # training thread: stop agreement at flush steps
-    reduce: Any  # pipeline thread: one exchange per flushed block
-    agree: torch.Tensor  # [2, 3]: per buffer [stop?, -lowest stopping rank, -rule messages received]
-    agree_np: Any  # numpy view of ``agree``: read without a torch host read
-    turn: int = 0  # the buffer of the exchange in flight
-    pending: Any = None  # that exchange's Work, completed at the next flush
-
-
-@dataclasses.dataclass(slots=True)
 class _RunState:
     info: RunInfo
+    rank: int = 0
+    writes: bool = True  # this process hands records to its sinks (rank 0 in a process group)
     step: int = 0  # global step: every step() call, sampled or not
     next_epoch: int = 0
     watching: bool = False
@@ -157,11 +123,14 @@ class _RunState:
     batch: int = 0
     sampled: bool = True
     data_time: float = math.nan
-    capture: _Capture | None = None
-    group: _Group | None = None  # process-group facts, None outside a process group
+    capture: RunCapture | None = None
+    chain: Any = None  # the pipeline's handle for this run's blocks, made with the capture
+    agreement: RankAgreement | None = None  # in a process group
     micro: MicroBatches | None = None  # accumulate() before the run's first step() made the capture
     sigterm_handler: Any = None  # the SIGTERM handler run() replaced, restored at its end
     owner: ThreadOwner = dataclasses.field(default_factory=ThreadOwner)  # the one thread that steps
+    # log() values waiting for the next flush: (values, run id, rank, whether this rank writes)
+    pending_logged: list[Logged] = dataclasses.field(default_factory=list)
 
 
 class Tap:
@@ -212,6 +181,9 @@ class Tap:
             reported with exactly what it had not stored (log warning, and an event to the other
             sinks), and the call returns. With ``spool_dir`` a hung sink's blocks are spooled
             within its ``call_timeout`` (10 s) instead.
+        pipeline: where decoding, validation, rules and sinks run: ``"thread"`` (a thread of this
+            process) or ``"process"`` (a process of their own, fed through shared memory, so
+            sinks never hold this process's GIL; see docs/architecture.md "Pipeline process").
 
     In an initialized ``torch.distributed`` process group every rank runs the same code: rows are
     flushed at the same steps (``flush_seconds`` is not used there), reduced over ranks on
@@ -243,67 +215,51 @@ class Tap:
         collective_timeout: float = 300.0,
         exit_timeout: float = 10.0,
         end_timeout: float = 60.0,
+        pipeline: PipelineKind = "thread",
     ) -> None:
-        _check_int("flush_every", flush_every, 1)
-        _check_int("sample_every", sample_every, 1)
-        _check_int("queue_size", queue_size, 1)
+        check_int("flush_every", flush_every, 1)
+        check_int("sample_every", sample_every, 1)
+        check_int("queue_size", queue_size, 1)
         if not (isinstance(flush_seconds, (int, float)) and flush_seconds > 0):
             raise ConfigError(f"flush_seconds must be > 0, got {flush_seconds!r}")
         capacity = 4 * flush_every if capacity is None else capacity
-        _check_int("capacity", capacity, 1)
+        check_int("capacity", capacity, 1)
         if capacity < 2 * flush_every:
             raise ConfigError(
                 f"capacity must be >= 2 * flush_every = {2 * flush_every} so rows are never overwritten "
                 f"before their copy ran, got {capacity}; raise capacity or lower flush_every"
             )
+        for label, seconds in (("collective_timeout", collective_timeout), ("end_timeout", end_timeout)):
+            if not (isinstance(seconds, (int, float)) and 0 < seconds < math.inf):
+                raise ConfigError(f"{label} must be a finite number of seconds > 0, got {seconds!r}")
         self.flush_every = flush_every
         self.flush_seconds = float(flush_seconds)
         self.sample_every = sample_every
         self.capacity = capacity
         self.nan_guard = nan_guard
         self.per_rank_rows = per_rank_rows
-        if not (isinstance(collective_timeout, (int, float)) and collective_timeout > 0):
-            raise ConfigError(f"collective_timeout must be > 0 seconds, got {collective_timeout!r}")
         self.collective_timeout = float(collective_timeout)
-        self._groups: tuple[Any, Any] | None = None  # (agreement, reduction) gloo groups, made once
-        self._engine = RuleEngine(rules) if rules or rollback is not None else None
-        self._runner = ActionRunner(self._engine, rollback=rollback) if self._engine is not None else None
+        self.exit_timeout = float(exit_timeout)
+        self.end_timeout = float(end_timeout)
+        self.handle_sigterm = handle_sigterm
+        self._auto_metrics = metrics is None
+        self._metrics = list(default_metrics(optimizer, model, scaler=scaler) if metrics is None else metrics)
+        check_metrics(self._metrics)
+        self._declared_extras = declared_extras(extras, self._metrics)
+        engine = RuleEngine(rules) if rules or rollback is not None else None
+        self._runner = ActionRunner(engine, rollback=rollback) if engine is not None else None
         # a NonFinite("loss") rule takes over the NaN guard's default stop: the guard then only
         # flushes at once, so the rule's own action (e.g. rollback) follows within a step or two
         self._loss_rule = any(isinstance(r, NonFinite) and r.metric == "loss" for r in rules)
-        # decisions from the pipeline thread, in order: (decisions, cleared_through)
-        self._inbox: collections.deque[tuple[list[Decision], int]] = collections.deque()
-        self._applied = 0  # inbox messages applied so far in this run
-        self._auto_metrics = metrics is None
-        self._metrics = list(default_metrics(optimizer, model, scaler=scaler) if metrics is None else metrics)
-        _check_metrics(self._metrics)
-        self._declared_extras = _declared_extras(extras, self._metrics)
-        if sinks is None:
-            sinks = _default_sinks()
-        for sink in sinks:
-            if not callable(getattr(sink, "write", None)):
-                raise ConfigError(f"sinks must be batchtap.sinks.Sink objects, got {type(sink).__name__}")
-        self.sinks = list(sinks)
-        if spool_dir is not None:
-            self.sinks = [
-                ResilientSink(sink, spool_path=Path(spool_dir) / f"{i:02d}-{type(sink).__name__.lower()}.rank{_dist.rank()}.jsonl")
-                for i, sink in enumerate(self.sinks)
-            ]
-        self.handle_sigterm = handle_sigterm
-        self._dispatcher = Dispatcher(self.sinks, maxsize=queue_size, policy=backpressure)
-        self._harvester = Harvester(self._dispatcher, on_block=[self._on_block], on_error=self._on_pipeline_error)
-        self._block_hooks = self._harvester.on_block  # rules add theirs here
+        self.sinks = _checked_sinks(_default_sinks() if sinks is None else sinks, spool_dir)
+        self._control = Control()
+        self._pipeline: PipelineHost = make_pipeline(
+            pipeline, self.sinks, self._control, queue_size=queue_size, backpressure=backpressure, rules=engine
+        )
+        self._groups: ProcessGroups | None = None  # batchtap's gloo groups, made at the first run in a group
         self._state: _RunState | None = None
-        self._last_decoder: Decoder | None = None
-        self._stop_reason: str | None = None
-        self._local_stop: tuple[str, int] | None = None  # (reason, step) not yet agreed across ranks
-        self._pending_error: BaseException | None = None
+        self._last_capture: RunCapture | None = None
         self._closed = False
-        self.exit_timeout = float(exit_timeout)
-        if not (isinstance(end_timeout, (int, float)) and 0 < end_timeout < math.inf):
-            raise ConfigError(f"end_timeout must be a finite number of seconds > 0, got {end_timeout!r}")
-        self.end_timeout = float(end_timeout)
-        self.steps_recorded = 0  #: rows captured in the current (or last) run
         _OPEN_AT_EXIT.add(self)  # weak: a run left open at interpreter exit is ended, never hangs
 
     # ------------------------------------------------------------------ life cycle
@@ -377,10 +333,7 @@ class Tap:
             raise ConfigError(str(exc)) from None
         config_json = _env.scrub_secrets(config_json)  # passwords and tokens are never stored
         started = time.time()
-        stored_name = None
-        first_step = 0
-        if resume is not None:
-            first_step, stored_name = self._resume_point(resume)
+        first_step, stored_name = self._resume_point(resume) if resume is not None else (0, None)
         info = RunInfo(
             id=resume or uuid.uuid4().hex,
             name=name or stored_name or time.strftime("run-%Y%m%d-%H%M%S", time.localtime(started)),
@@ -389,31 +342,32 @@ class Tap:
             world_size=_dist.world_size(),
             environment=_env.environment(),
         )
-        self._state = _RunState(info, step=first_step, group=self._group())
-        if self._state.group is not None and resume is None:
-            # every rank's rows and events belong to the one run: rank 0's id
-            info.id = _dist.shared_run_id(info.id, self._state.group.agreement)
-        self._stop_reason = None
-        self._local_stop = None
-        self._pending_error = None
-        self._inbox.clear()
-        self._applied = 0
-        if self._engine is not None:
-            self._engine.reset()
-        self.steps_recorded = 0
-        self._harvester.start_run(dataclasses.replace(info), writes=self._writes(self._state))
+        state = _RunState(info, step=first_step)
+        if _dist.is_distributed():
+            if self._groups is None:
+                # collective calls: every rank makes them at its first run, in the same order
+                self._groups = ProcessGroups.create(self.collective_timeout)
+            state.agreement = RankAgreement(self._groups, self.collective_timeout)
+            state.rank, state.writes = state.agreement.rank, state.agreement.rank == 0
+            if resume is None:  # every rank's rows and events belong to the one run: rank 0's id
+                info.id = _dist.shared_run_id(info.id, self._groups.agreement)
+        self._state = state
+        _RUNNING.add(self)
+        self._control.reset()
+        self._last_capture = None
+        self._pipeline.start_run(dataclasses.replace(info), writes=state.writes)
         # sync: run start — the run's row is stored before training starts, so a run killed before
         # its first flush can still be resumed (bounded; a down sink spools or reports it).
-        if self._harvester.drain(self.end_timeout):
-            self._dispatcher.flush(timeout=self.end_timeout)
+        if self._pipeline.drain(self.end_timeout):
+            self._pipeline.flush_sinks(self.end_timeout)
         if as_repr:
             message = (
                 f"config values stored as their repr (JSON cannot hold them): {', '.join(as_repr)}; "
                 "pass str/int/float/bool/list/dict values to store them as such"
             )
             log.warning("batchtap: %s", message)
-            self._send(self._state, [Event(info.id, first_step, EventKind.WARNING, message, started)])
-        self._state.sigterm_handler = self._catch_sigterm()
+            self._send(state, [Event(info.id, first_step, EventKind.WARNING, message, started)])
+        state.sigterm_handler = self._catch_sigterm()
         return info
 
     def finish(
@@ -433,8 +387,8 @@ class Tap:
         status = RunStatus(status)
         if status is RunStatus.RUNNING:
             raise ConfigError("finish() needs a final status: 'finished', 'failed' or 'stopped'")
-        if status is RunStatus.FINISHED and self._stop_reason is not None:
-            status, reason = RunStatus.STOPPED, self._stop_reason
+        if status is RunStatus.FINISHED and self._control.stop_reason is not None:
+            status, reason = RunStatus.STOPPED, self._control.stop_reason
         handler, state.sigterm_handler = state.sigterm_handler, None
         try:
             self._finish(status, reason)
@@ -455,9 +409,7 @@ class Tap:
     def _resume_point(self, run_id: str) -> tuple[int, str | None]:
         """The first step of a resumed run (one after the last step any sink has stored) and the
         name the run was stored under."""
-        self._dispatcher.flush()  # sink workers idle: the sinks can be asked directly
-        stored = [s for s in (sink.last_step(run_id) for sink in self.sinks) if s is not None]
-        names = [n for n in (sink.run_name(run_id) for sink in self.sinks) if n is not None]
+        stored, names = self._pipeline.stored_position(run_id)
         if not stored and not names:
             raise ConfigError(
                 f"cannot resume run {run_id!r}: no sink holds that run; resume needs a sink that can tell "
@@ -470,33 +422,35 @@ class Tap:
         state = self._state
         assert state is not None
         try:
-            group = state.group
-            if group is not None and group.pending is not None:
-                pending, group.pending = group.pending, None
-                with contextlib.suppress(Exception):  # a failed exchange was reported at the flush
-                    # sync: end of run — complete the last agreement so every rank's groups stay in step
-                    pending.wait()
-            capture = state.capture
-            if capture is not None:
+            if state.agreement is not None:
+                state.agreement.close()
+            if state.capture is not None:
                 # in a process group an empty last block still carries late events through the reducer
-                self._flush(capture, empty_ok=capture.pipeline.reducer is not None)
-                state.info.metrics = capture.layout.names
+                self._flush(state, empty_ok=state.agreement is not None)
+                state.info.metrics = state.capture.layout.names
             state.info.status = status
             state.info.stop_reason = reason
             state.info.ended_at = time.time()
-            self._harvester.end_run(dataclasses.replace(state.info), writes=self._writes(state))
+            self._pipeline.end_run(dataclasses.replace(state.info), writes=state.writes)
             # sync: end of run — every captured step reaches the sinks before run() returns, within end_timeout.
-            wait_for_sinks(
-                self._harvester, self._dispatcher, state.info,
-                timeout=self.end_timeout if timeout is None else timeout, last_step=state.step - 1,
+            self._pipeline.finish_run(
+                state.info, timeout=self.end_timeout if timeout is None else timeout, last_step=state.step - 1
             )
         finally:
             self._state = None
+            _RUNNING.discard(self)
 
     def _end_at_exit(self) -> None:
-        """Interpreter exit with a run still open: end it as failed, waiting at most ``exit_timeout``."""
+        """Interpreter exit: a run still open is ended as failed, waiting at most ``exit_timeout``;
+        then the pipeline ends (a pipeline process exits by itself rather than being terminated)."""
+        if self._closed:
+            return
+        self._end_open_run_at_exit()
+        self._pipeline.at_exit(timeout=self.exit_timeout)
+
+    def _end_open_run_at_exit(self) -> None:
         state = self._state
-        if state is None or self._closed:
+        if state is None:
             return
         state.sigterm_handler = None  # signal handlers no longer matter at exit
         try:
@@ -513,8 +467,7 @@ class Tap:
         if self._closed:
             return
         self._closed = True
-        self._harvester.close()
-        self._dispatcher.close(timeout=self.end_timeout)
+        self._pipeline.close(timeout=self.end_timeout)
 
     def __enter__(self) -> Tap:
         return self
@@ -543,7 +496,7 @@ class Tap:
         except TypeError:
             total = None  # an iterable without a length: progress shows a count, no percentage
         # Through the pipeline queue (no I/O here): progress displays learn the epoch's length.
-        self._harvester.start_epoch(state.info.id, state.epoch, total, writes=self._writes(state))
+        self._pipeline.start_epoch(state.info.id, state.epoch, total, writes=state.writes)
         try:
             for index, (batch, data_time, is_last) in enumerate(timed_batches(loader, self.sample_every > 1)):
                 if self._runner is not None and self._runner.should_skip(
@@ -561,8 +514,6 @@ class Tap:
         finally:
             state.watching = False
 
-    # Runs eagerly inside a torch.compile'd function too: traced, dynamo would guard on the step
-    # counter and recompile every step (host arrays and events cannot be traced anyway).
     @_eager
     def step(
         self,
@@ -607,16 +558,14 @@ class Tap:
             and extra is None
             and epoch is None
             and batch is None
-            and self._pending_error is None
             and state.capture is not None
+            and not self._control.has_error
             and self._step_fast(state, state.capture, loss, outputs, targets, batch_size, tokens, grad_norm)
         ):
             return
         state = self._require_run("step()")
         state.owner.check("step()")
-        if self._pending_error is not None:
-            error, self._pending_error = self._pending_error, None
-            raise error
+        self._raise_pipeline_error()
         micro = state.capture.micro if state.capture is not None else state.micro
         accumulated = micro is not None and micro.count > 0
         if accumulated and (loss is not None or outputs is not None or targets is not None):
@@ -629,45 +578,110 @@ class Tap:
         else:
             ep, index = state.epoch, state.step
             sampled, data_time = state.step % self.sample_every == 0, math.nan
-        if epoch is not None:
-            ep = epoch
-        if batch is not None:
-            index = batch
         if accumulated:
             assert micro is not None
             sampled, data_time = True, micro.data_time  # accumulate() only sums sampled steps
         if sampled:
+            facts = RowFacts(state.step, ep if epoch is None else epoch, index if batch is None else batch, data_time)
             try:
-                self._capture_step(
-                    state, loss, outputs, targets, extra or {}, batch_size, tokens, grad_norm, ep, index, data_time, micro
-                )
+                self._capture_step(state, loss, outputs, targets, extra or {}, batch_size, tokens, grad_norm, facts, micro)
             except OverflowError:  # nothing was recorded yet: a number too large for a float
-                raise InputError(_overflow_message(extra or {}, tokens)) from None
+                raise InputError(overflow_message(extra or {}, tokens)) from None
         if micro is not None:
             micro.reset()
         state.step += 1
         if state.capture is not None:
             self._after_step(state, state.capture)
 
-    def _after_step(self, state: _RunState, capture: _Capture) -> None:
-        """What follows every step, captured or not: NaN guard, flush, rule decisions, next start mark."""
+    def _capture_step(
+        self,
+        state: _RunState,
+        loss: torch.Tensor | None,
+        outputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        extra: Mapping[str, torch.Tensor | float],
+        batch_size: int | None,
+        tokens: int | None,
+        grad_norm: torch.Tensor | float | None,
+        facts: RowFacts,
+        micro: MicroBatches | None,
+    ) -> None:
+        """The general path of :meth:`step`: every check, then the row."""
+        check_device_context(state.capture, loss, outputs)
+        accumulated = micro is not None and micro.count > 0
+        if tokens is not None:
+            check_count("tokens", tokens)
+        if grad_norm is not None:
+            check_scalar("grad_norm", grad_norm)
+        if accumulated:
+            assert micro is not None
+            samples = micro.samples if batch_size is None else samples_of(batch_size, None, None)
+            step_tokens = micro.tokens if tokens is None else float(tokens)
+        else:
+            samples = samples_of(batch_size, outputs, targets)
+            step_tokens = math.nan if tokens is None else float(tokens)
+        capture = state.capture
+        if capture is None:
+            inputs = StepInputs(loss, outputs, targets, samples, extra, grad_norm)
+            capture = self._new_capture(state, inputs, micro if accumulated else None)
+        inputs = StepInputs(loss, outputs, targets, samples, extra, grad_norm, device=capture.device)
+        capture.record(inputs, facts, tokens=step_tokens, accumulated=accumulated)
+
+    def _step_fast(
+        self,
+        state: _RunState,
+        capture: RunCapture,
+        loss: torch.Tensor | None,
+        outputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        batch_size: int | None,
+        tokens: int | None,
+        grad_norm: torch.Tensor | float | None,
+    ) -> bool:
+        """The short path of :meth:`step` for inputs shaped like the last checked plain step's
+        (see :meth:`RunCapture.fits_fast`). Returns False, having done nothing, when the step does
+        not qualify."""
+        state.owner.check("step()")
+        capture.check_context()
+        if not capture.fits_fast(loss, outputs, targets, grad_norm):
+            return False
+        if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
+            check_scalar("grad_norm", grad_norm)  # a Python number: its value may not fit a float
+        samples = samples_of(batch_size, outputs, targets)
+        step_tokens = math.nan
+        if tokens is not None:
+            check_count("tokens", tokens)
+            try:
+                step_tokens = float(tokens)
+            except OverflowError:  # nothing was recorded yet, as in step()
+                raise InputError(overflow_message({}, tokens)) from None
+        if state.watching:
+            facts = RowFacts(state.step, state.epoch, state.batch, state.data_time)
+        else:
+            facts = RowFacts(state.step, state.epoch, state.step, math.nan)
+        inputs = StepInputs(loss, outputs, targets, samples, {}, grad_norm, device=capture.device)
+        capture.record_fast(inputs, facts, tokens=step_tokens)
+        state.step += 1
+        self._after_step(state, capture)
+        return True
+
+    def _after_step(self, state: _RunState, capture: RunCapture) -> None:
+        """What follows every step, captured or not: NaN guard, flush, rule verdicts, next start mark."""
         if capture.guard is not None:
-            self._poll_guard(capture.guard, state)
-        if capture.flusher.due():
-            if state.group is not None:
+            self._poll_guard(state, capture)
+        if capture.due():
+            if state.agreement is not None:
                 # Agree before handing the block over: the agreement's collective calls release the
                 # GIL, and right after a hand-over the pipeline thread would take it for its decode.
-                self._agree(state, state.group)
-            self._flush(capture)
-        if self._runner is not None and state.group is None:
-            self._apply_decisions(state, len(self._inbox))
+                self._agree(state)
+            self._flush(state)
         if self._runner is not None:
+            if state.agreement is None:
+                self._apply_verdicts(state, self._control.waiting)
             self._runner.after_step(state.step - 1)
         if not state.watching and state.step % self.sample_every == 0:
             self._arm_start(state)  # last, so the next step's time excludes our own flush
 
-    # Runs eagerly inside a torch.compile'd function too: traced, dynamo would guard on the step
-    # counter and recompile every step (host arrays and events cannot be traced anyway).
     @_eager
     def accumulate(
         self,
@@ -700,35 +714,33 @@ class Tap:
         """
         state = self._require_run("accumulate()")
         state.owner.check("accumulate()")
-        if self._pending_error is not None:
-            error, self._pending_error = self._pending_error, None
-            raise error
-        _check_device_context(state.capture, loss, outputs)
+        self._raise_pipeline_error()
+        check_device_context(state.capture, loss, outputs)
         if state.step % self.sample_every != 0:
             return  # this optimizer step is not sampled
-        samples = _samples(batch_size, outputs, targets)
+        samples = samples_of(batch_size, outputs, targets)
         if tokens is not None:
-            _check_count("tokens", tokens)
+            check_count("tokens", tokens)
         inputs = StepInputs(loss, outputs, targets, samples, {})
         capture = state.capture
         micro = capture.micro if capture is not None else state.micro
         if micro is None:
-            device = _device_of(inputs)
+            device = device_of(inputs)
             inputs = dataclasses.replace(inputs, device=device)
             state.micro = micro = MicroBatches(self._select_metrics(inputs, micro=True), device)
         else:
             inputs = dataclasses.replace(inputs, device=micro.device)
-        signature = _signature(inputs)
-        if capture is None or signature != capture.checked_micro:
-            self._check_inputs_fully(inputs, micro.metrics, micro.device, "accumulate()")
+        key = signature(inputs)
+        if capture is None or key != capture.checked_micro:
+            check_step_inputs(inputs, micro.metrics, micro.device, "accumulate()")
             if not micro.metrics and loss is None:
                 raise InputError("accumulate() got nothing to measure; pass the micro-batch's loss (and outputs/targets)")
             if capture is not None:
-                capture.checked_micro = signature
+                capture.checked_micro = key
         if state.watching:
             micro.add_data_time(state.data_time)
         with torch.no_grad():
-            values = self._compute(micro.metrics, inputs, _autocast_device(micro.device))
+            values = compute_values(micro.metrics, inputs, autocast_device(micro.device))
             for metric in micro.metrics:
                 if metric.host_width:
                     micro.host[id(metric)] = metric.read_host(inputs)
@@ -763,7 +775,7 @@ class Tap:
         if not isinstance(values, Mapping) or not values:
             raise InputError(f"log() takes a non-empty mapping of name -> number or 0-dim tensor, got {values!r}")
         if step is not None:
-            _check_count("step", step, minimum=0)
+            check_count("step", step, minimum=0)
         taken = set(state.capture.layout.names) if state.capture is not None else set()
         for name, value in values.items():
             if not isinstance(name, str) or not name:
@@ -774,190 +786,26 @@ class Tap:
                     f"log() name {name!r} is already a per-step value or record field of this run; log it "
                     f"under another name, e.g. 'eval_{name}'"
                 )
-            _check_scalar(f"log() value {name!r}", value)
+            check_scalar(f"log() value {name!r}", value)
         if step is None:
             step = max(state.step - 1, 0)
-        capture = state.capture
-        clock = capture.clock if capture is not None else None
+        clock = state.capture.clock if state.capture is not None else None
         logged = Logged.capture(
             values, step=step, epoch=state.epoch, wall_time=time.time(), marker=lambda: _done_check(clock, values)
         )
-        rank = state.group.rank if state.group else 0
-        item = (logged, state.info.id, rank, self._writes(state))
-        if capture is not None and state.group is None:
+        if state.capture is not None and state.agreement is None:
             # Handed over with the next flush, after the block of the steps before it: no flush of
             # its own (a Lightning module logging on every step would otherwise flush every step).
-            capture.pending_logged.append(item)
+            state.pending_logged.append(logged)
         else:  # before the first step, or in a process group (which flushes at agreed steps only)
-            self._harvester.logged(logged, run_id=item[1], rank=rank, writes=item[3])
+            self._pipeline.logged(logged, run_id=state.info.id, rank=state.rank, writes=state.writes)
 
-    def _capture_step(
-        self,
-        state: _RunState,
-        loss: torch.Tensor | None,
-        outputs: torch.Tensor | None,
-        targets: torch.Tensor | None,
-        extra: Mapping[str, torch.Tensor | float],
-        batch_size: int | None,
-        tokens: int | None,
-        grad_norm: torch.Tensor | float | None,
-        epoch: int,
-        batch: int,
-        data_time: float,
-        micro: MicroBatches | None,
-    ) -> None:
-        wall = time.time()
-        _check_device_context(state.capture, loss, outputs)
-        accumulated = micro is not None and micro.count > 0
-        if tokens is not None:
-            _check_count("tokens", tokens)
-        if grad_norm is not None:
-            _check_scalar("grad_norm", grad_norm)
-        if accumulated:
-            assert micro is not None
-            samples = micro.samples if batch_size is None else _samples(batch_size, None, None)
-            step_tokens = micro.tokens if tokens is None else float(tokens)
-        else:
-            samples = _samples(batch_size, outputs, targets)
-            step_tokens = math.nan if tokens is None else float(tokens)
-        capture = state.capture
-        if capture is None:
-            inputs = StepInputs(loss, outputs, targets, samples, extra, grad_norm)
-            capture = state.capture = self._setup(state, inputs, micro if accumulated else None)
-        inputs = StepInputs(loss, outputs, targets, samples, extra, grad_norm, device=capture.device)
-        self._check_inputs(capture, inputs, accumulated)
-        # Grad mode off: metric ops record no graph and the ring write takes tensors that require
-        # grad. The bare switch that torch.no_grad itself uses: a context manager costs ~1 us a step.
-        grad_was = torch.is_grad_enabled()
-        _set_grad_enabled(False)
-        try:
-            if accumulated:
-                assert micro is not None
-                head: torch.Tensor | None = micro.result()
-                device_values = self._compute(capture.step_metrics, inputs, capture.autocast_device)
-                host_values = [
-                    v
-                    for metric, per_micro in capture.host_spans
-                    for v in (micro.host.get(id(metric), ()) if per_micro else metric.read_host(inputs))
-                ]
-                device_count = capture.micro.width + len(device_values)
-            else:
-                head = None
-                device_values = self._compute(capture.device_metrics, inputs, capture.autocast_device)
-                host_values = [v for metric in capture.host_readers for v in metric.read_host(inputs)]
-                device_count = len(device_values)
-            if device_count != capture.layout.device_width or len(host_values) != capture.layout.host_width:
-                raise ConfigError(_width_mismatch(capture.metrics, inputs))
-            self._store_row(
-                state, capture, device_values, host_values, epoch=epoch, batch=batch, wall_time=wall,
-                samples=samples, data_time=data_time, tokens=step_tokens, head=head,
-            )
-        finally:
-            _set_grad_enabled(grad_was)
-        capture.fast_key = None
-        if not accumulated and not extra and self.sample_every == 1 and state.group is None and self._runner is None:
-            capture.fast_key = (_meta(loss), _meta(outputs), _meta(targets), _meta(grad_norm))
+    # ------------------------------------------------------------------ state and control
 
-    def _step_fast(
-        self,
-        state: _RunState,
-        capture: _Capture,
-        loss: torch.Tensor | None,
-        outputs: torch.Tensor | None,
-        targets: torch.Tensor | None,
-        batch_size: int | None,
-        tokens: int | None,
-        grad_norm: torch.Tensor | float | None,
-    ) -> bool:
-        """The short path of :meth:`step` for inputs shaped like the last checked plain step's.
-
-        Same effect as the general path, with the steps that cannot apply left out: inputs that fit
-        the metadata that already passed every check, no accumulation, no extras, every step
-        sampled, no process group, no rule actions (those take the general path). Returns False,
-        having done nothing, when the step does not qualify.
-        """
-        state.owner.check("step()")
-        if capture.cuda:
-            _check_device_context(capture)
-        key = capture.fast_key
-        if (
-            key is None
-            or capture.micro.count
-            or not _fits(loss, key[0])
-            or not _fits(outputs, key[1])
-            or not _fits(targets, key[2])
-            or not _fits(grad_norm, key[3])
-            or (capture.autocast_device and torch.is_autocast_enabled(capture.autocast_device))
-        ):
-            return False
-        if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
-            _check_scalar("grad_norm", grad_norm)  # a Python number: its value may not fit a float
-        samples = _samples(batch_size, outputs, targets)
-        step_tokens = math.nan
-        if tokens is not None:
-            _check_count("tokens", tokens)
-            try:
-                step_tokens = float(tokens)
-            except OverflowError:  # nothing was recorded yet, as in step()
-                raise InputError(_overflow_message({}, tokens)) from None
-        if state.watching:
-            epoch, batch, data_time = state.epoch, state.batch, state.data_time
-        else:
-            epoch, batch, data_time = state.epoch, state.step, math.nan
-        inputs = StepInputs(loss, outputs, targets, samples, {}, grad_norm, device=capture.device)
-        wall = time.time()
-        grad_was = torch.is_grad_enabled()
-        _set_grad_enabled(False)  # as in _capture_step
-        try:
-            device_values = [v for m in capture.device_metrics for v in m.compute(inputs)]
-            host_values = [v for metric in capture.host_readers for v in metric.read_host(inputs)]
-            self._store_row(
-                state, capture, device_values, host_values, epoch=epoch, batch=batch, wall_time=wall,
-                samples=samples, data_time=data_time, tokens=step_tokens,
-            )
-        finally:
-            _set_grad_enabled(grad_was)
-        state.step += 1
-        self._after_step(state, capture)
-        return True
-
-    def _store_row(
-        self,
-        state: _RunState,
-        capture: _Capture,
-        device_values: list[torch.Tensor],
-        host_values: Sequence[float],
-        *,
-        epoch: int,
-        batch: int,
-        wall_time: float,
-        samples: float,
-        data_time: float,
-        tokens: float,
-        head: torch.Tensor | None = None,
-    ) -> None:
-        """Write the step's row into its ring slot, with its end mark and NaN-guard entry (grad mode off)."""
-        flusher, guard = capture.flusher, capture.guard
-        row = flusher.rows
-        slot = flusher.claim(row)
-        if guard is not None:
-            guard.settle(row)  # before the write overwrites the slot's last loss copy
-        capture.ring.write(
-            slot, device_values, host_values, step=state.step, epoch=epoch, batch=batch, wall_time=wall_time,
-            samples=samples, data_time=data_time, tokens=tokens, head=head,
-        )
-        capture.clock.mark_end(slot)
-        if guard is not None:
-            guard.track(slot, row)
-        flusher.rows = row + 1
-        self.steps_recorded += 1
-
-    def _compute(self, metrics: Sequence[Metric], inputs: StepInputs, autocast_device: str) -> list[torch.Tensor]:
-        """Every metric's device values, in float32 whatever precision the forward pass ran in."""
-        if autocast_device and torch.is_autocast_enabled(autocast_device):
-            with torch.autocast(autocast_device, enabled=False):
-                return [v for m in metrics for v in m.compute(inputs)]
-        return [v for m in metrics for v in m.compute(inputs)]
+    @property
+    def steps_recorded(self) -> int:
+        """Rows captured in the current (or last) run."""
+        return self._last_capture.rows if self._last_capture is not None else 0
 
     @property
     def should_stop(self) -> bool:
@@ -966,20 +814,19 @@ class Tap:
         In a process group it turns True on every rank at the same flush step.
         """
         state = self._state
-        if self._local_stop is None and state is not None and state.capture and state.capture.guard:
-            self._poll_guard(state.capture.guard, state)
-        return self._stop_reason is not None
+        if self._control.local_stop is None and state is not None and state.capture is not None:
+            self._poll_guard(state, state.capture)
+        return self._control.stop_reason is not None
 
     @property
     def stop_reason(self) -> str | None:
         """Why :attr:`should_stop` turned True, if it did."""
-        return self._stop_reason
+        return self._control.stop_reason
 
     @property
     def anomaly_counts(self) -> dict[str, int]:
         """Anomalies per value name in the current (or last) run, as far as the host has seen."""
-        decoder = self._last_decoder
-        return dict(decoder.anomaly_counts) if decoder is not None else {}
+        return dict(self._control.anomaly_counts)
 
     @property
     def run_info(self) -> RunInfo | None:
@@ -1007,7 +854,7 @@ class Tap:
                 g.replay()
                 tap.step(loss=static_loss)  # outside the capture, on the graph's static outputs
         """
-        gate = self._harvester.gate
+        gate = self._pipeline.gate
         gate.pause()
         try:
             yield
@@ -1020,17 +867,32 @@ class Tap:
         This waits for the device to finish the captured steps: use it at points where a sync is
         acceptable (end of epoch, before evaluation), not every step.
         """
-        if self._harvester.gate.paused:
+        if self._pipeline.gate.paused:
             raise RunStateError(
                 "flush() was called inside tap.paused(): the pipeline cannot read rows while paused; "
                 "flush after the paused block"
             )
         state = self._state
         if state is not None and state.capture is not None:
-            self._flush(state.capture)
+            self._flush(state)
         # sync: explicit flush — the caller asked for every captured step on the host.
-        self._harvester.drain()
-        self._dispatcher.flush()
+        self._pipeline.drain()
+        self._pipeline.flush_sinks()
+
+    def request_stop(self, reason: str, *, step: int | None = None, metric: str | None = None) -> None:
+        """Ask training to stop: :attr:`should_stop` turns True (at the next flush step on every
+        rank, in a process group) and the run ends as ``stopped`` with ``reason``.
+
+        Thread-safe; the NaN guard and stop rules call it.
+        """
+        state = self._state
+        step = step if step is not None else (state.step - 1 if state else 0)
+        if not self._control.request_stop(reason, step) or state is None:
+            return
+        event = Event(state.info.id, step, EventKind.ACTION, f"stop: {reason}", time.time(), metric=metric, rank=state.rank)
+        self._send(state, [event])
+        if state.agreement is None:
+            self._control.agree_stop(reason)  # one process: nobody to agree with
 
     # ------------------------------------------------------------------ internals
 
@@ -1041,6 +903,12 @@ class Tap:
             )
         return self._state
 
+    def _raise_pipeline_error(self) -> None:
+        """Raise what the pipeline reported (a failure, or an input error only values revealed)."""
+        error = self._control.take_error()
+        if error is not None:
+            raise error
+
     def _select_metrics(self, inputs: StepInputs, *, micro: bool) -> list[Metric]:
         """The per-micro-batch (``micro``) or per-step metrics of this run; default metrics whose
         inputs the first call lacks (or that do not fit them, e.g. accuracy of float targets) are left out."""
@@ -1049,463 +917,102 @@ class Tap:
             chosen = [m for m in chosen if m.applies(inputs)]
         return chosen
 
-    def _setup(self, state: _RunState, inputs: StepInputs, micro: MicroBatches | None) -> _Capture:
-        device = micro.device if micro is not None else _device_of(inputs)
+    def _new_capture(self, state: _RunState, inputs: StepInputs, micro: MicroBatches | None) -> RunCapture:
+        """Make the run's capture at its first captured step, and the pipeline's chain for it."""
+        device = micro.device if micro is not None else device_of(inputs)
         inputs = dataclasses.replace(inputs, device=device)
         chosen = {id(m) for m in (micro.metrics if micro is not None else self._select_metrics(inputs, micro=True))}
         chosen |= {id(m) for m in self._select_metrics(inputs, micro=False)}
-        metrics = [m for m in self._metrics if id(m) in chosen]
-        if inputs.grad_norm is not None and not any(isinstance(m, GradNorm) and m.takes_step_grad_norm for m in metrics):
-            metrics.append(GradNorm())  # the loop's own norm (clip_grad_norm_'s return value)
-        extras = dict(self._declared_extras)
-        for name, value in inputs.extra.items():
-            extras.setdefault(name, isinstance(value, torch.Tensor))
-        taken = {o.name for m in metrics for o in m.outputs()}
-        for name in extras:
-            _check_extra_name(name, taken)
-        metrics += [Extra(name, on_device=on_device) for name, on_device in extras.items()]
-        _check_metrics(metrics)
-        layout = Layout(metrics)
-        if micro is None:
-            micro = MicroBatches([sp.metric for sp in layout.device_order if sp.metric.per_micro_batch], device)
-        ring = MetricRing(
+        config = CaptureConfig(
             capacity=self.capacity,
-            device_width=layout.device_width,
-            host_width=layout.host_width,
-            device=device,
-            guard_column=layout.guard_column if self.nan_guard else None,
+            flush_every=self.flush_every,
+            flush_seconds=None if state.agreement else self.flush_seconds,  # ranks flush at the same steps
+            nan_guard=self.nan_guard,
+            fast_path=self.sample_every == 1 and state.agreement is None and self._runner is None,
         )
-        clock = clock_for(device, self.capacity)
-        group = state.group
-        flusher = Flusher(
-            ring, clock, flush_every=self.flush_every, flush_seconds=None if group else self.flush_seconds
+        metrics = [m for m in self._metrics if id(m) in chosen]
+        capture = RunCapture.create(metrics, inputs, micro, config, self._declared_extras)
+        reduce = None
+        if state.agreement is not None and self._groups is not None:
+            reduce = ReduceSpec(self._groups.reduce, state.rank, state.agreement.world_size, self.per_rank_rows)
+        state.chain = self._pipeline.open_chain(
+            capture.layout, run_id=state.info.id, rank=state.rank, writes=state.writes, reduce=reduce,
+            max_rows=self.capacity,  # a block never holds more than a ring
         )
-        guard = LossGuard(ring, clock) if ring.guard_column is not None else None
-        decoder = Decoder(layout, run_id=state.info.id, rank=group.rank if group else 0)
-        reducer = None
-        if group is not None:
-            outputs = [o for span in layout.spans for o in span.outputs]
-            reducer = Reducer(
-                outputs, group=group.reduce, rank=group.rank, world_size=group.world_size,
-                per_rank_rows=self.per_rank_rows,
-            )
-        pipeline = RunPipeline(decoder, reducer, writes=self._writes(state))
-        self._last_decoder = decoder
-        state.info.metrics = layout.names
-        state.info.environment["device"] = str(device)  # known from the first step; stored with the run's end
-        autocast_device = _autocast_device(device)
+        state.capture = self._last_capture = capture
         state.micro = None  # the capture owns it from here
-        return _Capture(
-            device, metrics, layout, ring, clock, flusher, guard, pipeline, autocast_device,
-            micro=micro,
-            device_metrics=[sp.metric for sp in layout.device_order],
-            step_metrics=[sp.metric for sp in layout.device_order if not sp.metric.per_micro_batch],
-            host_spans=[(m, m.per_micro_batch) for m in metrics],
-            flush_hooks=[m for m in metrics if type(m).on_flush is not Metric.on_flush],
-            cuda=device.type == "cuda",
-            streams=stream_check_for(device),
-            host_readers=[m for m in metrics if m.host_width],
-        )
-
-    def _check_inputs(self, capture: _Capture, inputs: StepInputs, accumulated: bool) -> None:
-        # Checks read metadata only, so inputs shaped like the last valid step's pass unchecked:
-        # the signature costs a few attribute reads, the checks a few dozen microseconds.
-        signature = (_signature(inputs), accumulated)
-        if signature == capture.checked:
-            return
-        metrics = capture.step_metrics_all if accumulated else capture.metrics
-        self._check_inputs_fully(inputs, metrics, capture.device)
-        if inputs.grad_norm is not None and not any(isinstance(m, GradNorm) and m.takes_step_grad_norm for m in capture.metrics):
-            raise InputError(
-                "grad_norm= was not passed at the run's first step, which fixes the columns; pass it from "
-                "the first step on, or add bt.metrics.GradNorm() to the Tap's metrics"
-            )
-        capture.checked = signature
-
-    def _check_inputs_fully(
-        self, inputs: StepInputs, metrics: Sequence[Metric], device: torch.device, call: str = "step()"
-    ) -> None:
-        given = {k for k in ("loss", "outputs", "targets") if getattr(inputs, k) is not None}
-        for metric in metrics:
-            missing = metric.requires - given
-            if missing:
-                raise InputError(
-                    f"{type(metric).__name__} needs {', '.join(sorted(missing))}, but {call} got none; "
-                    f"pass {', '.join(f'{k}=...' for k in sorted(missing))} or remove the metric"
-                )
-        known = {m.name for m in metrics if isinstance(m, Extra)}
-        for name in inputs.extra:
-            if name not in known:
-                raise InputError(
-                    f"extra {name!r} was not present at the run's first step, which fixes the columns; "
-                    f"declare it up front with Tap(extras={{{name!r}: 'tensor'}}), or log values that "
-                    f"come and go with tap.log({{{name!r}: value}})"
-                    + (" — it also clashes with a built-in name" if name in RESERVED_NAMES else "")
-                )
-        for label, tensor in _tensors(inputs):
-            if tensor.device != device:
-                raise InputError(
-                    f"{label} is on {tensor.device} but this run captures on {device}; move it, "
-                    f"e.g. {label}.to({str(device)!r})"
-                )
-        for metric in metrics:
-            metric.check(inputs)
+        state.info.metrics = capture.layout.names
+        state.info.environment["device"] = str(device)  # known from the first step; stored with the run's end
+        return capture
 
     def _arm_start(self, state: _RunState) -> None:
+        if state.capture is not None:  # the ring is made at the first step; that step has no measured start
+            state.capture.arm_start()
+
+    def _flush(self, state: _RunState, *, empty_ok: bool = False) -> None:
         capture = state.capture
-        if capture is None:
-            return  # the ring is made at the first step; that step has no measured start
-        slot = capture.flusher.claim(capture.flusher.rows)
-        capture.clock.mark_start(slot)
-
-    def _flush(self, capture: _Capture, *, empty_ok: bool = False) -> None:
-        block = capture.flusher.flush(empty_ok=empty_ok)
+        assert capture is not None
+        block = capture.flush(empty_ok=empty_ok)
         if block is not None:
-            self._harvester.submit(capture.flusher, block, capture.pipeline)
-            for metric in capture.flush_hooks:
-                metric.on_flush()
-        if capture.pending_logged:
-            for logged, run_id, rank, writes in capture.pending_logged:
-                self._harvester.logged(logged, run_id=run_id, rank=rank, writes=writes)
-            capture.pending_logged.clear()
+            self._pipeline.submit(capture.flusher, block, state.chain)
+        for logged in state.pending_logged:
+            self._pipeline.logged(logged, run_id=state.info.id, rank=state.rank, writes=state.writes)
+        state.pending_logged.clear()
 
-    def _poll_guard(self, guard: LossGuard, state: _RunState) -> None:
-        hit = guard.poll()
-        if hit is None or not self.nan_guard or self._local_stop is not None:
+    def _poll_guard(self, state: _RunState, capture: RunCapture) -> None:
+        hit = capture.poll_nan()
+        if hit is None or self._control.local_stop is not None:
             return
         step, value = hit
         if self._loss_rule:
-            if state.group is None and state.capture is not None:
+            if state.agreement is None:
                 # The rules own this decision: hand them the row now and let them decide before
                 # the next step (in a process group they decide at the next flush step instead).
-                self._flush(state.capture)
+                self._flush(state)
                 # sync: rare path — a non-finite loss was seen; wait for the rules' verdict on it.
-                self._harvester.drain()
-                self._apply_decisions(state, len(self._inbox))
+                self._pipeline.drain()
+                self._apply_verdicts(state, self._control.waiting)
             return
         self.request_stop(f"non-finite loss {value!r} at step {step}", step=step, metric="loss")
 
-    def request_stop(self, reason: str, *, step: int | None = None, metric: str | None = None) -> None:
-        """Ask training to stop: :attr:`should_stop` turns True (at the next flush step on every
-        rank, in a process group) and the run ends as ``stopped`` with ``reason``.
-
-        Thread-safe; the NaN guard and stop rules call it.
-        """
-        if self._local_stop is not None:
-            return
-        state = self._state
-        step = step if step is not None else (state.step - 1 if state else 0)
-        self._local_stop = (reason, step)
-        if state is None:
-            return
-        rank = state.group.rank if state.group else 0
-        event = Event(state.info.id, step, EventKind.ACTION, f"stop: {reason}", time.time(), metric=metric, rank=rank)
-        self._harvester.events([event], state.capture.pipeline if state.capture else None)
-        if state.group is None:
-            self._stop_reason = reason  # one process: nobody to agree with
-
-    def _agree(self, state: _RunState, group: _Group) -> None:
-        """Agree with every rank, at flush steps, whether to stop and which rule decisions to apply.
-
-        Each flush completes the exchange issued at the previous flush and issues the next one with
-        ``async_op=True``. The previous one has had a whole flush interval to finish, so completing it
-        normally returns at once: the training thread does not wait for the slowest rank. Every
-        rank acts on the same agreed values at the same flush step, one flush after they were sent.
-        """
-        if group.pending is not None:
-            try:
-                # sync: completes the CPU collective issued one flush ago (normally already done)
-                group.pending.wait()
-            except Exception as exc:
-                group.pending = None
-                self._collective_failed(state, group, exc)
-            group.pending = None
-            self._act_on_agreement(state, group, group.agree_np[group.turn])
-        group.turn ^= 1
-        buf = group.agree_np[group.turn]
-        buf[0] = 1.0 if self._local_stop else 0.0
-        buf[1] = -(group.rank if self._local_stop else group.world_size)  # MAX of -rank = lowest rank
-        buf[2] = -self._received_total()  # MAX of -count = the rule messages every rank has
+    def _agree(self, state: _RunState) -> None:
+        """At a flush step: agree with every rank on stopping and on the rule verdicts to apply."""
+        assert state.agreement is not None
         try:
-            group.pending = dist.all_reduce(
-                group.agree[group.turn], op=dist.ReduceOp.MAX, group=group.agreement, async_op=True
-            )
-        except Exception as exc:
-            self._collective_failed(state, group, exc)
-
-    def _act_on_agreement(self, state: _RunState, group: _Group, buf: Any) -> None:
-        if buf[0] > 0 and self._stop_reason is None:
-            stopper = int(-buf[1])
-            if self._local_stop is not None and stopper == group.rank:
-                self._stop_reason = self._local_stop[0]
-            else:
-                self._stop_reason = f"rank {stopper} asked every rank to stop"
+            agreed = state.agreement.exchange(self._control, state.step - 1)
+        except DistributedError:
+            if state.chain is not None:
+                self._pipeline.ranks_failed(state.chain, "the agreement exchange failed")
+            raise
         if self._runner is not None:
-            # every rank applies the same rule decisions at the same step
-            self._apply_decisions(state, int(-buf[2]) - self._applied)
+            self._apply_verdicts(state, agreed)  # every rank applies the same verdicts at this step
 
-    def _collective_failed(self, state: _RunState, group: _Group, exc: Exception) -> None:
-        capture = state.capture
-        if capture is not None and capture.pipeline.reducer is not None:
-            capture.pipeline.reducer.broken = "the agreement exchange failed"
-        raise DistributedError(
-            f"rank {group.rank}: ranks could not agree at step {state.step - 1}: "
-            f"{_dist.describe_failure(exc, self.collective_timeout)}; a rank probably died or "
-            "stalled. Every step captured so far is being stored."
-        ) from exc
-
-    def _received_total(self) -> int:
-        return self._applied + len(self._inbox)
-
-    def _apply_decisions(self, state: _RunState, count: int) -> None:
-        """Apply the next ``count`` rule messages (training thread)."""
+    def _apply_verdicts(self, state: _RunState, count: int) -> None:
+        """Apply the next ``count`` rule verdicts (training thread)."""
         runner = self._runner
         assert runner is not None
+        stop: str | None = None
         try:
-            for _ in range(count):
-                decisions, cleared = self._inbox.popleft()
-                self._applied += 1
-                runner.apply(decisions, step=state.step - 1, cleared_through=cleared)
+            for verdict in self._control.take_verdicts(count):
+                outcome = runner.apply(verdict.decisions, step=state.step - 1, cleared_through=verdict.cleared_through)
+                stop = stop or outcome.reason
         finally:
             self._send(state, runner.take_events())
-        if runner.stop_requested and self._local_stop is None:
-            reason = runner.stop_reason or "a rule asked to stop"
-            self.request_stop(reason)
-            # every rank applied the same decisions at this same step: the stop is already agreed
-            self._stop_reason = self._stop_reason or reason
+        if stop is not None and self._control.local_stop is None:
+            self.request_stop(stop)
+            # every rank applied the same verdicts at this same step: the stop is already agreed
+            self._control.agree_stop(stop)
 
     def _send(self, state: _RunState, events: list[Event]) -> None:
-        if events:
-            self._harvester.events(events, state.capture.pipeline if state.capture else None)
-
-    def _group(self) -> _Group | None:
-        if not _dist.is_distributed():
-            return None
-        if self._groups is None:
-            # collective calls: every rank makes them at its first run, in the same order
-            self._groups = (new_group(self.collective_timeout), new_group(self.collective_timeout))
-        agree = torch.zeros((2, 3), dtype=torch.float64)  # two buffers: one in flight, one being read
-        return _Group(_dist.rank(), _dist.world_size(), *self._groups, agree, agree.numpy())
-
-    def _writes(self, state: _RunState) -> bool:
-        return state.group is None or state.group.rank == 0
-
-    def _on_block(self, decoded: Decoded) -> None:
-        # pipeline thread: surface value-revealed input errors on the training thread
-        if decoded.input_errors and self._pending_error is None:
-            self._pending_error = InputError(decoded.input_errors[0])
-        engine = self._engine
-        if engine is None:
-            return
-        records = decoded.records
-        if any(r.rank == ALL_RANKS for r in records):
-            records = [r for r in records if r.rank == ALL_RANKS]  # rules judge the reduced rows
-        before = engine.cleared_through
-        decisions = engine.process(records)
-        decoded.events.extend(engine.take_events())
-        if decisions or engine.cleared_through != before:
-            self._inbox.append((decisions, engine.cleared_through))
-
-    def _on_pipeline_error(self, exc: BaseException) -> None:
-        if self._pending_error is None:
-            self._pending_error = RuntimeError(f"batchtap pipeline failed: {exc!r}")
+        self._pipeline.events(events, state.chain)
 
 
 # ---------------------------------------------------------------------- helpers
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
+def check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _check_metrics(metrics: Sequence[Metric]) -> None:
-    seen: set[str] = set()
-    for metric in metrics:
-        if not isinstance(metric, Metric):
-            raise ConfigError(f"metrics must be batchtap.metrics.Metric objects, got {type(metric).__name__}")
-        for output in metric.outputs():
-            if output.name in seen or output.name in RESERVED_NAMES:
-                raise ConfigError(
-                    f"metric value name {output.name!r} is used twice or reserved; give the metric another name"
-                )
-            try:
-                check_storable("metric value name", output.name)
-            except InputError as exc:
-                raise ConfigError(str(exc)) from None
-            seen.add(output.name)
-
-
-def _declared_extras(
-    extras: Mapping[str, Literal["tensor", "number"]] | Sequence[str], metrics: Sequence[Metric]
-) -> dict[str, bool]:
-    kinds = dict(extras) if isinstance(extras, Mapping) else {name: "tensor" for name in extras}
-    taken = {o.name for m in metrics for o in m.outputs()}
-    out: dict[str, bool] = {}
-    for name, kind in kinds.items():
-        if kind not in ("tensor", "number"):
-            raise ConfigError(f"extras kind for {name!r} must be 'tensor' or 'number', got {kind!r}")
-        try:
-            _check_extra_name(name, taken)
-        except InputError as exc:
-            raise ConfigError(str(exc)) from None
-        out[name] = kind == "tensor"
-    return out
-
-
-def _check_extra_name(name: object, taken: set[str]) -> None:
-    if not isinstance(name, str) or not name:
-        raise InputError(f"extra names must be non-empty strings, got {name!r}")
-    check_storable("extra name", name)
-    if name in taken or name in RESERVED_NAMES:
-        raise InputError(
-            f"extra {name!r} clashes with a built-in metric or record field of the same name; rename it, "
-            f"e.g. 'extra_{name}'"
-        )
-
-
-def _width_mismatch(metrics: Sequence[Metric], inputs: StepInputs) -> str:
-    for metric in metrics:
-        with torch.no_grad():
-            device, host = len(metric.compute(inputs)), len(metric.read_host(inputs))
-        if (device, host) != (metric.device_width, metric.host_width):
-            return (
-                f"{type(metric).__name__} declares device_width={metric.device_width}, "
-                f"host_width={metric.host_width} but returned {device} device and {host} host values; "
-                "make the declared widths match what compute() and read_host() return"
-            )
-    return "metrics returned a different number of values than they declare"
-
-
-def _describe(value: object) -> object:
-    if isinstance(value, torch.Tensor):
-        return (value.shape, value.dtype, value.device)
-    return type(value)
-
-
-def _signature(inputs: StepInputs) -> tuple[Any, ...]:
-    """What the input checks depend on: types, shapes, dtypes and devices (never values)."""
-    extra = inputs.extra
-    return (
-        _describe(inputs.loss),
-        _describe(inputs.outputs),
-        _describe(inputs.targets),
-        tuple((k, _describe(v)) for k, v in extra.items()) if extra else (),
-        _describe(inputs.grad_norm),
-    )
-
-
-_GRAPH_CAPTURE = (
-    "tap.step()/accumulate() was called while a CUDA graph is being captured on this stream; it writes "
-    "host arrays and records events, which a graph cannot hold. Capture the model's step alone, then "
-    "call tap.step() on the graph's static outputs after each replay (outside the capture); wrap the "
-    "capture in `with tap.paused():` so batchtap's pipeline thread stays off the device meanwhile"
-)
-
-
-def _check_device_context(capture: _Capture | None, *tensors: object) -> None:
-    """Refuse a step during a CUDA graph capture or on another stream than the run's (CUDA only;
-    before the run's first capture the device is read off ``tensors``)."""
-    cuda = capture.cuda if capture is not None else any(
-        isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors
-    )
-    if not cuda:
-        return
-    try:
-        capturing = torch.cuda.is_current_stream_capturing()
-    except RuntimeError:  # no CUDA runtime: the CUDA path driven under FakeTensorMode on a CPU-only build
-        capturing = False
-    if capturing:
-        raise InputError(_GRAPH_CAPTURE)
-    if capture is not None and capture.streams is not None:
-        capture.streams.check()
-
-
-def _meta(value: object) -> object:
-    """What the short path of ``step()`` compares an input with: tensor metadata, else the type."""
-    if isinstance(value, torch.Tensor):
-        return (value.shape, value.dtype, value.device)
-    return type(value)
-
-
-def _fits(value: object, meta: object) -> bool:
-    """Whether ``value`` has the metadata ``meta`` (from :func:`_meta`): a few attribute reads."""
-    if type(meta) is tuple:
-        return (
-            isinstance(value, torch.Tensor)
-            and value.shape == meta[0]
-            and value.dtype == meta[1]
-            and value.device == meta[2]
-        )
-    return type(value) is meta
-
-
-def _samples(batch_size: int | None, outputs: object, targets: object) -> float:
-    if batch_size is not None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
-        return float(batch_size)
-    for t in (outputs, targets):
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            return float(t.shape[0])
-    return math.nan
-
-
-def _tensors(inputs: StepInputs) -> list[tuple[str, torch.Tensor]]:
-    out = [(k, getattr(inputs, k)) for k in ("loss", "outputs", "targets")]
-    out += [(f"extra[{k!r}]", v) for k, v in inputs.extra.items()]
-    return [(k, v) for k, v in out if isinstance(v, torch.Tensor)]
-
-
-def _device_of(inputs: StepInputs) -> torch.device:
-    tensors = _tensors(inputs)
-    for label, tensor in tensors:
-        if tensor.device.type == "meta":
-            raise InputError(
-                f"{label} is a meta tensor (shape and dtype only, no data); expected a computed tensor; fix: "
-                "pass the value computed on a real device (cpu, cuda...)"
-            )
-    if tensors:
-        return tensors[0][1].device
-    return torch.device("cpu")
-
-
-def _overflow_message(extra: Mapping[str, object], tokens: object) -> str:
-    named = [(f"extra[{k!r}]", v) for k, v in extra.items()] + [("tokens", tokens)]
-    for label, value in named:
-        if isinstance(value, int) and not isinstance(value, bool):
-            try:
-                float(value)
-            except OverflowError:
-                return (
-                    f"{label} = an integer of {value.bit_length()} bits does not fit a float (at most 1024 bits, ~1.8e308); "
-                    "expected a number a float can hold; fix: pass a float or a smaller number"
-                )
-    return "a value does not fit a float (max ~1.8e308); fix: pass floats or smaller numbers"
-
-
-def _check_count(name: str, value: object, *, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InputError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _check_scalar(label: str, value: object) -> None:
-    """A Python number or a real 0-dim tensor (checked from metadata only)."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
-            raise InputError(
-                f"{label} must be a real 0-dim tensor or a number, got a tensor of shape {tuple(value.shape)} "
-                f"dtype {value.dtype}; reduce it first, e.g. value.mean()"
-            )
-        if value.device.type == "meta":
-            raise InputError(f"{label} is a meta tensor (no data); pass the computed value")
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InputError(f"{label} must be a number or a 0-dim tensor, got {type(value).__name__}")
-    try:
-        float(value)
-    except OverflowError:
-        raise InputError(f"{label} = {value!r} does not fit a float; pass a float") from None
 
 
 def _done_check(clock: StepClock | None, values: Mapping[str, Any]) -> Callable[[], bool]:
@@ -1524,8 +1031,16 @@ def _done_check(clock: StepClock | None, values: Mapping[str, Any]) -> Callable[
     return lambda: True
 
 
-def _autocast_device(device: torch.device) -> str:
-    return device.type if device.type in ("cuda", "cpu", "xpu", "mps") else ""
+def _checked_sinks(sinks: Sequence[Sink], spool_dir: str | os.PathLike[str] | None) -> list[Sink]:
+    for sink in sinks:
+        if not callable(getattr(sink, "write", None)):
+            raise ConfigError(f"sinks must be batchtap.sinks.Sink objects, got {type(sink).__name__}")
+    if spool_dir is None:
+        return list(sinks)
+    return [
+        ResilientSink(sink, spool_path=Path(spool_dir) / f"{i:02d}-{type(sink).__name__.lower()}.rank{_dist.rank()}.jsonl")
+        for i, sink in enumerate(sinks)
+    ]
 
 
 def _default_sinks() -> list[Sink]:
@@ -1548,10 +1063,15 @@ def _default_sinks() -> list[Sink]:
 
 #: every Tap made in this process (weakly): runs still open at interpreter exit are ended
 _OPEN_AT_EXIT: weakref.WeakSet[Tap] = weakref.WeakSet()
+#: Taps with an open run, held strongly: a script that drops its last reference to a Tap mid-run
+#: (an exception unwinding the frame that held it) still has that run ended at exit
+_RUNNING: set[Tap] = set()
+
+# Registered after multiprocessing's own exit handler (imported just above), so it runs before it:
+# a run's pipeline process must store the run's end before multiprocessing terminates it.
 
 
 @atexit.register
 def _end_open_runs() -> None:
-    for tap in list(_OPEN_AT_EXIT):
+    for tap in list(_RUNNING) + [t for t in list(_OPEN_AT_EXIT) if t not in _RUNNING]:
         tap._end_at_exit()
-

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from batchtap.capture.clock import HostClock, clock_for
+from batchtap.pipeline.harvest import read_block
 from batchtap.capture.flush import Flusher
 from batchtap.capture.guard import LossGuard
 from batchtap.capture.loader import timed_batches
@@ -54,8 +55,7 @@ def test_rows_survive_many_wraps_and_come_back_in_step_order() -> None:
         if flusher.due():
             block = flusher.flush()
             assert block is not None
-            data = flusher.read(block)
-            flusher.release(block)
+            data = read_block(flusher, block)
             assert data.device_values[:, 0].tolist() == [s / 2 for s in data.step.tolist()]
             assert data.device_values[:, 1].tolist() == data.step.tolist()
             assert data.host_values[:, 0].tolist() == [s * 10.0 for s in data.step.tolist()]
@@ -63,7 +63,7 @@ def test_rows_survive_many_wraps_and_come_back_in_step_order() -> None:
             seen += data.step.tolist()
     last = flusher.flush()
     assert last is not None
-    seen += flusher.read(last).step.tolist()
+    seen += read_block(flusher, last).step.tolist()
     assert seen == list(range(23))
 
 
@@ -83,8 +83,7 @@ def test_a_slot_is_not_reused_before_its_row_was_released() -> None:
     writer = threading.Thread(target=third_row)
     writer.start()
     assert not claimed.wait(0.2), "claim() handed out a slot whose row was never read"
-    data = flusher.read(block)
-    flusher.release(block)
+    data = read_block(flusher, block)
     assert claimed.wait(5)
     writer.join()
     assert data.step.tolist() == [0, 1] and flusher.waits == 1
@@ -137,7 +136,7 @@ def test_flush_with_nothing_new_returns_none_unless_asked_for_an_empty_block() -
     flusher = Flusher(_ring(), HostClock(4), flush_every=2, flush_seconds=None)
     assert flusher.flush() is None
     empty = flusher.flush(empty_ok=True)
-    assert empty is not None and len(flusher.read(empty)) == 0
+    assert empty is not None and len(read_block(flusher, empty)) == 0
 
 
 def test_a_step_without_a_start_mark_has_no_step_time() -> None:
@@ -152,7 +151,7 @@ def test_a_step_without_a_start_mark_has_no_step_time() -> None:
     _write(ring, flusher, 1, 1.0)
     block = flusher.flush()
     assert block is not None
-    times = flusher.read(block).step_time
+    times = read_block(flusher, block).step_time
     assert math.isnan(times[0]) and times[1] >= 0
 
 
@@ -194,8 +193,7 @@ def test_guard_checks_a_slots_old_row_before_a_lagging_device_gets_it_overwritte
         if flusher.due():
             block = flusher.flush()
             assert block is not None
-            flusher.read(block)
-            flusher.release(block)
+            read_block(flusher, block)
         hits.append(guard.poll())
     # row 5 reused row 1's slot: the NaN of step 1 was checked just before it was overwritten
     assert hits[:5] == [None] * 5
@@ -255,8 +253,7 @@ def test_guard_settles_a_wrapped_row_only_once_a_whole_ring_has_passed_it() -> N
         if flusher.due():
             block = flusher.flush()
             assert block is not None
-            flusher.read(block)
-            flusher.release(block)
+            read_block(flusher, block)
         hits.append(guard.poll())
     assert hits[:10] == [None] * 10
     step, value = hits[10]  # type: ignore[misc]
@@ -293,6 +290,5 @@ def test_guard_polls_the_end_mark_of_a_rows_slot_after_the_ring_wrapped() -> Non
         if flusher.due():
             block = flusher.flush()
             assert block is not None
-            flusher.read(block)
-            flusher.release(block)
+            read_block(flusher, block)
     assert hits == [None] * 5 + [(5, math.inf), None]  # step 5 lives in slot 1

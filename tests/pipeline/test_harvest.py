@@ -13,30 +13,33 @@ import threading
 
 import torch
 
+import pytest
+
 from batchtap.capture.clock import HostClock
 from batchtap.capture.flush import Block, BlockData, Flusher
 from batchtap.capture.ring import MetricRing
 from batchtap.metrics import Loss
 from batchtap.metrics.layout import Layout
-from batchtap.pipeline.decode import Decoder
-from batchtap.pipeline.dispatch import Dispatcher
-from batchtap.pipeline.harvest import Harvester, RunPipeline
+from batchtap.pipeline import harvest
+from batchtap.pipeline.control import Control
+from batchtap.pipeline.thread import ThreadPipeline
 from tests.conftest import ListSink
 
 
 class LoggingFlusher(Flusher):
+    """Logs the pipeline's read of each block (its marker polled first, its rows copied into a
+    BlockData last) and the release of its slots."""
+
     def __init__(self, *args: object, **kw: object) -> None:
         super().__init__(*args, **kw)  # type: ignore[arg-type]
         self.log: list[tuple[str, int, int]] = []  # (what, block's first row, rows released then)
         self._lock = threading.Lock()
+        self.reading: int | None = None
 
-    def read(self, block: Block, gate=None) -> BlockData:  # type: ignore[no-untyped-def]
+    def note(self, what: str) -> None:
         with self._lock:
-            self.log.append(("read", block.first_row, self.released))
-        data = super().read(block, gate)
-        with self._lock:
-            self.log.append(("read done", block.first_row, self.released))
-        return data
+            assert self.reading is not None
+            self.log.append((what, self.reading, self.released))
 
     def release(self, block: Block) -> None:
         with self._lock:
@@ -44,30 +47,52 @@ class LoggingFlusher(Flusher):
         super().release(block)
 
 
-def test_every_block_is_read_before_its_slots_are_released() -> None:
+class LoggingClock(HostClock):
+    flusher: LoggingFlusher
+    blocks: dict[object, int]
+
+    def block_marker(self) -> object:
+        return object()  # one marker per block, so the log can name the block being read
+
+    def marker_done(self, marker: object) -> bool:
+        if self.flusher.reading != self.blocks[marker]:
+            self.flusher.reading = self.blocks[marker]
+            self.flusher.note("read")
+        return super().marker_done(marker)
+
+
+def test_every_block_is_read_before_its_slots_are_released(monkeypatch: pytest.MonkeyPatch) -> None:
     layout = Layout([Loss()])
     ring = MetricRing(capacity=4, device_width=layout.device_width, host_width=layout.host_width,
                       device=torch.device("cpu"), guard_column=layout.guard_column)
-    flusher = LoggingFlusher(ring, HostClock(4), flush_every=2, flush_seconds=None)
+    clock = LoggingClock(4)
+    flusher = LoggingFlusher(ring, clock, flush_every=2, flush_seconds=None)
+    clock.flusher, clock.blocks = flusher, {}
+
+    def logged_block_data(**columns: object) -> BlockData:
+        data = BlockData(**columns)  # type: ignore[arg-type]
+        flusher.note("read done")  # every row copied
+        return data
+
+    monkeypatch.setattr(harvest, "BlockData", logged_block_data)
     sink = ListSink()
-    dispatcher = Dispatcher([sink])
-    harvester = Harvester(dispatcher, on_block=[], on_error=lambda exc: None)
-    run = RunPipeline(Decoder(layout, run_id="r", rank=0))
+    pipeline = ThreadPipeline([sink], Control())
+    run = pipeline.open_chain(layout, run_id="r", rank=0, writes=True, reduce=None)
     try:
         for step in range(12):
             slot = flusher.claim(step)  # waits for a release when the pipeline is a ring behind
             ring.write(slot, [torch.tensor(step / 4)], [], step=step, epoch=0, batch=step, wall_time=0.0,
                        samples=1.0, data_time=math.nan)
-            flusher.rows += 1
+            flusher.commit_row()
             if flusher.due():
                 block = flusher.flush()
                 assert block is not None
-                harvester.submit(flusher, block, run)
-        assert harvester.drain(30)
-        assert dispatcher.flush(30)
+                clock.blocks[block.marker] = block.first_row
+                pipeline.submit(flusher, block, run)
+        assert pipeline.drain(30)
+        assert pipeline.flush_sinks(30)
     finally:
-        harvester.close()
-        dispatcher.close()
+        pipeline.close()
     assert [r.values["loss"] for r in sink.records] == [s / 4 for s in range(12)]
     firsts = list(range(0, 12, 2))
     expected = [entry for first in firsts for entry in

@@ -1,8 +1,8 @@
 """When to flush, what a flushed block is, and when a ring slot may be reused.
 
 The training thread calls :meth:`Flusher.claim` before it writes a row and :meth:`Flusher.flush`
-when :meth:`Flusher.due`; the pipeline thread calls :meth:`Flusher.read` on each block and then
-:meth:`Flusher.release`. The only place the training thread can wait is ``claim``, and only when the
+when :meth:`Flusher.due`; the pipeline reads each block back (``batchtap.pipeline.harvest``) and
+then calls :meth:`Flusher.release`. The only place the training thread can wait is ``claim``, and only when the
 pipeline is a whole ring behind (the device lags by ``capacity`` steps, or the sinks apply
 backpressure).
 """
@@ -15,13 +15,10 @@ import time
 
 import numpy as np
 
-from batchtap.capture.clock import DeviceGate, StepClock
+from batchtap.capture.clock import StepClock
 from batchtap.capture.ring import MetricRing
 
 __all__ = ["Block", "BlockData", "Flusher"]
-
-_OPEN = DeviceGate()  # a gate nobody pauses: reads without one
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Block:
@@ -94,6 +91,10 @@ class Flusher:
                 self._released_cv.wait_for(lambda: row - self.ring.capacity < self._released)
         return row % self.ring.capacity
 
+    def commit_row(self) -> None:
+        """The row :meth:`claim` handed out was written (rows are written in order)."""
+        self.rows += 1
+
     def due(self) -> bool:
         """Whether the unflushed rows call for a flush now (count or age)."""
         pending = self.rows - self.flushed
@@ -118,38 +119,8 @@ class Flusher:
         self.flushed = last
         return block
 
-    def read(self, block: Block, gate: DeviceGate | None = None) -> BlockData:
-        """Wait (on the pipeline thread) until ``block``'s copy completed, then read it back.
-
-        Every device query runs inside ``gate`` (see :class:`DeviceGate`) when one is given.
-        """
-        gate = gate or _OPEN
-        while True:
-            with gate.querying():
-                if self.clock.marker_done(block.marker):
-                    break
-            time.sleep(self.poll_interval)  # polling keeps the GIL free for the training thread
-        ring = self.ring
-        slots = ring.slots(block.first_row, block.last_row)
-        with gate.querying():
-            step_time = np.array([self.clock.elapsed(int(s)) for s in slots])
-        for s in slots:
-            self.clock.disarm(int(s))  # the slot's next row must record a start mark of its own
-        return BlockData(
-            device_values=ring.pinned_np[slots].astype(np.float64),
-            host_values=ring.host_values[slots].copy(),
-            step=ring.step[slots].copy(),
-            epoch=ring.epoch[slots].copy(),
-            batch=ring.batch[slots].copy(),
-            wall_time=ring.wall_time[slots].copy(),
-            samples=ring.samples[slots].copy(),
-            data_time=ring.data_time[slots].copy(),
-            step_time=step_time,
-            tokens=ring.tokens[slots].copy(),
-        )
-
     def release(self, block: Block) -> None:
-        """Mark ``block``'s slots reusable (called after :meth:`read`)."""
+        """Mark ``block``'s slots reusable (once its rows were read back)."""
         with self._released_cv:
             self._released = max(self._released, block.last_row)
             self._released_cv.notify_all()

@@ -27,6 +27,7 @@ _STATUS = {
     RunStatus.FINISHED: "FINISHED",
     RunStatus.FAILED: "FAILED",
     RunStatus.STOPPED: "KILLED",  # MLflow's word for a run ended before its end
+    RunStatus.KILLED: "KILLED",
     RunStatus.RUNNING: "RUNNING",
 }
 #: MLflow tag that holds the batchtap run id (how a resumed or replayed run finds its MLflow run).

@@ -1,0 +1,152 @@
+"""A ring of flushed blocks in shared memory, between the training process and the pipeline process.
+
+One segment per run (its width is the run's), made by the training process. ``slots`` block slots
+of up to ``max_rows`` rows; each row is the run's device and host columns followed by the row's
+facts (step, epoch, batch, wall time, samples, data wait, step time, tokens), all float64. Two
+counters in the segment's header order the hand-over:
+
+* ``published``: blocks the training process has written (it writes slot ``n % slots``, then bumps
+  the counter);
+* ``consumed``: blocks the pipeline process has processed and handed to its sinks (it bumps the
+  counter only then, so a pipeline process that dies mid-block leaves the block in place for its
+  successor).
+
+The training process writes a slot only while ``published - consumed < slots``; otherwise it waits
+(the pipeline is a whole segment behind). A segment outlives the process that wrote it: when the
+training process is killed, the pipeline process still reads every published block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from batchtap.capture.flush import BlockData
+
+__all__ = ["BlockSegment", "SegmentShape"]
+
+_FACTS = ("step", "epoch", "batch", "wall_time", "samples", "data_time", "step_time", "tokens")
+_INTEGER_FACTS = ("step", "epoch", "batch")
+_HEADER = 2  # published, consumed
+_SLOT_HEADER = 1  # rows in the slot
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SegmentShape:
+    """The geometry of a segment (what the pipeline process needs to attach to it)."""
+
+    name: str
+    slots: int
+    max_rows: int
+    device_width: int
+    host_width: int
+
+    @property
+    def width(self) -> int:
+        return self.device_width + self.host_width + len(_FACTS)
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * (_HEADER + self.slots * (_SLOT_HEADER + self.max_rows * self.width))
+
+
+class BlockSegment:
+    """See the module docstring. Make it with :meth:`create` (training process) or :meth:`attach`
+    (pipeline process)."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, shape: SegmentShape, *, owner: bool) -> None:
+        self.shm = shm
+        self.shape = shape
+        self.owner = owner
+        words = np.ndarray((shape.nbytes // 8,), dtype=np.float64, buffer=shm.buf)
+        self._counters = np.ndarray((_HEADER,), dtype=np.int64, buffer=shm.buf)
+        body = words[_HEADER:].reshape(shape.slots, _SLOT_HEADER + shape.max_rows * shape.width)
+        self._rows = body[:, 0]
+        self._data = body[:, _SLOT_HEADER:].reshape(shape.slots, shape.max_rows, shape.width)
+
+    @classmethod
+    def create(cls, *, slots: int, max_rows: int, device_width: int, host_width: int) -> BlockSegment:
+        probe = SegmentShape("", slots, max_rows, device_width, host_width)
+        shm = shared_memory.SharedMemory(create=True, size=max(probe.nbytes, 8))
+        segment = cls(shm, dataclasses.replace(probe, name=shm.name), owner=True)
+        segment._counters[:] = 0
+        return segment
+
+    @classmethod
+    def attach(cls, shape: SegmentShape) -> BlockSegment:
+        shm = shared_memory.SharedMemory(name=shape.name)
+        # The spawned pipeline process shares the training process's resource tracker, which
+        # keeps one entry per segment: the owner's unlink() removes it, and a segment left by a
+        # killed training process is removed once every process using it has exited.
+        return cls(shm, shape, owner=False)
+
+    @property
+    def published(self) -> int:
+        return int(self._counters[0])
+
+    @property
+    def consumed(self) -> int:
+        return int(self._counters[1])
+
+    def has_room(self) -> bool:
+        return self.published - self.consumed < self.shape.slots
+
+    # ------------------------------------------------------------------ training process
+
+    def publish(self, data: BlockData, *, poll: float = 2e-4, alive: object = None) -> int:
+        """Write ``data`` into the next slot and return its sequence number.
+
+        Waits while the segment is full (the pipeline process is a whole segment behind); ``alive``
+        (a callable) is asked between polls and a False answer stops the wait with ``TimeoutError``.
+        """
+        n = len(data)
+        if n > self.shape.max_rows:
+            raise ValueError(f"a block of {n} rows does not fit a segment slot of {self.shape.max_rows} rows")
+        while not self.has_room():
+            if alive is not None and not alive():  # type: ignore[operator]
+                raise TimeoutError("the pipeline process is gone")
+            time.sleep(poll)  # sync: backpressure — the pipeline process is a whole segment behind
+        seq = self.published
+        slot = seq % self.shape.slots
+        dw, hw = self.shape.device_width, self.shape.host_width
+        rows = self._data[slot, :n]
+        rows[:, :dw] = data.device_values
+        rows[:, dw : dw + hw] = data.host_values
+        for i, fact in enumerate(_FACTS):
+            rows[:, dw + hw + i] = getattr(data, fact)
+        self._rows[slot] = n
+        self._counters[0] = seq + 1  # last: the slot is complete before it is announced
+        return seq
+
+    # ------------------------------------------------------------------ pipeline process
+
+    def read(self, seq: int) -> BlockData:
+        """A copy of published block ``seq`` (safe to keep after the slot is reused)."""
+        slot = seq % self.shape.slots
+        n = int(self._rows[slot])
+        dw, hw = self.shape.device_width, self.shape.host_width
+        rows = self._data[slot, :n].copy()
+        facts = {fact: rows[:, dw + hw + i] for i, fact in enumerate(_FACTS)}
+        for fact in _INTEGER_FACTS:  # exact: float64 holds integers up to 2**53
+            facts[fact] = facts[fact].astype(np.int64)
+        return BlockData(device_values=rows[:, :dw], host_values=rows[:, dw : dw + hw], **facts)
+
+    def consume(self, seq: int) -> None:
+        """Block ``seq`` was processed and handed to the sinks: its slot may be reused."""
+        self._counters[1] = max(self.consumed, seq + 1)
+
+    def close(self) -> None:
+        """Unmap (and, for the owner, remove) the segment."""
+        self._counters = self._rows = self._data = None  # type: ignore[assignment]
+        try:
+            self.shm.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+            pass
+        if self.owner:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
