@@ -419,14 +419,22 @@ class Batchtap(Variant):
         sinks: makes the sinks from the run's folder; None means ``sinks=[]``.
         needs: modules that must import for this variant (sinks written by others, lazily).
         time_steps: time every ``tap.step()`` call on the host.
+        pipeline: ``"thread"`` or ``"process"`` (where decoding, rules and sinks run).
     """
 
     has_nan_stop = True
 
     def __init__(
-        self, name: str = "batchtap", sinks: SinkFactory | None = None, *, needs: Sequence[str] = (), time_steps: bool = True
+        self,
+        name: str = "batchtap",
+        sinks: SinkFactory | None = None,
+        *,
+        needs: Sequence[str] = (),
+        time_steps: bool = True,
+        pipeline: str = "thread",
     ) -> None:
         self.name, self.sinks, self.needs, self.time_steps = name, sinks, tuple(needs), time_steps
+        self.pipeline = pipeline
 
     def unavailable(self) -> str | None:
         for module in self.needs:
@@ -441,7 +449,7 @@ class Batchtap(Variant):
 
         model, out = wl.make_model(), Outcome()
         opt, window, i = _optimizer(model, wl.lr), Window(wl.device, spec.counter, out), 0
-        tap = bt.Tap(sinks=self.sinks(spec.tmp) if self.sinks else [])
+        tap = bt.Tap(sinks=self.sinks(spec.tmp) if self.sinks else [], pipeline=self.pipeline)  # type: ignore[arg-type]
         perf, host, timed = time.perf_counter, out.step_host_s, self.time_steps
         try:
             with tap:
@@ -610,7 +618,7 @@ def _jsonl(tmp: Path) -> list[Any]:
 
 
 def peer_variants() -> list[Variant]:
-    """The six variants of issue 7, in table order."""
+    """The variants of issue 7 (plus the process pipeline of issue 14), in table order."""
     return [
         Bare(),
         ItemRecipe(),
@@ -619,6 +627,12 @@ def peer_variants() -> list[Variant]:
             "batchtap + SQLite + TensorBoard sinks",
             _sqlite_tensorboard,
             needs=("batchtap.sinks.sqlite", "batchtap.sinks.tensorboard", "tensorboard"),
+        ),
+        Batchtap(
+            "batchtap + SQLite + TensorBoard, pipeline process",
+            _sqlite_tensorboard,
+            needs=("batchtap.sinks.sqlite", "batchtap.sinks.tensorboard", "tensorboard"),
+            pipeline="process",
         ),
         LightningCSV(),
         HFStyle(logging_steps=10),

@@ -6,7 +6,8 @@ whose CPU step takes 10-30 ms. Variants, in one process, interleaved repetitions
 1. bare PyTorch loop;
 2. the per-step ``.item()`` recipe, a line every 10 batches;
 3. batchtap with its default metrics (no sink);
-4. batchtap with SQLite + TensorBoard sinks (skipped while those sinks cannot be imported);
+4. batchtap with SQLite + TensorBoard sinks (skipped while those sinks cannot be imported), with
+   the pipeline in a thread (the default) and in its own process (``pipeline="process"``);
 5. a Lightning ``Trainer``: ``self.log(on_step=True)`` of the loss and a TorchMetrics ``Accuracy``,
    ``CSVLogger`` (skipped when lightning/torchmetrics are not installed);
 6. an HF-Trainer-style loop: loss accumulated on the device, read every ``logging_steps=10``.

@@ -78,13 +78,15 @@ def time_sink(make: Callable[[], Sink], run: RunInfo, blocks: list[list[Record]]
     return time.perf_counter() - t0
 
 
-def bench_training_thread_cost(pg_dsn: str, reps: int = 5, steps: int = 300) -> None:
-    """Per-step cost on the training thread: ``Tap(sinks=[])`` vs every sink attached, interleaved.
+def bench_training_thread_cost(pg_dsn: str, reps: int = 5, steps: int = 300, batches: tuple[int, ...] = (32, 64)) -> None:
+    """Per-step cost on the training thread: no sinks vs every sink attached, with the pipeline in a
+    thread and in its own process, all four interleaved in one run.
 
-    A small CNN step (digits-sized, a few ms on a CPU) so the sinks' threads compete with real
-    work. For each repetition both variants run (order rotated) for ``steps`` timed steps after a
-    warm-up; reported: the median over repetitions of each variant's median step time, the median of
-    the per-repetition ratios, and the median host time of ``tap.step()`` itself.
+    A small CNN step (digits-sized, a few ms on a CPU) so the sinks' work competes with real work.
+    For each batch size and repetition every variant runs (order rotated) for ``steps`` timed steps
+    after a warm-up; reported: the median over repetitions of each variant's median step time, the
+    median host time of ``tap.step()`` itself, and per pipeline the median of the per-repetition
+    ratios all sinks / no sinks.
     """
     import torch
     import torch.nn.functional as F
@@ -96,14 +98,16 @@ def bench_training_thread_cost(pg_dsn: str, reps: int = 5, steps: int = 300) -> 
     torch.manual_seed(0)
     model = DigitsCNN(width=32)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    data = [(torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))) for _ in range(16)]
     schema = "bt_bench_steps_" + uuid.uuid4().hex[:8]
+    made = 0
 
-    def all_sinks(i: int) -> list[Sink]:
-        sinks: list[Sink] = [bt.sinks.SQLite(tmp / f"s{i}.db"), bt.sinks.CSV(tmp / f"c{i}" / "m.csv"),
-                             bt.sinks.JSONL(tmp / f"j{i}.jsonl")]
+    def all_sinks() -> list[Sink]:
+        nonlocal made
+        made += 1
+        sinks: list[Sink] = [bt.sinks.SQLite(tmp / f"s{made}.db"), bt.sinks.CSV(tmp / f"c{made}" / "m.csv"),
+                             bt.sinks.JSONL(tmp / f"j{made}.jsonl")]
         try:
-            sinks.append(bt.sinks.TensorBoard(tmp / f"tb{i}"))
+            sinks.append(bt.sinks.TensorBoard(tmp / f"tb{made}"))
         except ImportError:
             pass
         if pg_dsn:
@@ -113,9 +117,9 @@ def bench_training_thread_cost(pg_dsn: str, reps: int = 5, steps: int = 300) -> 
                 pass
         return sinks
 
-    def one(sinks: list[Sink]) -> tuple[float, float]:
+    def one(sinks: list[Sink], pipeline: str, data: list) -> tuple[float, float]:
         step_times, call_times = [], []
-        with bt.Tap(sinks=sinks, flush_every=50) as tap, tap.run(name="bench"):
+        with bt.Tap(sinks=sinks, flush_every=50, pipeline=pipeline) as tap, tap.run(name="bench"):  # type: ignore[arg-type]
             for i in range(steps + 20):
                 x, y = data[i % len(data)]
                 t0 = time.perf_counter()
@@ -130,19 +134,26 @@ def bench_training_thread_cost(pg_dsn: str, reps: int = 5, steps: int = 300) -> 
                     call_times.append(t2 - t1)
         return statistics.median(step_times), statistics.median(call_times)
 
-    results: dict[str, list[tuple[float, float]]] = {"no sinks": [], "all sinks": []}
-    for rep in range(reps):
-        order = ["no sinks", "all sinks"] if rep % 2 == 0 else ["all sinks", "no sinks"]
-        for variant in order:
-            results[variant].append(one([] if variant == "no sinks" else all_sinks(rep)))
-    ratios = [b[0] / a[0] for a, b in zip(results["no sinks"], results["all sinks"])]
-    print(f"\ntraining-thread cost, {reps} interleaved reps x {steps} steps (DigitsCNN width 32, batch 64):")
-    print(f"{'variant':<12}{'ms/step':>10}{'tap.step() us':>16}")
-    for name, rows in results.items():
-        print(f"{name:<12}{statistics.median(r[0] for r in rows) * 1e3:>10.3f}"
-              f"{statistics.median(r[1] for r in rows) * 1e6:>16.1f}")
-    print(f"ratio all sinks / no sinks (median of per-rep ratios): {statistics.median(ratios):.3f} "
-          f"[{', '.join(f'{r:.3f}' for r in ratios)}]")
+    variants = [(p, s) for p in ("thread", "process") for s in ("no sinks", "all sinks")]
+    for batch in batches:
+        data = [(torch.randn(batch, 1, 8, 8), torch.randint(0, 10, (batch,))) for _ in range(16)]
+        results: dict[tuple[str, str], list[tuple[float, float]]] = {v: [] for v in variants}
+        for rep in range(reps):
+            order = variants[rep % len(variants):] + variants[: rep % len(variants)]
+            for pipeline, sinks in order:
+                results[(pipeline, sinks)].append(one([] if sinks == "no sinks" else all_sinks(), pipeline, data))
+        print(f"\ntraining-thread cost, {reps} interleaved reps x {steps} steps (DigitsCNN width 32, batch {batch}):")
+        print(f"{'pipeline':<10}{'sinks':<12}{'ms/step':>10}{'tap.step() us':>16}")
+        for (pipeline, sinks), rows in results.items():
+            print(f"{pipeline:<10}{sinks:<12}{statistics.median(r[0] for r in rows) * 1e3:>10.3f}"
+                  f"{statistics.median(r[1] for r in rows) * 1e6:>16.1f}")
+        for pipeline in ("thread", "process"):
+            ratios = [b[0] / a[0] for a, b in zip(results[(pipeline, "no sinks")], results[(pipeline, "all sinks")])]
+            print(f"{pipeline}: all sinks / no sinks (median of per-rep ratios): {statistics.median(ratios):.3f} "
+                  f"[{', '.join(f'{r:.3f}' for r in ratios)}]")
+        ratios = [b[0] / a[0] for a, b in zip(results[("thread", "no sinks")], results[("process", "all sinks")])]
+        print(f"process + all sinks / thread + no sinks: {statistics.median(ratios):.3f} "
+              f"[{', '.join(f'{r:.3f}' for r in ratios)}]")
     if pg_dsn:
         try:
             import psycopg

@@ -38,8 +38,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -48,13 +47,12 @@ import multiprocessing.util  # noqa: F401  (see _end_open_runs: its exit handler
 
 from batchtap import _env
 from batchtap._config import to_json_config
-from batchtap._defaults import store_url
+from batchtap._defaults import checked_sinks, default_sinks
 from batchtap._names import check_storable
 from batchtap._owner import ThreadOwner
 from batchtap.capture.accumulate import MicroBatches
-from batchtap.capture.clock import StepClock
 from batchtap.capture.loader import timed_batches
-from batchtap.capture.logged import Logged
+from batchtap.capture.logged import Logged, check_logged, copy_check
 from batchtap.capture.session import (
     CaptureConfig,
     RowFacts,
@@ -67,7 +65,6 @@ from batchtap.errors import ConfigError, DistributedError, InputError, RunStateE
 from batchtap.metrics.base import Metric, StepInputs
 from batchtap.metrics.builtin import default_metrics
 from batchtap.metrics.inputs import (
-    RESERVED_NAMES,
     check_count,
     check_metrics,
     check_scalar,
@@ -84,7 +81,6 @@ from batchtap.pipeline.chain import ReduceSpec
 from batchtap.pipeline.control import Control
 from batchtap.pipeline.dispatch import Backpressure
 from batchtap.pipeline.host import PipelineHost, PipelineKind, make_pipeline
-from batchtap.pipeline.resilient import ResilientSink
 from batchtap.records import Event, EventKind, RunInfo, RunStatus
 from batchtap.rules.actions import ActionRunner
 from batchtap.rules.builtin import NonFinite
@@ -251,7 +247,7 @@ class Tap:
         # a NonFinite("loss") rule takes over the NaN guard's default stop: the guard then only
         # flushes at once, so the rule's own action (e.g. rollback) follows within a step or two
         self._loss_rule = any(isinstance(r, NonFinite) and r.metric == "loss" for r in rules)
-        self.sinks = _checked_sinks(_default_sinks() if sinks is None else sinks, spool_dir)
+        self.sinks = checked_sinks(default_sinks() if sinks is None else sinks, spool_dir, rank=_dist.rank())
         self._control = Control()
         self._pipeline: PipelineHost = make_pipeline(
             pipeline, self.sinks, self._control, queue_size=queue_size, backpressure=backpressure, rules=engine
@@ -772,26 +768,12 @@ class Tap:
         """
         state = self._require_run("log()")
         state.owner.check("log()")
-        if not isinstance(values, Mapping) or not values:
-            raise InputError(f"log() takes a non-empty mapping of name -> number or 0-dim tensor, got {values!r}")
-        if step is not None:
-            check_count("step", step, minimum=0)
-        taken = set(state.capture.layout.names) if state.capture is not None else set()
-        for name, value in values.items():
-            if not isinstance(name, str) or not name:
-                raise InputError(f"log() names must be non-empty strings, got {name!r}")
-            check_storable("log() name", name)
-            if name in taken or name in RESERVED_NAMES:
-                raise InputError(
-                    f"log() name {name!r} is already a per-step value or record field of this run; log it "
-                    f"under another name, e.g. 'eval_{name}'"
-                )
-            check_scalar(f"log() value {name!r}", value)
+        check_logged(values, step, taken=state.capture.layout.names if state.capture is not None else ())
         if step is None:
             step = max(state.step - 1, 0)
         clock = state.capture.clock if state.capture is not None else None
         logged = Logged.capture(
-            values, step=step, epoch=state.epoch, wall_time=time.time(), marker=lambda: _done_check(clock, values)
+            values, step=step, epoch=state.epoch, wall_time=time.time(), marker=lambda: copy_check(clock, values)
         )
         if state.capture is not None and state.agreement is None:
             # Handed over with the next flush, after the block of the steps before it: no flush of
@@ -1013,52 +995,6 @@ class Tap:
 def check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _done_check(clock: StepClock | None, values: Mapping[str, Any]) -> Callable[[], bool]:
-    """A "copy done?" check for ``Tap.log()`` tensors on a device: a marker of the run's clock when
-    the capture exists, else a fresh CUDA event."""
-    if clock is not None:
-        marker = clock.block_marker()
-        return lambda: clock.marker_done(marker)
-    device = next(v.device for v in values.values() if isinstance(v, torch.Tensor) and v.device.type != "cpu")
-    if device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record()
-        return event.query
-    # sync: log() before the run's first step, on a device without CUDA events: wait for the copies.
-    torch.accelerator.synchronize(device)
-    return lambda: True
-
-
-def _checked_sinks(sinks: Sequence[Sink], spool_dir: str | os.PathLike[str] | None) -> list[Sink]:
-    for sink in sinks:
-        if not callable(getattr(sink, "write", None)):
-            raise ConfigError(f"sinks must be batchtap.sinks.Sink objects, got {type(sink).__name__}")
-    if spool_dir is None:
-        return list(sinks)
-    return [
-        ResilientSink(sink, spool_path=Path(spool_dir) / f"{i:02d}-{type(sink).__name__.lower()}.rank{_dist.rank()}.jsonl")
-        for i, sink in enumerate(sinks)
-    ]
-
-
-def _default_sinks() -> list[Sink]:
-    """SQLite at ``$BATCHTAP_DB`` (else ``runs/batchtap.db``; a PostgreSQL URL there means
-    PostgreSQL) plus the console: a run is stored and visible without any configuration."""
-    from batchtap.sinks.console import Console
-
-    url = store_url()
-    store: Sink
-    if url.startswith(("postgresql://", "postgres://")):
-        from batchtap.sinks.postgres import Postgres
-
-        store = Postgres(url)
-    else:
-        from batchtap.sinks.sqlite import SQLite
-
-        store = SQLite(url.removeprefix("sqlite:///"))
-    return [store, Console()]
 
 
 #: every Tap made in this process (weakly): runs still open at interpreter exit are ended

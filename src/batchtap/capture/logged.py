@@ -8,13 +8,18 @@ only once the marker completed, exactly as it reads flushed ring rows.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 import torch
 
+from batchtap._names import check_storable
+from batchtap.capture.clock import StepClock
 from batchtap.capture.ring import _real_memory, host_buffer
+from batchtap.errors import InputError
+from batchtap.metrics.inputs import RESERVED_NAMES, check_count, check_scalar
 
-__all__ = ["Logged"]
+__all__ = ["Logged", "check_logged", "copy_check"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,3 +77,38 @@ class Logged:
             # sync: none — pipeline thread, host memory whose copy the marker showed complete
             out.update(zip(self.tensor_names, self.host.numpy().tolist()))
         return out
+
+
+def check_logged(values: object, step: object, *, taken: Collection[str]) -> None:
+    """Check a ``Tap.log()`` call: a non-empty mapping of new names to numbers or 0-dim tensors
+    (``taken``: the run's per-step value names)."""
+    if not isinstance(values, Mapping) or not values:
+        raise InputError(f"log() takes a non-empty mapping of name -> number or 0-dim tensor, got {values!r}")
+    if step is not None:
+        check_count("step", step, minimum=0)
+    for name, value in values.items():
+        if not isinstance(name, str) or not name:
+            raise InputError(f"log() names must be non-empty strings, got {name!r}")
+        check_storable("log() name", name)
+        if name in taken or name in RESERVED_NAMES:
+            raise InputError(
+                f"log() name {name!r} is already a per-step value or record field of this run; log it "
+                f"under another name, e.g. 'eval_{name}'"
+            )
+        check_scalar(f"log() value {name!r}", value)
+
+
+def copy_check(clock: StepClock | None, values: Mapping[str, Any]) -> Callable[[], bool]:
+    """A "copy done?" check for ``Tap.log()`` tensors on a device: a marker of the run's clock when
+    the capture exists, else a fresh CUDA event."""
+    if clock is not None:
+        marker = clock.block_marker()
+        return lambda: clock.marker_done(marker)
+    device = next(v.device for v in values.values() if isinstance(v, torch.Tensor) and v.device.type != "cpu")
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+        return event.query
+    # sync: log() before the run's first step, on a device without CUDA events: wait for the copies.
+    torch.accelerator.synchronize(device)
+    return lambda: True

@@ -19,7 +19,8 @@ import torch
 from batchtap._optional import require
 from batchtap.errors import InputError
 from batchtap.integrations._lifecycle import finish_as
-from batchtap.tap import RESERVED_NAMES, Tap
+from batchtap.metrics.inputs import RESERVED_NAMES
+from batchtap.tap import Tap
 
 _pl: Any = require("lightning.pytorch", extra="lightning", purpose="batchtap.integrations.lightning")
 

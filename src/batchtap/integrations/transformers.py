@@ -34,7 +34,8 @@ import torch
 from batchtap._optional import require
 from batchtap.errors import InputError
 from batchtap.integrations._lifecycle import finish_as
-from batchtap.tap import RESERVED_NAMES, Tap
+from batchtap.metrics.inputs import RESERVED_NAMES
+from batchtap.tap import Tap
 
 _tf: Any = require("transformers", extra="transformers", purpose="batchtap.integrations.transformers")
 

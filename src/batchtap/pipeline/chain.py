@@ -9,6 +9,7 @@ verdict for the training thread). The same chain runs on the pipeline thread
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from batchtap.capture.flush import BlockData
 from batchtap.metrics.layout import Layout
@@ -44,7 +45,7 @@ class RulesStage:
 class ReduceSpec:
     """How a run reduces its records across ranks (None outside a process group)."""
 
-    group: object  # batchtap's reduction gloo group
+    group: Any  # batchtap's reduction gloo group
     rank: int
     world_size: int
     per_rank_rows: bool
