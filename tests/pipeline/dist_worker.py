@@ -58,7 +58,9 @@ def main(scenario: str, out: Path) -> None:
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.5 + rank)
         metrics += [bt.metrics.GradNorm(), bt.metrics.LearningRate(optimizer)]
     rules = [bt.Threshold("loss", above=0.0, patience=12, action="stop")] if scenario == "rule" else []
-    tap = bt.Tap(metrics, sinks, flush_every=5, per_rank_rows=per_rank, collective_timeout=timeout, rules=rules)
+    pipeline = os.environ.get("BATCHTAP_TEST_PIPELINE", "thread")  # test_distributed runs some scenarios with both
+    tap = bt.Tap(metrics, sinks, flush_every=5, per_rank_rows=per_rank, collective_timeout=timeout, rules=rules,
+                 pipeline=pipeline)  # type: ignore[arg-type]
     local = []
     try:
         with tap, tap.run(name=scenario):

@@ -22,7 +22,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(scenario: str, world: int, out: Path, timeout: float = 120) -> tuple[list[dict], list[dict], float]:
+def _launch(
+    scenario: str, world: int, out: Path, timeout: float = 120, pipeline: str = "thread"
+) -> tuple[list[dict], list[dict], float]:
     port = _free_port()
     procs = []
     started = time.monotonic()
@@ -30,7 +32,8 @@ def _launch(scenario: str, world: int, out: Path, timeout: float = 120) -> tuple
         # the ranks import batchtap from this checkout's src/, whatever is installed (a mutation run
         # tests a scratch copy of the tree this way)
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+                   WORLD_SIZE=str(world), PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+                   BATCHTAP_TEST_PIPELINE=pipeline)
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.pipeline.dist_worker", scenario, str(out)],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -56,9 +59,12 @@ def assert_union_reference(records: list[dict], results: list[dict]) -> None:
         assert record["accuracy"] == pytest.approx(sum(row["correct"] for row in rows) / total, abs=1e-12)
 
 
-@pytest.mark.parametrize("world", [2, 3], ids=["2-ranks", "3-ranks"])
-def test_reduced_loss_and_accuracy_equal_the_union_reference(tmp_path: Path, world: int) -> None:
-    results, lines, _ = _launch("reduce", world, tmp_path)
+@pytest.mark.parametrize(
+    ("world", "pipeline"), [(2, "thread"), (3, "thread"), (2, "process")], ids=["2-ranks", "3-ranks", "2-ranks-process"]
+)
+def test_reduced_loss_and_accuracy_equal_the_union_reference(tmp_path: Path, world: int, pipeline: str) -> None:
+    # pipeline="process": each rank's pipeline process reduces with the others' in a gloo group of their own
+    results, lines, _ = _launch("reduce", world, tmp_path, pipeline=pipeline)
     records = _records(lines)
     assert [r["step"] for r in records] == list(range(40))
     assert {r["rank"] for r in records} == {-1}  # reduced rows only, written once
@@ -90,8 +96,9 @@ def test_per_rank_rows_write_one_row_per_rank_and_step(tmp_path: Path) -> None:
     assert len(keys) == len(set(keys))
 
 
-def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
-    results, lines, _ = _launch("nan", 2, tmp_path)
+@pytest.mark.parametrize("pipeline", ["thread", "process"])
+def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path, pipeline: str) -> None:
+    results, lines, _ = _launch("nan", 2, tmp_path, pipeline=pipeline)
     stops = {res["stopped_at"] for res in results}
     # NaN at step 7 on rank 1: sent with the flush of step 9, agreed (asynchronously) at the flush of step 14
     assert stops == {14}
@@ -102,8 +109,9 @@ def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> No
     assert math.isnan(float(_records(lines)[7]["loss"]))
 
 
-def test_a_rule_decision_acts_on_every_rank_at_the_same_step(tmp_path: Path) -> None:
-    results, lines, _ = _launch("rule", 3, tmp_path)
+@pytest.mark.parametrize("pipeline", ["thread", "process"])
+def test_a_rule_decision_acts_on_every_rank_at_the_same_step(tmp_path: Path, pipeline: str) -> None:
+    results, lines, _ = _launch("rule", 3, tmp_path, pipeline=pipeline)
     stops = {res["stopped_at"] for res in results}
     # The rule fires on step 11's record once the block of steps 10-14 was exchanged; the worker
     # waits for that after each flush (tap.flush()), so the schedule is fixed: every rank has the
