@@ -219,6 +219,24 @@ def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path: Path) -> None:
     assert not spool.exists()
 
 
+def test_a_line_of_the_spool_format_before_the_codec_is_set_aside_and_the_rest_delivered(tmp_path: Path) -> None:
+    spool = tmp_path / "s.jsonl"
+    old = (
+        '{"v":1,"op":"write","records":[{"run_id":"r","step":0,"epoch":0,"batch":0,"rank":0,"wall_time":1.0,'
+        '"values":{"loss":0.5}}],"events":[]}'
+    )
+    new = encode_entry(("write", (make_records("r", [1], ["loss"], random.Random(60)), [])))
+    spool.write_text(old + "\n" + new + "\n")
+    inner = Collect()
+    sink = ResilientSink(inner, spool_path=spool)
+    assert inner.ops == [("write", [1])] and not spool.exists()
+    quarantine = tmp_path / "s.jsonl.quarantine.jsonl"
+    assert quarantine.read_text() == old + "\n" and sink.quarantined == 1  # kept, not dropped
+    messages = [e.message for e in sink.take_events()]
+    assert any("line 1 is not delivered" in m and "spool format 1 of an older batchtap" in m and str(quarantine) in m
+               for m in messages), messages  # fmt: skip
+
+
 def test_unwritable_spool_location_fails_at_construction(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

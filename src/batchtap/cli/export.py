@@ -1,7 +1,9 @@
 """``batchtap export RUN --format csv|jsonl|parquet [-o FILE]``: a stored run as CSV, JSON lines or Parquet.
 
 CSV and JSONL files are written by batchtap's own CSV and JSONL sinks, so an export reads back with
-:func:`batchtap.sinks.csv.read_records` (or any CSV/JSON reader) exactly like a sink's output.
+:func:`batchtap.sinks.csv.read_records` or :func:`batchtap.sinks.jsonl.read_jsonl` (or any CSV/JSON
+reader) exactly like a sink's output, and a JSONL export replays into another store with
+:func:`batchtap.sinks.jsonl.replay`.
 Parquet (pyarrow, ``pip install 'batchtap[pandas]'``) is written by :mod:`batchtap.store.parquet`
 and reads back with its ``read_records`` or with pandas/pyarrow/DuckDB.
 """
@@ -32,7 +34,8 @@ CSV: one row per (step, rank), columns run_id,step,epoch,batch,rank,wall_time,<m
 cell = no value, 'nan' = a value that failed validation; events go to <FILE stem>.events.csv and
 values logged with tap.log() to <FILE stem>.sparse.csv, one line per value (run_id,step,epoch,
 rank,wall_time,name,value) (both with -o only). JSONL: run_start, record, event and run_end lines
-(NaN as the string "nan"); a tap.log() record has "sparse": true and only its own names.
+(the record codec's; NaN as the string "nan"); a tap.log() record has "sparse": true and only its
+own names; batchtap.sinks.jsonl.replay(FILE, sink) feeds the file into another sink.
 Parquet (needs -o and pyarrow): one row per record, columns run_id,step,epoch,batch,rank,
 wall_time,sparse,<metrics>; a tap.log() record is a row with sparse=true; null = no value, NaN =
 a value that failed validation; the run in the file metadata (batchtap.run); events in

@@ -11,13 +11,17 @@ successful replay and the spool's deletion, or when a sink stored part of a bloc
 The SQL sinks make that exactly once in effect: they upsert on (run, metric, step, rank) and
 ignore events already stored.
 
-Spool format, one JSON object per line (strict JSON; NaN and infinities as the strings ``"nan"``,
-``"inf"``, ``"-inf"``; other floats with ``repr`` precision, so values round-trip bit for bit)::
+Spool format: one line of the record codec (:mod:`batchtap.records`) per sink call, so that values
+round-trip bit for bit (NaN and infinities as ``"nan"``, ``"inf"``, ``"-inf"``) and a spool or
+quarantine file can also be fed into any sink by hand with :func:`batchtap.sinks.jsonl.replay`::
 
-    {"v": 1, "op": "start_run", "run": {...RunInfo fields...}}
-    {"v": 1, "op": "write", "records": [{"run_id": ..., "values": {"loss": 0.25}}], "events": [...]}
-    (a record logged with ``Tap.log()`` also has ``"sparse": true``)
-    {"v": 1, "op": "end_run", "run": {...}}
+    {"type":"run_start","run_id":"...","name":"...","status":"running",...}
+    {"type":"write","records":[{"type":"record","run_id":"...","step":7,...,"loss":0.25}],"events":[]}
+    {"type":"run_end","run_id":"...","status":"finished",...}
+
+A line of the spool format before the codec (``{"v": 1, "op": ...}``, batchtap's spool format 1)
+is not read: it is set aside in the quarantine file with a WARNING naming it, and the rest is
+delivered.
 
 A sink that hangs is a failing sink: every call into it runs on a helper thread and is given
 ``call_timeout`` seconds; past that the block is spooled and training goes on, and until the hung
@@ -42,157 +46,73 @@ from pathlib import Path
 from typing import Any
 
 from batchtap.errors import ConfigError, SinkError
-from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus
+from batchtap.records import Event, EventKind, Message, Record, RunEnd, RunInfo, RunStart, Write, dumps, from_wire
 from batchtap.sinks.base import Sink, SinkDataError
 
 __all__ = ["ResilientSink", "SinkStalled", "encode_entry", "decode_entry"]
 
 _log = logging.getLogger(__name__)
-_SPOOL_VERSION = 1
 
 
-# -- spool encoding -----------------------------------------------------------------------------
-def _enc(x: float) -> float | str:
-    x = float(x)
-    return x if math.isfinite(x) else repr(x)  # 'nan', 'inf', '-inf': strict JSON has no NaN
-
-
-def _dec(x: float | int | str) -> float:
-    return float(x)
-
-
-def _enc_opt(x: float | None) -> float | str | None:
-    return None if x is None else _enc(x)
-
-
-def _record_to_json(r: Record) -> dict[str, Any]:
-    d = {
-        "run_id": r.run_id,
-        "step": r.step,
-        "epoch": r.epoch,
-        "batch": r.batch,
-        "rank": r.rank,
-        "wall_time": _enc(r.wall_time),
-        "values": {k: _enc(v) for k, v in r.values.items()},
-    }
-    if r.sparse:  # a Tap.log() record must replay as one, not as a step record
-        d["sparse"] = True
-    return d
-
-
-def _record_from_json(d: dict[str, Any]) -> Record:
-    return Record(
-        run_id=d["run_id"],
-        step=int(d["step"]),
-        epoch=int(d["epoch"]),
-        batch=int(d["batch"]),
-        rank=int(d["rank"]),
-        wall_time=_dec(d["wall_time"]),
-        values={k: _dec(v) for k, v in d["values"].items()},
-        sparse=bool(d.get("sparse", False)),
-    )
-
-
-def _event_to_json(e: Event) -> dict[str, Any]:
-    return {
-        "run_id": e.run_id,
-        "step": e.step,
-        "kind": e.kind.value,
-        "message": e.message,
-        "wall_time": _enc(e.wall_time),
-        "metric": e.metric,
-        "raw_value": _enc_opt(e.raw_value),
-        "rank": e.rank,
-    }
-
-
-def _event_from_json(d: dict[str, Any]) -> Event:
-    raw = d.get("raw_value")
-    return Event(
-        run_id=d["run_id"],
-        step=int(d["step"]),
-        kind=EventKind(d["kind"]),
-        message=d["message"],
-        wall_time=_dec(d["wall_time"]),
-        metric=d.get("metric"),
-        raw_value=None if raw is None else _dec(raw),
-        rank=int(d.get("rank", 0)),
-    )
-
-
-def _run_to_json(run: RunInfo) -> dict[str, Any]:
-    return {
-        "id": run.id,
-        "name": run.name,
-        "config": run.config,
-        "started_at": _enc(run.started_at),
-        "status": run.status.value,
-        "ended_at": _enc_opt(run.ended_at),
-        "stop_reason": run.stop_reason,
-        "world_size": run.world_size,
-        "environment": run.environment,
-        "metrics": list(run.metrics),
-    }
-
-
-def _run_from_json(d: dict[str, Any]) -> RunInfo:
-    ended = d.get("ended_at")
-    return RunInfo(
-        id=d["id"],
-        name=d["name"],
-        config=d.get("config") or {},
-        started_at=_dec(d["started_at"]),
-        status=RunStatus(d.get("status", "running")),
-        ended_at=None if ended is None else _dec(ended),
-        stop_reason=d.get("stop_reason"),
-        world_size=int(d.get("world_size", 1)),
-        environment=d.get("environment") or {},
-        metrics=tuple(d.get("metrics") or ()),
-    )
-
-
+# -- spool lines: the record codec's ------------------------------------------------------------
 # An operation on a sink: ("start_run", RunInfo) | ("end_run", RunInfo) | ("write", (records, events)).
 _Op = tuple[str, Any]
 
 
+class _OldSpoolLine(ValueError):
+    """A line of spool format 1 (``{"v": 1, "op": ...}``), written before the record codec."""
+
+
+def _message(op: _Op) -> Message:
+    kind, payload = op
+    if kind == "write":
+        records, events = payload
+        return Write(records, events)
+    if kind == "start_run":
+        return RunStart(payload)
+    if kind == "end_run":
+        return RunEnd(payload)
+    raise ValueError(f"expected op write, start_run or end_run, got {kind!r}")
+
+
 def encode_entry(op: _Op) -> str:
-    """One spool line (without the newline) for an operation.
+    """One spool line (without the newline) for an operation: the record codec's line of the
+    sink call (:func:`batchtap.records.dumps`).
 
     Example:
         >>> r = Record("r", step=1, epoch=0, batch=1, rank=0, wall_time=2.5, values={"loss": float("nan")})
         >>> line = encode_entry(("write", ([r], [])))
         >>> line
-        '{"v":1,"op":"write","records":[{"run_id":"r","step":1,"epoch":0,"batch":1,"rank":0,"wall_time":2.5,"values":{"loss":"nan"}}],"events":[]}'
+        '{"type":"write","records":[{"type":"record","run_id":"r","step":1,"epoch":0,"batch":1,"rank":0,"wall_time":2.5,"loss":"nan"}],"events":[]}'
         >>> decode_entry(line)[1][0][0].values["loss"]
         nan
     """
-    kind, payload = op
-    entry: dict[str, Any] = {"v": _SPOOL_VERSION, "op": kind}
-    if kind == "write":
-        records, events = payload
-        entry["records"] = [_record_to_json(r) for r in records]
-        entry["events"] = [_event_to_json(e) for e in events]
-    else:
-        entry["run"] = _run_to_json(payload)
-    # default=str: a config value JSON cannot hold is kept as its text rather than failing the spool.
-    return json.dumps(entry, separators=(",", ":"), ensure_ascii=False, default=str)
+    return dumps(_message(op))
 
 
 def decode_entry(line: str) -> _Op:
     """Inverse of :func:`encode_entry`.
 
     Raises:
-        ValueError: the line is not a spool entry this batchtap understands.
+        ValueError: the line is not a spool entry this batchtap understands (a line of spool
+            format 1, written before the record codec, among them).
     """
     d = json.loads(line)
-    if not isinstance(d, dict) or d.get("v") != _SPOOL_VERSION:
-        raise ValueError(f"expected a spool entry of version {_SPOOL_VERSION}, got {str(line)[:80]!r}")
-    kind = d.get("op")
-    if kind == "write":
-        return kind, ([_record_from_json(r) for r in d["records"]], [_event_from_json(e) for e in d["events"]])
-    if kind in ("start_run", "end_run"):
-        return kind, _run_from_json(d["run"])
-    raise ValueError(f"expected op write, start_run or end_run in a spool entry, got {kind!r}")
+    if not isinstance(d, dict):
+        raise ValueError(f"expected a JSON object, got {str(line)[:80]!r}")
+    if "type" not in d and "v" in d:
+        raise _OldSpoolLine(
+            f"it is in spool format {d['v']!r} of an older batchtap (before the record codec), which this "
+            "version does not read"
+        )
+    msg = from_wire(d)
+    if isinstance(msg, Write):
+        return "write", (list(msg.records), list(msg.events))
+    if isinstance(msg, RunStart):
+        return "start_run", msg.run
+    if isinstance(msg, RunEnd):
+        return "end_run", msg.run
+    raise ValueError(f"expected a write, run_start or run_end line in a spool, got {d['type']!r}")
 
 
 # -- calls with a deadline ----------------------------------------------------------------------
@@ -493,8 +413,8 @@ class ResilientSink(Sink):
         else:
             self._call(self.sink.end_run, payload)
 
-    def _quarantine(self, line: str, op: _Op | None, exc: BaseException, *, tries: int) -> None:
-        """Set a block the sink refuses for what it holds aside, so it never blocks the others."""
+    def _set_aside(self, line: str, what: str) -> None:
+        """Append a spool line to the quarantine file, to the disk at once."""
         try:
             with self.quarantine_path.open("a", encoding="utf-8") as f:
                 f.write(line if line.endswith("\n") else line + "\n")
@@ -502,13 +422,17 @@ class ResilientSink(Sink):
                 os.fsync(f.fileno())
         except OSError as err:
             raise SinkError(
-                f"sink {self.name} refused {_describe_op(op) if op else 'a spooled block'} and its quarantine file "
-                f"{self.quarantine_path} cannot be written ({err.strerror or err}); fix: make the spool's "
-                "directory writable or free disk space"
+                f"sink {self.name} cannot set aside {what}: its quarantine file {self.quarantine_path} cannot be "
+                f"written ({err.strerror or err}); fix: make the spool's directory writable or free disk space"
             ) from err
         self.quarantined += 1
+
+    def _quarantine(self, line: str, op: _Op | None, exc: BaseException, *, tries: int) -> None:
+        """Set a block the sink refuses for what it holds aside, so it never blocks the others."""
+        what = _describe_op(op) if op else "a spooled block"
+        self._set_aside(line, f"{what} it refused")
         self._warn(
-            f"sink {self.name} refused {_describe_op(op) if op else 'a spooled block'} for what it holds "
+            f"sink {self.name} refused {what} for what it holds "
             f"({type(exc).__name__}: {exc}) after {tries} {'try' if tries == 1 else 'tries'}; set aside in "
             f"{self.quarantine_path} so that later blocks are not held up behind it"
         )
@@ -600,6 +524,15 @@ class ResilientSink(Sink):
                     continue
                 try:
                     op = decode_entry(line)
+                except _OldSpoolLine as exc:
+                    self._set_aside(line, f"line {lineno} of its spool")
+                    self._warn(
+                        f"sink {self.name}: spool {self.spool_path} line {lineno} is not delivered: {exc}; set aside "
+                        f"in {self.quarantine_path} and the rest delivered; to deliver it, open that file as the "
+                        "spool_path of a ResilientSink under the batchtap version that wrote it"
+                    )
+                    done_offset = end
+                    continue
                 except (ValueError, KeyError, TypeError) as exc:
                     self._warn(f"sink {self.name}: spool {self.spool_path} line {lineno} is damaged ({exc}); skipping it")
                     done_offset = end

@@ -13,14 +13,17 @@ only. The contract is deliberately small:
 
 Optional third-party packages a sink needs are imported inside the sink's constructor, with an error
 naming the extra to install (see :func:`require`).
+
+:func:`feed` makes the calls that a stream of record codec objects (:data:`batchtap.records.Message`:
+read from a JSONL file, a spool, another process) stands for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from batchtap.errors import SinkError
-from batchtap.records import Event, EventKind, Record, RunInfo
+from batchtap.errors import ConfigError, SinkError
+from batchtap.records import EpochStart, Event, EventKind, Message, Record, RunEnd, RunInfo, RunStart, Write
 
 from batchtap._optional import require  # re-exported: sinks import it from here
 
@@ -32,7 +35,7 @@ EVENT_COUNTERS = {
     EventKind.WARNING: "batchtap/warnings",
 }
 
-__all__ = ["Sink", "SinkDataError", "EVENT_COUNTERS", "require"]
+__all__ = ["Sink", "SinkDataError", "EVENT_COUNTERS", "require", "feed"]
 
 
 class SinkDataError(SinkError):
@@ -88,3 +91,79 @@ class Sink:
 
     def close(self) -> None:
         """Release resources. The sink is not used afterwards."""
+
+
+def feed(messages: Iterable[Message], sink: Sink, *, block_size: int = 10_000) -> int:
+    """Make the sink calls that ``messages`` stand for, in order: ``start_run`` for a
+    :class:`~batchtap.records.RunStart`, ``write`` for a :class:`~batchtap.records.Write`, and so on.
+
+    Consecutive :class:`~batchtap.records.Record` and :class:`~batchtap.records.Event` objects are
+    gathered into one ``write`` of up to ``block_size`` items (a JSONL file holds them one per
+    line); any other object first hands over what was gathered, so the order of runs, epochs and
+    blocks is kept. The sink is neither flushed nor closed.
+
+    Args:
+        messages: record codec objects, e.g. from :func:`batchtap.sinks.jsonl.read_jsonl`.
+        sink: the sink to call.
+        block_size: most records and events in one ``write``.
+
+    Returns:
+        The number of objects fed.
+
+    Raises:
+        ConfigError: ``block_size`` is below 1.
+        TypeError: an object is not a record codec object.
+
+    Example:
+        >>> from batchtap.records import RunStart
+        >>> class Steps(Sink):
+        ...     def __init__(self):
+        ...         self.calls = []
+        ...     def start_run(self, run):
+        ...         self.calls.append(("start_run", run.id))
+        ...     def write(self, records, events=()):
+        ...         self.calls.append(("write", [r.step for r in records], len(events)))
+        >>> sink = Steps()
+        >>> msgs = [RunStart(RunInfo("r1", "exp", {}, 0.0))]
+        >>> msgs += [Record("r1", s, 0, s, 0, 0.0, {"loss": 0.5}) for s in range(5)]
+        >>> msgs += [Event("r1", 4, EventKind.WARNING, "slow disk", 0.0)]
+        >>> feed(msgs, sink, block_size=3)
+        7
+        >>> sink.calls
+        [('start_run', 'r1'), ('write', [0, 1, 2], 0), ('write', [3, 4], 1)]
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ConfigError(f"block_size must be an integer >= 1, got {block_size!r}")
+    records: list[Record] = []
+    events: list[Event] = []
+
+    def hand_over() -> None:
+        nonlocal records, events
+        if records or events:
+            sink.write(records, events)
+            records, events = [], []
+
+    n = 0
+    for m in messages:
+        n += 1
+        if isinstance(m, Record):
+            records.append(m)
+        elif isinstance(m, Event):
+            events.append(m)
+        else:
+            hand_over()
+            if isinstance(m, Write):
+                sink.write(m.records, m.events)
+            elif isinstance(m, RunStart):
+                sink.start_run(m.run)
+            elif isinstance(m, RunEnd):
+                sink.end_run(m.run)
+            elif isinstance(m, EpochStart):
+                sink.start_epoch(m.run_id, m.epoch, m.total)
+            else:
+                raise TypeError(f"expected record codec objects (batchtap.records.Message), got {type(m).__name__}")
+            continue
+        if len(records) + len(events) >= block_size:
+            hand_over()
+    hand_over()
+    return n

@@ -9,7 +9,8 @@ continues in a new *part* whose header is the old one plus the new columns:
 
 Every part is a valid CSV on its own; concatenating them aligned by column name (``pandas.concat``
 or :func:`read_records`) gives every value. A cell is empty where a record had no such metric, and
-``nan`` where the value was NaN. Floats are written with ``repr``, so they read back exactly.
+``nan`` where the value was NaN. Floats are written by the record codec's rule
+(:func:`batchtap.records.format_float`: ``repr``, and ``nan``, ``inf``, ``-inf``), so they read back exactly.
 Events go to ``metrics.events.csv`` (columns :data:`EVENT_FIELDS`). A metric named like a
 position column (``step``, ``rank``, ...) gets the column ``metric:<name>``.
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from batchtap.errors import SinkError
-from batchtap.records import Event, EventKind, Record
+from batchtap.records import Event, EventKind, Record, format_float, parse_float
 from batchtap.sinks.base import Sink
 
 __all__ = [
@@ -192,10 +193,10 @@ class CSV(Sink):
                         "epoch": r.epoch,
                         "batch": r.batch,
                         "rank": r.rank,
-                        "wall_time": repr(float(r.wall_time)),
+                        "wall_time": format_float(r.wall_time),
                     }
                     for k, v in r.values.items():
-                        row[_column(k)] = repr(float(v))
+                        row[_column(k)] = format_float(v)
                     self._writer.writerow(row)
                 self._file.flush()
             if events:
@@ -208,7 +209,7 @@ class CSV(Sink):
             self._sparse_file, self._sparse_writer = _open_sidecar(sparse_path(self.path), SPARSE_FIELDS)
         assert self._sparse_file is not None
         for r in records:
-            wall = repr(float(r.wall_time))
+            wall = format_float(r.wall_time)
             for name, value in r.values.items():
                 self._sparse_writer.writerow(
                     {
@@ -218,7 +219,7 @@ class CSV(Sink):
                         "rank": r.rank,
                         "wall_time": wall,
                         "name": name,
-                        "value": repr(float(value)),
+                        "value": format_float(value),
                     }
                 )
         self._sparse_file.flush()
@@ -235,9 +236,9 @@ class CSV(Sink):
                     "rank": e.rank,
                     "kind": e.kind.value,
                     "metric": "" if e.metric is None else e.metric,
-                    "raw_value": "" if e.raw_value is None else repr(float(e.raw_value)),
+                    "raw_value": "" if e.raw_value is None else format_float(e.raw_value),
                     "message": e.message,
-                    "wall_time": repr(float(e.wall_time)),
+                    "wall_time": format_float(e.wall_time),
                 }
             )
         self._events_file.flush()
@@ -278,7 +279,7 @@ def read_records(path: str | os.PathLike[str]) -> list[Record]:
         with p.open(newline="", encoding="utf-8") as f:
             for row in csv.DictReader(f):
                 values = {
-                    k.removeprefix(_CLASH) if k.removeprefix(_CLASH) in POSITION_FIELDS else k: float(v)
+                    k.removeprefix(_CLASH) if k.removeprefix(_CLASH) in POSITION_FIELDS else k: parse_float(v)
                     for k, v in row.items()
                     if k not in POSITION_FIELDS and v != ""
                 }
@@ -289,7 +290,7 @@ def read_records(path: str | os.PathLike[str]) -> list[Record]:
                         epoch=int(row["epoch"]),
                         batch=int(row["batch"]),
                         rank=int(row["rank"]),
-                        wall_time=float(row["wall_time"]),
+                        wall_time=parse_float(row["wall_time"]),
                         values=values,
                     )
                 )
@@ -313,7 +314,7 @@ def read_sparse_records(path: str | os.PathLike[str]) -> list[Record]:
             if this != key:
                 key = this
                 groups.append((row, {}))
-            groups[-1][1][row["name"]] = float(row["value"])
+            groups[-1][1][row["name"]] = parse_float(row["value"])
     return [
         Record(
             run_id=row["run_id"],
@@ -321,7 +322,7 @@ def read_sparse_records(path: str | os.PathLike[str]) -> list[Record]:
             epoch=int(row["epoch"]),
             batch=-1,
             rank=int(row["rank"]),
-            wall_time=float(row["wall_time"]),
+            wall_time=parse_float(row["wall_time"]),
             values=values,
             sparse=True,
         )
@@ -341,9 +342,9 @@ def read_events(path: str | os.PathLike[str]) -> list[Event]:
                 step=int(row["step"]),
                 kind=EventKind(row["kind"]),
                 message=row["message"],
-                wall_time=float(row["wall_time"]),
+                wall_time=parse_float(row["wall_time"]),
                 metric=row["metric"] or None,
-                raw_value=float(row["raw_value"]) if row["raw_value"] else None,
+                raw_value=parse_float(row["raw_value"]) if row["raw_value"] else None,
                 rank=int(row["rank"]),
             )
             for row in csv.DictReader(f)

@@ -15,7 +15,8 @@ Tables (schema version 2):
   readers can show them apart. A name is sparse or per-step for a whole run (the Tap refuses a
   clash), so one row per name is enough and the hot per-step path writes nothing here.
 * ``events`` — anomalies, actions, warnings and skipped steps: run, step, rank, kind, metric, raw
-  value (as the text of Python's ``repr``, so NaN and inf survive), message, wall time. An
+  value (as text by the record codec's rule, :func:`float_to_text`, so NaN and inf survive), message,
+  wall time. An
   ``event_key`` (a hash of the event's fields) makes re-inserting the same event a no-op.
 * ``schema_version`` — one row per applied migration. Opening a store applies the missing ones.
 
@@ -34,7 +35,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
-from batchtap.records import Event, Record, RunInfo
+from batchtap.records import Event, Record, RunInfo, format_float, parse_float
 from batchtap.store._errors import StoreError
 
 __all__ = [
@@ -265,18 +266,19 @@ ENSURE_RUN = (
 
 
 def float_to_text(x: float | None) -> str | None:
-    """Exact text of a float (``repr``), NaN and infinities included; ``None`` stays ``None``.
+    """Exact text of a float by the record codec's rule (:func:`batchtap.records.format_float`:
+    ``repr``, NaN and infinities as ``"nan"``, ``"inf"``, ``"-inf"``); ``None`` stays ``None``.
 
     Example:
         >>> float_to_text(float("nan")), float_to_text(0.1), text_to_float("-inf")
         ('nan', '0.1', -inf)
     """
-    return None if x is None else repr(float(x))
+    return None if x is None else format_float(x)
 
 
 def text_to_float(s: str | None) -> float | None:
     """Inverse of :func:`float_to_text`."""
-    return None if s is None else float(s)
+    return None if s is None else parse_float(s)
 
 
 def metric_rows(records: Sequence[Record]) -> list[tuple[Any, ...]]:
@@ -315,6 +317,7 @@ def sparse_rows(records: Sequence[Record]) -> list[tuple[str, str]]:
 
 
 def _event_key(e: Event) -> str:
+    # repr(wall_time) as since schema 1: the keys of events already stored must not change.
     payload = json.dumps(
         [e.step, e.rank, e.kind.value, e.metric, float_to_text(e.raw_value), e.message, repr(e.wall_time)],
         ensure_ascii=True,
