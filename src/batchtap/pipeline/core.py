@@ -74,8 +74,12 @@ class PipelineCore:
         self, values: Mapping[str, float], *, run_id: str, rank: int, writes: bool, step: int, epoch: int, wall_time: float
     ) -> None:
         """``log()`` values whose copy completed: one sparse record."""
+        self.sparse(Record(run_id, step, epoch, -1, rank, wall_time, dict(values), sparse=True), writes=writes)
+
+    def sparse(self, record: Record, *, writes: bool) -> None:
+        """A sparse record (``log()`` values) where this rank writes."""
         if writes:
-            self.dispatcher.write([Record(run_id, step, epoch, -1, rank, wall_time, dict(values), sparse=True)], [])
+            self.dispatcher.write([record], [])
 
     def events(self, events: list[Event], chain: RunChain | None, writes: bool) -> None:
         """Events from the training side: through the chain's reducer when it has one."""

@@ -22,6 +22,9 @@ Failure handling:
   still in the segment: nothing is lost either way.
 * **Exit**: ``Tap.close()`` ends the process; it is a daemon, so no exit path leaves it behind.
 
+Records, events and sink calls travel in the record codec's form (``records.to_wire``), the same
+as JSONL lines and spool entries; verdicts, which hold training-side references, travel as pickles.
+
 Objects that belong to the training side — modules, optimizers, tensors, GradScalers — are never
 copied into the pipeline process: they travel as references (pickle persistent ids) and come back as
 the same objects (a metric's optimizer, say, is not needed to decode its values).
@@ -41,7 +44,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -56,7 +59,19 @@ from batchtap.pipeline.core import PipelineCore
 from batchtap.pipeline.dispatch import Backpressure
 from batchtap.pipeline.harvest import read_block
 from batchtap.pipeline.shm import BlockSegment, SegmentShape
-from batchtap.records import Event, EventKind, RunInfo, RunStatus
+from batchtap.records import (
+    EpochStart,
+    Event,
+    EventKind,
+    Record,
+    RunEnd,
+    RunInfo,
+    RunStart,
+    RunStatus,
+    Write,
+    from_wire,
+    to_wire,
+)
 from batchtap.rules.engine import RuleEngine
 from batchtap.sinks.base import Sink
 
@@ -127,6 +142,16 @@ class _FromChild(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         return self.refs[pid]
+
+
+T = TypeVar("T")
+
+
+def _message(wire: Any, kind: type[T]) -> T:
+    """A record, event or sink call sent in the record codec's form (``records.to_wire``)."""
+    message = from_wire(wire)
+    assert isinstance(message, kind), f"expected a {kind.__name__}, got {type(message).__name__}"
+    return message
 
 
 def _dumps(pickler: Callable[[io.BytesIO], pickle.Pickler], obj: object) -> bytes:
@@ -271,7 +296,7 @@ class ProcessPipeline:
         if self._fallback is not None:
             self._fallback.events(events, chain.local if chain is not None else None, writes=writes)
             return
-        self._post("events", (list(events), chain.id if chain is not None else None, writes))
+        self._post("events", (to_wire(Write((), list(events))), chain.id if chain is not None else None, writes))
 
     def logged(self, logged: Logged, *, run_id: str, rank: int, writes: bool) -> None:
         if self._fallback is not None:
@@ -283,7 +308,8 @@ class ProcessPipeline:
             with gate.querying():
                 if not logged.done():
                     return None
-            return (logged.values(), run_id, rank, writes, logged.step, logged.epoch, logged.wall_time)
+            record = Record(run_id, logged.step, logged.epoch, -1, rank, logged.wall_time, logged.values(), sparse=True)
+            return (to_wire(record), writes)
 
         self._queue(_Outgoing("logged", prepare))
 
@@ -292,20 +318,20 @@ class ProcessPipeline:
         if self._fallback is not None:
             self._fallback.start_run(run, writes=writes)
         elif writes:
-            self._post("start_run", (run,))
+            self._post("start_run", (to_wire(RunStart(run)),))
 
     def end_run(self, run: RunInfo, *, writes: bool = True) -> None:
         self._run = None
         if self._fallback is not None:
             self._fallback.end_run(run, writes=writes)
         elif writes:
-            self._post("end_run", (run,))
+            self._post("end_run", (to_wire(RunEnd(run)),))
 
     def start_epoch(self, run_id: str, epoch: int, total: int | None, *, writes: bool = True) -> None:
         if self._fallback is not None:
             self._fallback.start_epoch(run_id, epoch, total, writes=writes)
         elif writes:
-            self._post("start_epoch", (run_id, epoch, total))
+            self._post("start_epoch", (to_wire(EpochStart(run_id, epoch, total)),))
 
     def ranks_failed(self, chain: _Chain, reason: str) -> None:
         if self._fallback is not None:
@@ -329,7 +355,7 @@ class ProcessPipeline:
         if self._fallback is not None:
             return self._fallback.finish_run(info, timeout=timeout, last_step=last_step)
         # sync: end of run — every captured step reaches the sinks before run() returns, within end_timeout.
-        done = self._request("finish_run", (info, timeout, last_step), timeout)
+        done = self._request("finish_run", (to_wire(RunEnd(info)), timeout, last_step), timeout)
         if done is None:
             log.warning(
                 "batchtap: run %r (%s): the pipeline process did not confirm within end_timeout=%g s that every "
@@ -381,6 +407,10 @@ class ProcessPipeline:
 
     def _queue(self, message: _Outgoing) -> None:
         with self._lock:
+            if self._fallback is not None:  # the process died for good while this call waited for the lock
+                self._outbox.append(message)
+                self._outbox_to(self._fallback, {c.id: c for c in self._chains.values()})
+                return
             if not self._outbox:
                 payload = message.prepare()
                 if payload is not None:  # nothing waits before it: send now (every CPU flush)
@@ -488,7 +518,7 @@ class ProcessPipeline:
         """After a restart: the open run and chain again, then every message not confirmed."""
         resent = list(self._unconfirmed)
         if self._run is not None and self._run[1] and not any(k == "start_run" for _, k, _ in resent):
-            self._transmit(-1, "start_run", (self._run[0],))
+            self._transmit(-1, "start_run", (to_wire(RunStart(self._run[0])),))
         for chain in self._chains.values():
             if not any(k == "open_chain" and p[0] == chain.id for _, k, p in resent):
                 message = list(chain.open_message)
@@ -508,7 +538,7 @@ class ProcessPipeline:
         if self._fallback is not None:
             self._fallback.events([event], None, writes=writes)
         elif writes:
-            self._send_locked("events", ([event], None, writes))
+            self._send_locked("events", (to_wire(Write((), [event])), None, writes))
 
     def _fall_back_locked(self, report: str) -> None:
         from batchtap.pipeline.thread import ThreadPipeline
@@ -539,8 +569,8 @@ class ProcessPipeline:
         elif kind == "flush_sinks":
             value = fallback.flush_sinks(*args)
         elif kind == "finish_run":
-            info, timeout, last_step = args
-            value = fallback.finish_run(info, timeout=timeout, last_step=last_step)
+            wire, timeout, last_step = args
+            value = fallback.finish_run(_message(wire, RunEnd).run, timeout=timeout, last_step=last_step)
         elif kind == "stored_position":
             value = fallback.stored_position(*args)
         else:  # close
@@ -574,17 +604,18 @@ class ProcessPipeline:
             chain = by_id[payload[0]]
             fallback.submit_data(chain.segment.read(payload[1]), chain.local)
         elif kind == "events":
-            events, chain_id, writes = payload
+            wire, chain_id, writes = payload
+            events = list(_message(wire, Write).events)
             fallback.events(events, by_id[chain_id].local if chain_id in by_id else None, writes=writes)
         elif kind == "logged":
-            values, run_id, rank, writes, step, epoch, wall = payload
-            fallback.core.logged(values, run_id=run_id, rank=rank, writes=writes, step=step, epoch=epoch, wall_time=wall)
+            fallback.core.sparse(_message(payload[0], Record), writes=payload[1])
         elif kind == "start_run":
-            fallback.start_run(payload[0])
+            fallback.start_run(_message(payload[0], RunStart).run)
         elif kind == "end_run":
-            fallback.end_run(payload[0])
+            fallback.end_run(_message(payload[0], RunEnd).run)
         elif kind == "start_epoch":
-            fallback.start_epoch(*payload)
+            epoch = _message(payload[0], EpochStart)
+            fallback.start_epoch(epoch.run_id, epoch.epoch, epoch.total)
         elif kind == "ranks_failed":
             fallback.ranks_failed(by_id[payload[0]].local, payload[1])
         # requests (barrier, flush_sinks, finish_run, close...) are asked of the fallback by their callers
@@ -703,19 +734,20 @@ class _ChildWorker:
             elif kind == "open_chain":
                 self._open_chain(*payload)
             elif kind == "events":
-                events, chain_id, writes = payload
-                core.events(events, self.chains[chain_id][0] if chain_id in self.chains else None, writes)
+                wire, chain_id, writes = payload
+                target = self.chains[chain_id][0] if chain_id in self.chains else None
+                core.events(list(_message(wire, Write).events), target, writes)
             elif kind == "logged":
-                values, run_id, rank, writes, step, epoch, wall = payload
-                core.logged(values, run_id=run_id, rank=rank, writes=writes, step=step, epoch=epoch, wall_time=wall)
+                core.sparse(_message(payload[0], Record), writes=payload[1])
             elif kind == "start_run":
-                self.run = payload[0]
-                core.start_run(payload[0])
+                self.run = _message(payload[0], RunStart).run
+                core.start_run(self.run)
             elif kind == "end_run":
                 self.run = None
-                core.end_run(payload[0])
+                core.end_run(_message(payload[0], RunEnd).run)
             elif kind == "start_epoch":
-                core.start_epoch(*payload)
+                epoch = _message(payload[0], EpochStart)
+                core.start_epoch(epoch.run_id, epoch.epoch, epoch.total)
             elif kind == "ranks_failed":
                 self.chains[payload[0]][0].ranks_failed(payload[1])
             elif kind == "barrier":
@@ -723,7 +755,8 @@ class _ChildWorker:
             elif kind == "flush_sinks":
                 self.send(("reply", payload[0], core.flush_sinks(payload[1])))
             elif kind == "finish_run":
-                key, info, timeout, last_step = payload
+                key, wire, timeout, last_step = payload
+                info = _message(wire, RunEnd).run
                 self.send(("reply", key, core.finish_run(_Drained(), info, timeout=timeout, last_step=last_step)))
             elif kind == "stored_position":
                 self.send(("reply", payload[0], core.stored_position(payload[1])))
