@@ -246,6 +246,8 @@ class ResilientSink(Sink):
         ([0], False)
     """
 
+    _live = ("_caller", "_lock", "_spool")
+
     def __init__(
         self,
         sink: Sink,
@@ -305,6 +307,14 @@ class ResilientSink(Sink):
             # A previous process left blocks behind: deliver them before anything new.
             self._down_since = self._clock()
             self._replay(why="left by an earlier run")
+
+    def _open_live(self) -> None:
+        """In a copy unpickled in another process (the wrapped sink travels with it): a call
+        thread and lock of its own, the spool reopened when next appended to; warnings not yet
+        taken stay with the original."""
+        self._caller = _Caller(self.name)
+        self._lock = threading.RLock()
+        self._events = []
 
     # -- state ------------------------------------------------------------------------------
     @property

@@ -16,11 +16,17 @@ naming the extra to install (see :func:`require`).
 
 :func:`feed` makes the calls that a stream of record codec objects (:data:`batchtap.records.Message`:
 read from a JSONL file, a spool, another process) stands for.
+
+A sink is pickled into the pipeline process under ``bt.Tap(pipeline="process")``: what it holds of
+this process only (connections, open files, threads, locks, servers) must not travel. The built-in
+sinks name those attributes in :attr:`Sink._live`; pickling leaves them out, and unpickling opens
+them again through :meth:`Sink._open_live`, as the constructor did.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
 
 from batchtap.errors import ConfigError, SinkError
 from batchtap.records import EpochStart, Event, EventKind, Message, Record, RunEnd, RunInfo, RunStart, Write
@@ -60,6 +66,33 @@ class Sink:
         >>> Count().n
         0
     """
+
+    #: Attributes holding what only this process can use (connections, open files, threads,
+    #: locks, servers): pickling leaves them out, and the unpickled copy has them None until
+    #: :meth:`_open_live` opens its own.
+    _live: ClassVar[tuple[str, ...]] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling carries: every attribute but those named in :attr:`_live`."""
+        state = self.__dict__.copy()
+        for name in self._live:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled sink in this process, then open its live resources (:meth:`_open_live`)."""
+        self.__dict__.update(state)
+        for name in self._live:
+            setattr(self, name, None)
+        self._open_live()
+
+    def _open_live(self) -> None:
+        """Open this process's resources of the sink (the attributes named in :attr:`_live`).
+
+        Called by unpickling; a sink whose constructor opens them calls it too, so that a copy
+        in another process opens them, with the same checks and errors, exactly as the original
+        did. The default opens nothing.
+        """
 
     def start_run(self, run: RunInfo) -> None:
         """Called once when a run starts, before any of its records."""

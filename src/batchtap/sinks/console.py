@@ -109,7 +109,13 @@ class Console(Sink):
         max_anomaly_lines: anomaly lines (and skip lines) printed per run before they are only counted.
         rate_window: seconds of recent steps the bar's rate (and so its time left) is computed over.
         guard_stdout: keep the script's prints off the console's lines (see above).
+
+    Under ``bt.Tap(pipeline="process")`` the console runs in the pipeline process: ``sys.stdout``
+    and ``sys.stderr`` travel there as their names and print to that process's own (the same
+    terminal), and the stdout it guards is that process's. Another ``stream`` cannot travel.
     """
+
+    _live = ("stream", "_bar")
 
     def __init__(
         self,
@@ -129,6 +135,7 @@ class Console(Sink):
             raise ConfigError(f"Console rate_window must be > 0 seconds, got {rate_window!r}")
         self.every = every
         self.stream = real_stream(stream if stream is not None else sys.stderr)
+        self._stream_name = _std_name(self.stream)  # how the stream travels to another process
         self.live = self.stream.isatty() if live is None else live
         self.max_anomaly_lines = max_anomaly_lines
         self.rate_window = float(rate_window)
@@ -144,6 +151,24 @@ class Console(Sink):
         self._totals: dict[tuple[str, int], int | None] = {}
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (wall time, batch) this epoch
         self._rate: float | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._stream_name is None:
+            raise TypeError(
+                f"bt.sinks.Console cannot be pickled into another process (pipeline='process') with "
+                f"stream={self.stream!r}: expected sys.stdout or sys.stderr, which that process has "
+                "too, got another stream; fix: leave stream= unset (sys.stderr) or pass sys.stdout, or "
+                "use pipeline='thread'"
+            )
+        return super().__getstate__()
+
+    def _open_live(self) -> None:
+        """In a copy unpickled in another process: print to that process's own stdout/stderr,
+        with no bar drawn and its stdout not guarded yet."""
+        assert self._stream_name is not None
+        self.stream = real_stream(getattr(sys, self._stream_name))
+        self._guarding = self._shown = False
+        self._bar_epoch = None
 
     def start_run(self, run: RunInfo) -> None:
         self._run, self._anomalies, self._skips, self._last = run, 0, 0, None
@@ -289,6 +314,14 @@ class Console(Sink):
         with SCREEN.lock:
             self._close_bar()
         self._unguard()
+
+
+def _std_name(stream: IO[str]) -> str | None:
+    """``"stdout"`` or ``"stderr"`` when ``stream`` is this process's, else None."""
+    for name in ("stdout", "stderr"):
+        if stream is real_stream(getattr(sys, name)) or stream is getattr(sys, f"__{name}__"):
+            return name
+    return None
 
 
 _BAR_CLASS: Any = None

@@ -120,6 +120,8 @@ class CSV(Sink):
         [(1, {'val_loss': 0.3})]
     """
 
+    _live = ("_file", "_writer", "_events_file", "_events_writer", "_sparse_file", "_sparse_writer")
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._part = 1
@@ -148,6 +150,17 @@ class CSV(Sink):
             raise SinkError(
                 f"cannot write CSV file {_part_path(self.path, self._part)}: {exc.strerror or exc}; expected a "
                 "writable path; fix: choose another path or fix its permissions"
+            ) from exc
+
+    def _open_live(self) -> None:
+        """In a copy unpickled in another process: append to the part the original was appending
+        to, under its header (the events and sparse files open when first written, as always)."""
+        try:
+            self._open_part(write_header=False)
+        except OSError as exc:
+            raise SinkError(
+                f"cannot reopen CSV file {_part_path(self.path, self._part)} in this process: {exc.strerror or exc}; "
+                "expected a writable path; fix: choose another path or fix its permissions"
             ) from exc
 
     def _open_part(self, *, write_header: bool) -> None:

@@ -47,12 +47,19 @@ class JSONL(Sink):
         [Record(run_id='r', step=0, epoch=0, batch=0, rank=0, wall_time=0.0, values={'loss': 1.5}, sparse=False)]
     """
 
+    _live = ("_fd",)
+
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
         self.path = Path(path)
         self.fsync = fsync
+        self._fd: int | None = None
+        self._open_live()
+
+    def _open_live(self) -> None:
+        """Open the file for appending (a copy unpickled in another process opens its own)."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
             raise SinkError(
                 f"JSONL sink cannot open {str(self.path)!r} for appending: {exc.strerror}; "

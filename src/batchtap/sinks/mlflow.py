@@ -122,18 +122,21 @@ class MLflow(Sink):
         [(0, 1.0), (1, 0.5), (2, 0.333)]
     """
 
+    _live = ("_client",)
+
     def __init__(
         self, tracking_uri: str | None = None, *, experiment: str = "batchtap", prefix: str = "", log_config: bool = True
     ) -> None:
         if not isinstance(experiment, str) or not experiment.strip():
             raise ConfigError(f"MLflow experiment must be a non-empty name, got {experiment!r}")
-        tracking = require("mlflow.tracking", extra="mlflow", purpose="bt.sinks.MLflow")
         entities = require("mlflow.entities", extra="mlflow", purpose="bt.sinks.MLflow")
         self._Metric: Any = entities.Metric
         self._Param: Any = entities.Param
         self._RunTag: Any = entities.RunTag
-        self._client: Any = tracking.MlflowClient(tracking_uri=tracking_uri)
         self.tracking_uri = tracking_uri
+        self._uri = tracking_uri
+        self._client: Any = None
+        self._open_live()
         self.experiment = experiment
         self.prefix = prefix
         self.log_config = log_config
@@ -141,6 +144,15 @@ class MLflow(Sink):
         self._runs: dict[str, str] = {}  # batchtap run id -> MLflow run id
         self._counts: dict[tuple[str, EventKind], int] = {}
         self._keys: dict[tuple[str, int, bool], str] = {}
+
+    def _open_live(self) -> None:
+        """Make the ``MlflowClient`` (a copy unpickled in another process makes its own; the MLflow
+        runs it already knows stay its runs)."""
+        tracking = require("mlflow.tracking", extra="mlflow", purpose="bt.sinks.MLflow")
+        self._client = tracking.MlflowClient(tracking_uri=self._uri)
+        # The store as resolved here: a copy in another process uses the same one even when the
+        # default came from this process's mlflow.set_tracking_uri(), which that process lacks.
+        self._uri = str(self._client.tracking_uri)
 
     # -- runs ---------------------------------------------------------------------------------
     def mlflow_run_id(self, run_id: str) -> str | None:

@@ -83,6 +83,8 @@ class Postgres(Sink):
         ImportError: psycopg is not installed (``pip install 'batchtap[postgres]'``).
     """
 
+    _live = ("_psycopg", "_watchdog", "_lock", "_conn")
+
     def __init__(
         self,
         dsn: str,
@@ -103,7 +105,7 @@ class Postgres(Sink):
             )
         if schema is not None and not schema:
             raise ConfigError("schema must be a non-empty name or None, got ''")
-        self._psycopg = require("psycopg", extra="postgres", purpose="bt.sinks.Postgres")
+        require("psycopg", extra="postgres", purpose="bt.sinks.Postgres")
         self._dsn = dsn
         #: the DSN as safe to print (password replaced by ``***``).
         self.dsn = redact_dsn(dsn)
@@ -111,21 +113,27 @@ class Postgres(Sink):
         self._connect_timeout_s = connect_timeout_s
         self._initial = reconnect_initial_s
         self._max = reconnect_max_s
-        self._delay = reconnect_initial_s
-        self._next_attempt = 0.0
         self._clock = clock
-        self._closed = False
         self._timeout_s = float(timeout_s)
-        self._watchdog = Watchdog("postgres")
-        self._events: list[Event] = []
-        self._lock = threading.Lock()
-        self._conn: Any = None
-        self._conn = self._connect()  # fail at construction, not at the first block
         self._upsert_metrics = upsert_metrics_from(_STAGE)
         self._insert_events = POSTGRES.q(INSERT_EVENTS)
         self._insert_sparse = POSTGRES.q(INSERT_SPARSE)
         self._ensure_run = POSTGRES.q(ENSURE_RUN)
         self._upsert_run = POSTGRES.q(UPSERT_RUN)
+        self._open_live()  # fail at construction, not at the first block
+
+    def _open_live(self) -> None:
+        """Connect, with a fresh reconnect backoff and watchdog (a copy unpickled in another
+        process makes its own, and is open even when the original was closed)."""
+        self._psycopg = require("psycopg", extra="postgres", purpose="bt.sinks.Postgres")
+        self._delay = self._initial
+        self._next_attempt = 0.0
+        self._closed = False
+        self._watchdog = Watchdog("postgres")
+        self._events: list[Event] = []  # the original reports its own
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self._conn = self._connect()
 
     # -- connection -------------------------------------------------------------------------
     def _connect(self) -> Any:

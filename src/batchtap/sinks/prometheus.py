@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +42,11 @@ class Prometheus(Sink):
     ``rank`` is the process rank, or ``all`` for values reduced over ranks. An ended run's series
     stay (with its final status) until the process exits, so the last scrape sees how it ended.
 
+    The constructor checks that the port is free (and picks one for ``port=0``); the server
+    starts at the first ``start_run``/``write``, in the process that runs the sink: under
+    ``bt.Tap(pipeline="process")`` the pipeline process serves ``/metrics``, the training
+    process's own copy of the sink never listens.
+
     Args:
         port: TCP port to listen on; ``0`` picks a free one (read it back from :attr:`port`).
         addr: address to bind (prometheus-client's default ``0.0.0.0``: every interface; use
@@ -48,7 +54,9 @@ class Prometheus(Sink):
         rate_window: seconds of recent steps ``batchtap_steps_per_second`` is computed over.
 
     Raises:
-        SinkError: the port cannot be bound (in use, no permission); the message names it.
+        SinkError: the port cannot be bound (in use, no permission); the message names it. Raised
+            by the constructor, or by the first ``start_run``/``write`` when something took the
+            port since.
         ConfigError: ``rate_window`` is not positive.
         ImportError: prometheus-client is not installed (``pip install 'batchtap[prometheus]'``).
 
@@ -63,11 +71,28 @@ class Prometheus(Sink):
         >>> sink.close()
     """
 
+    _live = (
+        "registry", "_value", "_logged", "_logged_step", "_step", "_epoch", "_rate", "_events", "_status", "_started",
+        "_server", "_thread",
+    )  # fmt: skip
+
     def __init__(self, port: int = 9464, *, addr: str = "0.0.0.0", rate_window: float = 10.0) -> None:
         if not (isinstance(rate_window, (int, float)) and rate_window > 0):
             raise ConfigError(f"Prometheus rate_window must be > 0 seconds, got {rate_window!r}")
-        prom = require("prometheus_client", extra="prometheus", purpose="bt.sinks.Prometheus")
+        require("prometheus_client", extra="prometheus", purpose="bt.sinks.Prometheus")
         self.rate_window = float(rate_window)
+        self.addr = addr
+        #: the port served on (the one picked when ``port=0``); checked free here, listened on from
+        #: the first ``start_run``/``write`` on.
+        self.port: int = _free_port(addr, port)
+        self._names: dict[str, str] = {}  # run id -> run name
+        self._recent: dict[str, collections.deque[tuple[float, int]]] = {}
+        self._open_live()
+
+    def _open_live(self) -> None:
+        """The series, in a registry of this process, not served yet (:meth:`_serve`). A copy
+        unpickled in another process starts with empty series and serves them from there."""
+        prom = require("prometheus_client", extra="prometheus", purpose="bt.sinks.Prometheus")
         # A registry of our own: two sinks (or the user's own metrics) never clash on names.
         self.registry: Any = prom.CollectorRegistry(auto_describe=True)
         run = ["run", "run_id"]
@@ -89,25 +114,26 @@ class Prometheus(Sink):
         )
         self._status = prom.Enum("batchtap_run_status", "Run status", run, states=_STATES, registry=r)
         self._started = prom.Gauge("batchtap_run_start_time_seconds", "Run start (Unix time)", run, registry=r)
-        self._names: dict[str, str] = {}  # run id -> run name
-        self._recent: dict[str, collections.deque[tuple[float, int]]] = {}
+        self._server: Any = None
+        self._thread: Any = None
+
+    def _serve(self) -> None:
+        """Start the HTTP server on first use, in the process that runs the sink (the pipeline
+        process under ``pipeline="process"``, whose series it serves)."""
+        if self._server is not None:
+            return
+        prom = require("prometheus_client", extra="prometheus", purpose="bt.sinks.Prometheus")
         try:
-            server: Any = prom.start_http_server(port, addr=addr, registry=self.registry)
+            self._server, self._thread = prom.start_http_server(self.port, addr=self.addr, registry=self.registry)
         except OSError as exc:
-            raise SinkError(
-                f"bt.sinks.Prometheus cannot listen on {addr}:{port}: {exc.strerror or exc}; expected a free "
-                "port; fix: pass another port= (0 picks a free one) or stop what holds it"
-            ) from exc
-        self._server, self._thread = server
-        #: the port actually listened on (the one picked when ``port=0``).
-        self.port: int = int(self._server.server_port)
-        self.addr = addr
+            raise _cannot_listen(self.addr, self.port, exc) from exc
 
     def _labels(self, run_id: str) -> tuple[str, str]:
         return self._names.get(run_id, run_id), run_id
 
     def start_run(self, run: RunInfo) -> None:
         """Publish the run as running."""
+        self._serve()
         self._names[run.id] = run.name
         self._recent[run.id] = collections.deque()
         labels = self._labels(run.id)
@@ -116,6 +142,7 @@ class Prometheus(Sink):
 
     def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
         """Set the gauges to the block's latest values and count its events."""
+        self._serve()
         for rec in records:
             labels = self._labels(rec.run_id)
             rank = "all" if rec.rank < 0 else str(rec.rank)
@@ -145,15 +172,18 @@ class Prometheus(Sink):
 
     def end_run(self, run: RunInfo) -> None:
         """Publish the run's final status."""
+        self._serve()
         self._names.setdefault(run.id, run.name)
         self._status.labels(*self._labels(run.id)).state(run.status.value)
         self._recent.pop(run.id, None)
 
     def close(self) -> None:
         """Stop serving and free the port."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(timeout=5)
+            self._server = self._thread = None
 
     @property
     def url(self) -> str:
@@ -161,3 +191,23 @@ class Prometheus(Sink):
         host = "127.0.0.1" if self.addr in ("0.0.0.0", "") else self.addr
         return f"http://{host}:{self.port}/metrics"
 
+
+
+def _cannot_listen(addr: str, port: int, exc: OSError) -> SinkError:
+    return SinkError(
+        f"bt.sinks.Prometheus cannot listen on {addr}:{port}: {exc.strerror or exc}; expected a free "
+        "port; fix: pass another port= (0 picks a free one) or stop what holds it"
+    )
+
+
+def _free_port(addr: str, port: int) -> int:
+    """``port`` once checked free at ``addr`` (for ``0``: a free port picked now), so that a port in
+    use fails at construction; the server itself binds it later, in the process that serves."""
+    try:
+        family, _, _, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own socket
+            probe.bind(where)
+            return int(probe.getsockname()[1])
+    except OSError as exc:
+        raise _cannot_listen(addr, port, exc) from exc

@@ -62,6 +62,8 @@ class SQLite(Sink):
         >>> sink.close()
     """
 
+    _live = ("_conn",)
+
     def __init__(self, path: str | os.PathLike[str], *, busy_timeout_s: float = 10.0) -> None:
         loc = parse_url(path)
         if loc.kind != "sqlite":
@@ -71,12 +73,17 @@ class SQLite(Sink):
             )
         self.path = loc.target
         self._busy_timeout_s = float(busy_timeout_s)
-        self._conn: sqlite3.Connection | None = connect_sqlite(loc.target, create=True, busy_timeout_s=busy_timeout_s)
+        self._conn: sqlite3.Connection | None = None
+        self._open_live()
         self._upsert_metrics = SQLITE.q(UPSERT_METRICS)
         self._insert_events = SQLITE.q(INSERT_EVENTS)
         self._insert_sparse = SQLITE.q(INSERT_SPARSE)
         self._ensure_run = SQLITE.q(ENSURE_RUN)
         self._upsert_run = SQLITE.q(UPSERT_RUN)
+
+    def _open_live(self) -> None:
+        """Connect (a copy unpickled in another process makes its own connection)."""
+        self._conn = connect_sqlite(self.path, create=True, busy_timeout_s=self._busy_timeout_s)
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:

@@ -46,27 +46,43 @@ class TensorBoard(Sink):
         >>> tb.close()
     """
 
+    _live = ("_writer",)
+
     def __init__(self, log_dir: str | os.PathLike[str], *, prefix: str = "train", max_queue: int = 1000) -> None:
         require("tensorboard", extra="tensorboard", purpose="bt.sinks.TensorBoard")
-        writer_mod = require("torch.utils.tensorboard.writer", extra="tensorboard", purpose="bt.sinks.TensorBoard")
         summary_mod = require("torch.utils.tensorboard.summary", extra="tensorboard", purpose="bt.sinks.TensorBoard")
         proto = require("tensorboard.compat.proto.summary_pb2", extra="tensorboard", purpose="bt.sinks.TensorBoard")
         self._Summary: Any = proto.Summary
         self._text: Any = summary_mod.text
         self.log_dir = os.fspath(log_dir)
         self.prefix = prefix.rstrip("/")
+        self._max_queue = max_queue
+        self._writer: Any = None
+        self._open_live()
+        self._tags: dict[tuple[str, int, bool], str] = {}
+
+    def _open_live(self) -> None:
+        """Check that ``log_dir`` can be written. The event file itself is made at the first
+        write, by the process that writes (under ``pipeline="process"`` the pipeline process; a
+        copy unpickled after the original wrote adds a file of its own next to the original's,
+        and TensorBoard reads a directory's files as one log)."""
         try:
             os.makedirs(self.log_dir, exist_ok=True)
             if not os.access(self.log_dir, os.W_OK | os.X_OK):
                 raise PermissionError(13, "Permission denied", self.log_dir)
-            # FileWriter, not SummaryWriter: it takes whole Summary protos, so a record is one event.
-            self._writer: Any = writer_mod.FileWriter(self.log_dir, max_queue=max_queue, flush_secs=3600)
         except OSError as exc:
-            raise SinkError(
-                f"cannot write TensorBoard logs to {self.log_dir}: {exc.strerror or exc}; expected a "
-                "writable directory; fix: choose another log_dir or fix its permissions"
-            ) from exc
-        self._tags: dict[tuple[str, int, bool], str] = {}
+            raise _unwritable(self.log_dir, exc) from exc
+
+    def _events_file(self) -> Any:
+        """The event file's writer, made on first use."""
+        if self._writer is None:
+            writer_mod = require("torch.utils.tensorboard.writer", extra="tensorboard", purpose="bt.sinks.TensorBoard")
+            try:
+                # FileWriter, not SummaryWriter: it takes whole Summary protos, so a record is one event.
+                self._writer = writer_mod.FileWriter(self.log_dir, max_queue=self._max_queue, flush_secs=3600)
+            except OSError as exc:
+                raise _unwritable(self.log_dir, exc) from exc
+        return self._writer
 
     def _tag(self, metric: str, rank: int, sparse: bool = False) -> str:
         key = (metric, rank, sparse)
@@ -84,7 +100,8 @@ class TensorBoard(Sink):
 
     def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
         """Add every value as a scalar and every event as text, then flush the event file."""
-        add_summary, summary, value = self._writer.add_summary, self._Summary, self._Summary.Value
+        writer = self._events_file()
+        add_summary, summary, value = writer.add_summary, self._Summary, self._Summary.Value
         try:
             for r in records:
                 if r.values:
@@ -95,7 +112,7 @@ class TensorBoard(Sink):
             for e in events:
                 self._add_text(f"events/{e.kind.value}", _event_text(e), e.step, e.wall_time)
             # One flush per block (not per value): followers see the block, the file stays appended.
-            self._writer.flush()
+            writer.flush()
         except OSError as exc:
             raise SinkError(f"cannot write TensorBoard logs to {self.log_dir}: {exc.strerror or exc}") from exc
 
@@ -103,18 +120,28 @@ class TensorBoard(Sink):
         """Record the run's final status and stop reason as text (``run/status``)."""
         text = run.status.value + (f": {run.stop_reason}" if run.stop_reason else "")
         self._add_text("run/status", text, 0, run.ended_at)
-        self._writer.flush()
+        self._events_file().flush()
 
     def _add_text(self, tag: str, text: str, step: int, walltime: float | None) -> None:
-        self._writer.add_summary(self._text(tag, text), global_step=step, walltime=walltime)
+        self._events_file().add_summary(self._text(tag, text), global_step=step, walltime=walltime)
 
     def flush(self) -> None:
         """Write buffered events to the event file."""
-        self._writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
         """Flush and close the event file."""
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _unwritable(log_dir: str, exc: OSError) -> SinkError:
+    return SinkError(
+        f"cannot write TensorBoard logs to {log_dir}: {exc.strerror or exc}; expected a "
+        "writable directory; fix: choose another log_dir or fix its permissions"
+    )
 
 
 def _event_text(e: Event) -> str:

@@ -78,6 +78,8 @@ class WandB(Sink):
         'run-a1b2c3.wandb'
     """
 
+    _live = ("_wandb", "_runs", "_sent")
+
     def __init__(
         self,
         project: str,
@@ -96,7 +98,7 @@ class WandB(Sink):
             raise ConfigError(f"WandB mode must be 'online', 'offline' or 'disabled', got {mode!r}")
         if not (isinstance(resend_window, (int, float)) and resend_window >= 0):
             raise ConfigError(f"WandB resend_window must be >= 0 seconds, got {resend_window!r}")
-        self._wandb: Any = require("wandb", extra="wandb", purpose="bt.sinks.WandB")
+        require("wandb", extra="wandb", purpose="bt.sinks.WandB")
         self.project = project
         self.entity = entity
         self.mode: Mode = mode
@@ -104,18 +106,24 @@ class WandB(Sink):
         self.prefix = prefix
         self.tags = list(tags)
         self.group = group
-        self._runs: dict[str, Any] = {}  # batchtap run id -> open wandb Run
         self._infos: dict[str, RunInfo] = {}  # to (re)open a run after an outage
         self._counts: dict[tuple[str, EventKind], int] = {}
         self._keys: dict[tuple[str, int, bool], str] = {}
         self.resend_window = float(resend_window)
-        # (monotonic time sent, run id, row): rows the service may not have written yet
-        self._sent: collections.deque[tuple[float, str, dict[str, Any]]] = collections.deque()
         self._resend: list[tuple[float, str, dict[str, Any]]] = []
         #: rows logged again after a restart of the wandb service.
         self.resent = 0
         #: batchtap run id -> the local ``.wandb`` files W&B wrote for it (one per (re)start).
         self.files: dict[str, list[str]] = {}
+        self._open_live()
+
+    def _open_live(self) -> None:
+        """No W&B run open yet (a copy unpickled in another process opens its own, resuming the W&B
+        runs the original had open, as after an outage)."""
+        self._wandb: Any = require("wandb", extra="wandb", purpose="bt.sinks.WandB")
+        self._runs: dict[str, Any] = {}  # batchtap run id -> open wandb Run
+        # (monotonic time sent, run id, row): rows this process's service may not have written yet
+        self._sent: collections.deque[tuple[float, str, dict[str, Any]]] = collections.deque()
 
     # -- runs ---------------------------------------------------------------------------------
     def _open(self, run_id: str) -> Any:
