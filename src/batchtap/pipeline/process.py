@@ -602,7 +602,8 @@ class ProcessPipeline:
             return
         if kind == "block":
             chain = by_id[payload[0]]
-            fallback.submit_data(chain.segment.read(payload[1]), chain.local)
+            fallback.submit_data(chain.segment.read(payload[1]), chain.local)  # a copy: the slot is free
+            chain.segment.consume(payload[1])
         elif kind == "events":
             wire, chain_id, writes = payload
             events = list(_message(wire, Write).events)
