@@ -16,13 +16,14 @@ from batchtap.rules.base import (
     Anomaly,
     BatchSizeTarget,
     CallableRule,
+    Decision,
     History,
     Rule,
     RuleFn,
 )
 from batchtap.rules.builtin import NonFinite, Plateau, Spike, StepTimeRegression, Threshold
 from batchtap.rules.debug import debug_mode
-from batchtap.rules.engine import Agreement, Decision, RuleEngine, RuleLike
+from batchtap.rules.engine import Agreement, RuleEngine, RuleLike
 from batchtap.rules.oom import SplitResult, is_oom_error, split_on_oom
 from batchtap.rules.rollback import Rollback, RollbackResult
 from batchtap.rules.sampler import AdaptiveBatchSampler, BatchSizeRule

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Sequence
 
 from batchtap.errors import ConfigError
 from batchtap.records import Event, EventKind
-from batchtap.rules.base import Action
-from batchtap.rules.engine import Decision, RuleEngine
+from batchtap.rules.base import Action, Decision
+from batchtap.rules.engine import RuleEngine
 from batchtap.rules.rollback import Rollback, RollbackResult
 
 __all__ = ["ActionRunner", "Outcome"]
