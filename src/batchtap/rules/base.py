@@ -99,7 +99,7 @@ def parse_actions(action: ActionsArg, *, rule: str) -> tuple[Action, ...]:
 
 @runtime_checkable
 class BatchSizeTarget(Protocol):
-    """Something whose batch size a rule can set (an :class:`~batchtap.rules.sampler.AdaptiveBatchSampler`)."""
+    """Something whose batch size a rule can set (an :class:`~batchtap.recovery.sampler.AdaptiveBatchSampler`)."""
 
     @property
     def batch_size(self) -> int:

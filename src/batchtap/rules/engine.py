@@ -3,7 +3,7 @@
 It is plain host logic with no threads, locks, clocks or tensors of its own: the same records give the
 same decisions on every rank and in every test. The Tap calls :meth:`RuleEngine.process` on its
 pipeline thread and hands the decisions to the training thread (see
-:class:`~batchtap.rules.actions.ActionRunner`), which applies them at its next ``step()``.
+:class:`~batchtap.recovery.actions.ActionRunner`), which applies them at its next ``step()``.
 """
 
 from __future__ import annotations
