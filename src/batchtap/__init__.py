@@ -26,7 +26,7 @@ from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo, RunSt
 
 if TYPE_CHECKING:
     from batchtap import metrics, rules, sinks
-    from batchtap.callback import MetricsCallback
+    from batchtap.integrations.callback import MetricsCallback
     from batchtap.recovery import AdaptiveBatchSampler, BatchSizeRule, Rollback, debug_mode, split_on_oom
     from batchtap.rules import NonFinite, Plateau, Spike, StepTimeRegression, Threshold
     from batchtap.tap import Tap
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # reading commands start in a fraction of a second instead of waiting for `import torch`.
 _LAZY = {
     "Tap": "batchtap.tap",
-    "MetricsCallback": "batchtap.callback",
+    "MetricsCallback": "batchtap.integrations.callback",
     **{name: "batchtap.rules" for name in ("NonFinite", "Plateau", "Spike", "StepTimeRegression", "Threshold")},
     **{
         name: "batchtap.recovery"

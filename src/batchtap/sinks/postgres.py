@@ -52,7 +52,7 @@ class Postgres(Sink):
       ``sparse_metrics``.
     * Reconnects when the server goes away, with exponential backoff between attempts. The backoff
       never sleeps: while waiting, ``write()`` raises :class:`~batchtap.errors.SinkError` at once,
-      and the caller (the dispatcher's :class:`batchtap.pipeline.resilient.ResilientSink`) spools
+      and the caller (the dispatcher's :class:`batchtap.sinks.resilient.ResilientSink`) spools
       the block and replays it later.
     * The constructor connects and creates the schema, so an unreachable server fails before
       training starts; errors show the DSN with its password replaced by ``***``.
