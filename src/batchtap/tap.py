@@ -75,7 +75,7 @@ from batchtap.metrics.inputs import (
     samples_of,
     signature,
 )
-from batchtap.pipeline import _dist
+from batchtap.pipeline import ranks as _dist
 from batchtap.pipeline.agreement import ProcessGroups, RankAgreement
 from batchtap.pipeline.chain import ReduceSpec
 from batchtap.pipeline.control import Control
