@@ -109,7 +109,7 @@ def _seeded(build: Callable[[], nn.Module], device: torch.device) -> Callable[[]
 
 def digits_workload(device: torch.device, batch_size: int = 32) -> Workload:
     """The demo's ``DigitsCNN`` on scikit-learn's 8x8 digits (the demo's own model and data)."""
-    from batchtap.cli.digits import DigitsCNN, load_digits
+    from batchtap.demo.digits import DigitsCNN, load_digits
 
     train, _ = load_digits(seed=0)
     x, y = train.tensors

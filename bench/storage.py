@@ -14,7 +14,7 @@ built before the clock starts: only the sink's own work (row building, SQL, I/O)
 The figure is the median of ``--runs`` runs (>= 5); min and max show the spread. Rows:
 
 * ``sqlite`` / ``postgres`` / ``csv`` / ``tensorboard``: the bare sink.
-* ``... + resilient``: the same through :class:`batchtap.pipeline.resilient.ResilientSink` on its
+* ``... + resilient``: the same through :class:`batchtap.sinks.resilient.ResilientSink` on its
   healthy path (what the dispatcher runs).
 * ``... replay``: the same blocks written a second time into the same store (the upsert path of a
   spool replay).
@@ -92,7 +92,7 @@ def bench_training_thread_cost(pg_dsn: str, reps: int = 5, steps: int = 300, bat
     import torch.nn.functional as F
 
     import batchtap as bt
-    from batchtap.cli.digits import DigitsCNN
+    from batchtap.demo.digits import DigitsCNN
 
     tmp = Path(tempfile.mkdtemp(prefix="bt-bench-steps-"))
     torch.manual_seed(0)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 5:
         p.error(f"--runs must be >= 5 for a meaningful median, got {args.runs}")
 
-    from batchtap.pipeline.resilient import ResilientSink
+    from batchtap.sinks.resilient import ResilientSink
     from batchtap.sinks.csv import CSV
     from batchtap.sinks.sqlite import SQLite
 

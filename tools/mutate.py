@@ -67,7 +67,7 @@ TESTS: dict[str, list[str]] = {
                            _DIST + "test_reduced_loss_and_accuracy_equal_the_union_reference",
                            _DIST + "test_straggler_fields_name_the_slow_rank"],
     "pipeline/dispatch.py": ["tests/pipeline/test_dispatch.py"],
-    "pipeline/resilient.py": ["tests/pipeline/test_resilient.py"],
+    "sinks/resilient.py": ["tests/sinks/test_resilient.py"],
     "rules/engine.py": ["tests/rules/test_engine.py", "tests/test_tap_rules.py"],
     "store/schema.py": ["tests/store/test_schema.py", "tests/sinks/test_sqlite.py"],
 }
@@ -76,7 +76,7 @@ TESTS: dict[str, list[str]] = {
 MODULES = [
     "capture/clock.py", "capture/flush.py", "capture/ring.py", "capture/guard.py", "capture/accumulate.py",
     "metrics/builtin.py", "metrics/functional.py", "metrics/domain.py",
-    "pipeline/decode.py", "pipeline/reduce.py", "pipeline/dispatch.py", "pipeline/resilient.py",
+    "pipeline/decode.py", "pipeline/reduce.py", "pipeline/dispatch.py", "sinks/resilient.py",
     "rules/engine.py", "store/schema.py",
 ]
 

@@ -26,32 +26,20 @@ from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo, RunSt
 
 if TYPE_CHECKING:
     from batchtap import metrics, rules, sinks
-    from batchtap.callback import MetricsCallback
-    from batchtap.rules import (
-        AdaptiveBatchSampler,
-        BatchSizeRule,
-        NonFinite,
-        Plateau,
-        Rollback,
-        Spike,
-        StepTimeRegression,
-        Threshold,
-        debug_mode,
-        split_on_oom,
-    )
+    from batchtap.integrations.callback import MetricsCallback
+    from batchtap.recovery import AdaptiveBatchSampler, BatchSizeRule, Rollback, debug_mode, split_on_oom
+    from batchtap.rules import NonFinite, Plateau, Spike, StepTimeRegression, Threshold
     from batchtap.tap import Tap
 
 # Everything that needs torch is imported on first use (PEP 562), so `batchtap runs` and the other
 # reading commands start in a fraction of a second instead of waiting for `import torch`.
 _LAZY = {
     "Tap": "batchtap.tap",
-    "MetricsCallback": "batchtap.callback",
+    "MetricsCallback": "batchtap.integrations.callback",
+    **{name: "batchtap.rules" for name in ("NonFinite", "Plateau", "Spike", "StepTimeRegression", "Threshold")},
     **{
-        name: "batchtap.rules"
-        for name in (
-            "AdaptiveBatchSampler", "BatchSizeRule", "NonFinite", "Plateau", "Rollback", "Spike",
-            "StepTimeRegression", "Threshold", "debug_mode", "split_on_oom",
-        )
+        name: "batchtap.recovery"
+        for name in ("AdaptiveBatchSampler", "BatchSizeRule", "Rollback", "debug_mode", "split_on_oom")
     },
 }
 _SUBMODULES = frozenset({"metrics", "rules", "sinks"})

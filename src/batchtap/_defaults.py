@@ -31,7 +31,7 @@ def checked_sinks(sinks: Sequence[Sink], spool_dir: str | os.PathLike[str] | Non
             raise ConfigError(f"sinks must be batchtap.sinks.Sink objects, got {type(sink).__name__}")
     if spool_dir is None:
         return list(sinks)
-    from batchtap.pipeline.resilient import ResilientSink
+    from batchtap.sinks.resilient import ResilientSink
 
     return [
         ResilientSink(sink, spool_path=Path(spool_dir) / f"{i:02d}-{type(sink).__name__.lower()}.rank{rank}.jsonl")

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from batchtap.store._url import redact_text
+from batchtap.store.url import redact_text
 
 __all__ = ["environment", "scrub_argv", "scrub_secrets"]
 

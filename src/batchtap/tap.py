@@ -75,17 +75,17 @@ from batchtap.metrics.inputs import (
     samples_of,
     signature,
 )
-from batchtap.pipeline import _dist
+from batchtap.pipeline import ranks as _dist
 from batchtap.pipeline.agreement import ProcessGroups, RankAgreement
 from batchtap.pipeline.chain import ReduceSpec
 from batchtap.pipeline.control import Control
 from batchtap.pipeline.dispatch import Backpressure
 from batchtap.pipeline.host import PipelineHost, PipelineKind, make_pipeline
 from batchtap.records import Event, EventKind, RunInfo, RunStatus
-from batchtap.rules.actions import ActionRunner
+from batchtap.recovery.actions import ActionRunner
+from batchtap.recovery.rollback import Rollback
 from batchtap.rules.builtin import NonFinite
 from batchtap.rules.engine import RuleEngine, RuleLike
-from batchtap.rules.rollback import Rollback
 from batchtap.sinks.base import Sink
 
 __all__ = ["Tap"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import batchtap as bt
-from batchtap.pipeline.resilient import ResilientSink
+from batchtap.sinks.resilient import ResilientSink
 from batchtap.records import Event, Record
 from tests.conftest import ListSink
 

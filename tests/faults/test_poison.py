@@ -10,7 +10,7 @@ import torch
 
 import batchtap as bt
 from batchtap.errors import InputError
-from batchtap.pipeline.resilient import ResilientSink, encode_entry
+from batchtap.sinks.resilient import ResilientSink, encode_entry
 from batchtap.records import Event, Record, RunInfo
 from batchtap.sinks.base import Sink
 from tests.conftest import ListSink

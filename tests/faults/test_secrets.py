@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from batchtap.errors import SinkError
-from batchtap.store._url import redact_dsn
+from batchtap.store.url import redact_dsn
 from tests.faults._procs import cli, python
 
 SECRET = "Zq7sEcReT9"

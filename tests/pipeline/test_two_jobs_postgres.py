@@ -47,7 +47,7 @@ def test_many_writers_creating_one_new_schema_at_once_all_succeed(pg_schema: str
     # the loser gets a unique violation. Every writer must open the store anyway.
     import threading
 
-    from batchtap.store._conn import connect_postgres
+    from batchtap.store.connect import connect_postgres
 
     for attempt in range(5):
         schema = f"{pg_schema}_{attempt}"

@@ -164,7 +164,7 @@ def test_replay_keeps_the_order_of_runs_and_blocks(tmp_path: Path) -> None:
 
 def test_a_spool_file_replays_by_hand(tmp_path: Path) -> None:
     """A ResilientSink spool (or quarantine file) is codec lines too: ``write`` lines, one per block."""
-    from batchtap.pipeline.resilient import encode_entry
+    from batchtap.sinks.resilient import encode_entry
 
     run = RunInfo("r", "spooled", {}, 0.0)
     block = [Record("r", s, 0, s, 0, 0.0, {"loss": 0.5}) for s in range(3)]

@@ -17,7 +17,7 @@ import torch
 
 import batchtap as bt
 from batchtap.errors import ConfigError
-from batchtap.pipeline.resilient import ResilientSink
+from batchtap.sinks.resilient import ResilientSink
 from batchtap.records import Event, Record, RunInfo, RunStatus
 from tests.conftest import ListSink
 from tests.store._helpers import ODD_NAMES, make_records, make_run, make_sparse

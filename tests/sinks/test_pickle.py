@@ -23,12 +23,12 @@ import pytest
 
 import batchtap.store
 from batchtap.errors import SinkError
-from batchtap.pipeline.resilient import ResilientSink
 from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus
 from batchtap.sinks.base import Sink
 from batchtap.sinks.console import Console, format_sparse, format_values
 from batchtap.sinks.csv import CSV, read_events, read_records, read_sparse_records
 from batchtap.sinks.jsonl import JSONL
+from batchtap.sinks.resilient import ResilientSink
 from batchtap.sinks.sqlite import SQLite
 from tests.sinks import _pickle_child as child
 from tests.store._helpers import PG_DSN, make_records, make_run, make_sparse, pg_schema_fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from batchtap.errors import ConfigError, SinkError
-from batchtap.pipeline.resilient import ResilientSink
+from batchtap.sinks.resilient import ResilientSink
 from batchtap.records import RunStatus
 from batchtap.store import StoreError
 

@@ -18,7 +18,7 @@ import torch
 
 import batchtap as bt
 from batchtap.errors import ConfigError
-from batchtap.pipeline.resilient import ResilientSink
+from batchtap.sinks.resilient import ResilientSink
 from batchtap.records import Event, EventKind, Record, RunInfo
 from tests.conftest import ListSink
 from tests.sinks._wandb_file import WandbRun, read_run

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from batchtap._defaults import DEFAULT_DB
 from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo
 from batchtap.store import RunNotFound, StoreError
 
@@ -38,8 +39,6 @@ __all__ = [
     "short_id",
 ]
 
-#: Where ``batchtap demo`` stores its runs, relative to the working directory.
-DEFAULT_DB = os.path.join("runs", "batchtap.db")
 
 
 class CLIError(Exception):

@@ -8,7 +8,7 @@ present and on the CPU otherwise. Metrics stream to the console and are stored i
 ``--inject-spike-at STEP`` blows up the weights at one step: the spike rule rolls back to the last
 good snapshot, halves the learning rate, skips a few batches and training recovers.
 
-The model and the loop live in :mod:`batchtap.cli.digits`, imported only when the demo runs, so the
+The model and the loop live in :mod:`batchtap.demo.digits`, imported only when the demo runs, so the
 other subcommands start without importing torch.
 """
 
@@ -35,9 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
 
 
-
 def main(args: argparse.Namespace) -> int:
     """Run the demo (imports torch and trains)."""
-    from batchtap.cli import digits
+    from batchtap.demo import digits
 
     return digits.train(args)

@@ -105,7 +105,7 @@ def _is_sqlite(path: Path) -> bool:
 
 def _store_files(args: argparse.Namespace) -> list[Path]:
     """The files of the SQLite store being read (with its -wal/-shm/-journal); none for PostgreSQL."""
-    from batchtap.store._url import parse_url
+    from batchtap.store.url import parse_url
 
     try:
         loc = parse_url(db_url(args))

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from batchtap.errors import DistributedError
-from batchtap.pipeline import _dist
+from batchtap.pipeline import ranks as _dist
 from batchtap.pipeline.control import Control
 from batchtap.pipeline.reduce import new_group
 

@@ -20,7 +20,7 @@ import collections
 import dataclasses
 from collections.abc import Iterator, Mapping
 
-from batchtap.rules.engine import Decision
+from batchtap.rules.base import Decision
 
 __all__ = ["Control", "Verdict"]
 

@@ -1,4 +1,5 @@
-"""What every rule shares: actions, the anomaly a rule reports, the history it may read, the base class.
+"""What every rule shares: actions, the anomaly a rule reports, the decision it leads to, the history it
+may read, the base class.
 
 A rule watches decoded host :class:`~batchtap.records.Record` s in step order. It is split in two so
 that several ranks can agree on a decision before anyone's state moves on:
@@ -9,7 +10,9 @@ that several ranks can agree on a decision before anyone's state moves on:
   counters and cool-downs reset identically everywhere.
 
 Rules never see tensors and never act themselves: they name :class:`Action` s, which the
-:class:`~batchtap.rules.engine.RuleEngine` turns into decisions and the training thread applies.
+:class:`~batchtap.rules.engine.RuleEngine` turns into :class:`Decision` s and the training thread applies
+(:mod:`batchtap.recovery`). ``Decision`` lives here, not with the engine, because the alert hooks a
+rule takes are typed by it: the engine imports this module, never the other way round.
 """
 
 from __future__ import annotations
@@ -20,14 +23,11 @@ import enum
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol, Union, runtime_checkable
+from typing import Literal, Protocol, Union, runtime_checkable
 
-from batchtap.errors import ConfigError
-from batchtap.records import Record
-from batchtap.rules._validate import require_int
-
-if TYPE_CHECKING:
-    from batchtap.rules.engine import Decision
+from batchtap._validate import require_int
+from batchtap.errors import ConfigError, TrainingDiverged
+from batchtap.records import Event, EventKind, Record
 
 __all__ = [
     "Action",
@@ -37,6 +37,7 @@ __all__ = [
     "Anomaly",
     "BatchSizeTarget",
     "CallableRule",
+    "Decision",
     "History",
     "Rule",
     "RuleFn",
@@ -98,7 +99,7 @@ def parse_actions(action: ActionsArg, *, rule: str) -> tuple[Action, ...]:
 
 @runtime_checkable
 class BatchSizeTarget(Protocol):
-    """Something whose batch size a rule can set (an :class:`~batchtap.rules.sampler.AdaptiveBatchSampler`)."""
+    """Something whose batch size a rule can set (an :class:`~batchtap.recovery.sampler.AdaptiveBatchSampler`)."""
 
     @property
     def batch_size(self) -> int:
@@ -131,6 +132,85 @@ class Anomaly:
     value: float = math.nan
     batch_size: int | None = None
     sampler: BatchSizeTarget | None = dataclasses.field(default=None, compare=False, repr=False)
+
+
+# Actions that end or rewind the current trajectory: a snapshot is only "good" before them.
+_BLOCKING = frozenset({Action.ROLLBACK, Action.STOP, Action.RAISE})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """One rule fired on one record: what to do, where, and why.
+
+    Attributes:
+        step: global step of the record that triggered it.
+        rule: the rule's name, e.g. ``"spike(loss)"``.
+        metric: the metric concerned.
+        actions: what the training side should do, in the order it applies them.
+        message: what was expected and what arrived.
+        value: the triggering value.
+        recent: the metric's most recent values up to and including this one, oldest first.
+        run_id: the record's run.
+        rank: the record's rank.
+        epoch: the record's epoch.
+        batch: the record's batch index within its epoch.
+        wall_time: the record's wall time.
+        batch_size: for ``batch_size``: the size the sampler should take.
+        sampler: for ``batch_size``: the sampler to resize.
+
+    Example:
+        >>> d = Decision(step=5, rule="nonfinite(loss)", metric="loss", actions=(Action.STOP,),
+        ...              message="loss is nan", value=float("nan"), recent=(0.7, float("nan")))
+        >>> d.to_event().kind.value, d.wants(Action.STOP)
+        ('anomaly', True)
+    """
+
+    step: int
+    rule: str
+    metric: str
+    actions: tuple[Action, ...]
+    message: str
+    value: float = math.nan
+    recent: tuple[float, ...] = ()
+    run_id: str = ""
+    rank: int = 0
+    epoch: int = 0
+    batch: int = 0
+    wall_time: float = 0.0
+    batch_size: int | None = None
+    sampler: BatchSizeTarget | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def wants(self, action: Action) -> bool:
+        """Whether this decision includes ``action``."""
+        return action in self.actions
+
+    @property
+    def blocking(self) -> bool:
+        """Whether it stops, raises or rolls back (the trajectory up to it cannot be trusted)."""
+        return any(a in _BLOCKING for a in self.actions)
+
+    def to_event(self) -> Event:
+        """The anomaly event to store for this decision (every sink, the console)."""
+        acts = ", ".join(a.value for a in self.actions)
+        return Event(
+            run_id=self.run_id,
+            step=self.step,
+            kind=EventKind.ANOMALY,
+            message=f"{self.rule}: {self.message} -> {acts}",
+            wall_time=self.wall_time,
+            metric=self.metric,
+            raw_value=self.value,
+            rank=self.rank,
+        )
+
+    def to_error(self) -> TrainingDiverged:
+        """The exception the ``raise`` action raises."""
+        return TrainingDiverged(
+            f"training diverged at step {self.step}: {self.rule}: {self.message}",
+            step=self.step,
+            metric=self.metric,
+            recent=self.recent,
+        )
 
 
 class History:

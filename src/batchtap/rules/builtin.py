@@ -18,9 +18,9 @@ import statistics
 from collections import deque
 from typing import Literal
 
+from batchtap._validate import require_int, require_number, value_of
 from batchtap.errors import ConfigError
 from batchtap.records import Record
-from batchtap.rules._validate import require_int, require_number, value_of
 from batchtap.rules.base import Action, ActionsArg, AlertHook, Anomaly, History, Rule
 
 __all__ = ["NonFinite", "Plateau", "Spike", "StepTimeRegression", "Threshold"]

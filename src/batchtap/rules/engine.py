@@ -3,106 +3,26 @@
 It is plain host logic with no threads, locks, clocks or tensors of its own: the same records give the
 same decisions on every rank and in every test. The Tap calls :meth:`RuleEngine.process` on its
 pipeline thread and hands the decisions to the training thread (see
-:class:`~batchtap.rules.actions.ActionRunner`), which applies them at its next ``step()``.
+:class:`~batchtap.recovery.actions.ActionRunner`), which applies them at its next ``step()``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Union
 
-from batchtap.errors import ConfigError, TrainingDiverged
+from batchtap._validate import require_int
+from batchtap.errors import ConfigError
 from batchtap.records import Event, EventKind, Record
-from batchtap.rules._validate import require_int
-from batchtap.rules.base import Action, AlertHook, Anomaly, BatchSizeTarget, CallableRule, History, Rule, RuleFn
+from batchtap.rules.base import Action, AlertHook, Anomaly, CallableRule, Decision, History, Rule, RuleFn
 
-__all__ = ["Agreement", "Decision", "RuleEngine", "RuleLike"]
+__all__ = ["Agreement", "RuleEngine", "RuleLike"]
 
 #: What :class:`RuleEngine` accepts as a rule: a :class:`Rule`, or a function wrapped with action ``alert``.
 RuleLike = Union[Rule, RuleFn]
 #: Cross-rank agreement: ``(step, fired flags, one per rule) -> agreed flags``. The distributed layer
 #: passes e.g. an all-reduce(max) so that one rank's anomaly acts on every rank.
 Agreement = Callable[[int, Sequence[bool]], Sequence[bool]]
-
-# Actions that end or rewind the current trajectory: a snapshot is only "good" before them.
-_BLOCKING = frozenset({Action.ROLLBACK, Action.STOP, Action.RAISE})
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Decision:
-    """One rule fired on one record: what to do, where, and why.
-
-    Attributes:
-        step: global step of the record that triggered it.
-        rule: the rule's name, e.g. ``"spike(loss)"``.
-        metric: the metric concerned.
-        actions: what the training side should do, in the order it applies them.
-        message: what was expected and what arrived.
-        value: the triggering value.
-        recent: the metric's most recent values up to and including this one, oldest first.
-        run_id: the record's run.
-        rank: the record's rank.
-        epoch: the record's epoch.
-        batch: the record's batch index within its epoch.
-        wall_time: the record's wall time.
-        batch_size: for ``batch_size``: the size the sampler should take.
-        sampler: for ``batch_size``: the sampler to resize.
-
-    Example:
-        >>> d = Decision(step=5, rule="nonfinite(loss)", metric="loss", actions=(Action.STOP,),
-        ...              message="loss is nan", value=float("nan"), recent=(0.7, float("nan")))
-        >>> d.to_event().kind.value, d.wants(Action.STOP)
-        ('anomaly', True)
-    """
-
-    step: int
-    rule: str
-    metric: str
-    actions: tuple[Action, ...]
-    message: str
-    value: float = math.nan
-    recent: tuple[float, ...] = ()
-    run_id: str = ""
-    rank: int = 0
-    epoch: int = 0
-    batch: int = 0
-    wall_time: float = 0.0
-    batch_size: int | None = None
-    sampler: BatchSizeTarget | None = dataclasses.field(default=None, compare=False, repr=False)
-
-    def wants(self, action: Action) -> bool:
-        """Whether this decision includes ``action``."""
-        return action in self.actions
-
-    @property
-    def blocking(self) -> bool:
-        """Whether it stops, raises or rolls back (the trajectory up to it cannot be trusted)."""
-        return any(a in _BLOCKING for a in self.actions)
-
-    def to_event(self) -> Event:
-        """The anomaly event to store for this decision (every sink, the console)."""
-        acts = ", ".join(a.value for a in self.actions)
-        return Event(
-            run_id=self.run_id,
-            step=self.step,
-            kind=EventKind.ANOMALY,
-            message=f"{self.rule}: {self.message} -> {acts}",
-            wall_time=self.wall_time,
-            metric=self.metric,
-            raw_value=self.value,
-            rank=self.rank,
-        )
-
-    def to_error(self) -> TrainingDiverged:
-        """The exception the ``raise`` action raises."""
-        return TrainingDiverged(
-            f"training diverged at step {self.step}: {self.rule}: {self.message}",
-            step=self.step,
-            metric=self.metric,
-            recent=self.recent,
-        )
 
 
 class RuleEngine:

@@ -48,7 +48,7 @@ class SinkDataError(SinkError):
     """A block cannot be stored because of what it holds (a value or name the store refuses),
     not because the store is unavailable: writing it again later fails the same way.
 
-    :class:`batchtap.pipeline.resilient.ResilientSink` therefore never spools such a block
+    :class:`batchtap.sinks.resilient.ResilientSink` therefore never spools such a block
     behind the others: it reports it and, for a spooled block, sets it aside in a quarantine
     file after a bounded number of tries.
     """

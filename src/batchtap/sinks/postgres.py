@@ -13,11 +13,9 @@ from typing import Any
 from batchtap.errors import ConfigError, SinkError
 from batchtap.records import Event, EventKind, Record, RunInfo
 from batchtap.sinks.base import Sink, SinkDataError, require
-from batchtap.store._conn import connect_postgres
-from batchtap.store._deadline import Watchdog
-from batchtap.store._errors import StoreError
-from batchtap.store._split import Row, describe_rejected, store_what_fits
-from batchtap.store._url import redact_dsn, redact_message
+from batchtap.store.connect import connect_postgres
+from batchtap.store.deadline import Watchdog
+from batchtap.store.errors import StoreError
 from batchtap.store.schema import (
     ENSURE_RUN,
     INSERT_EVENTS,
@@ -35,6 +33,8 @@ from batchtap.store.schema import (
     transaction,
     upsert_metrics_from,
 )
+from batchtap.store.split import Row, describe_rejected, store_what_fits
+from batchtap.store.url import redact_dsn, redact_message
 
 __all__ = ["Postgres"]
 
@@ -52,7 +52,7 @@ class Postgres(Sink):
       ``sparse_metrics``.
     * Reconnects when the server goes away, with exponential backoff between attempts. The backoff
       never sleeps: while waiting, ``write()`` raises :class:`~batchtap.errors.SinkError` at once,
-      and the caller (the dispatcher's :class:`batchtap.pipeline.resilient.ResilientSink`) spools
+      and the caller (the dispatcher's :class:`batchtap.sinks.resilient.ResilientSink`) spools
       the block and replays it later.
     * The constructor connects and creates the schema, so an unreachable server fails before
       training starts; errors show the DSN with its password replaced by ``***``.

@@ -10,9 +10,8 @@ from collections.abc import Sequence
 from batchtap.errors import SinkError
 from batchtap.records import Event, Record, RunInfo
 from batchtap.sinks.base import Sink
-from batchtap.store._conn import connect_sqlite
-from batchtap.store._locks import describe_lock
-from batchtap.store._url import parse_url
+from batchtap.store.connect import connect_sqlite
+from batchtap.store.locks import describe_lock
 from batchtap.store.schema import (
     ENSURE_RUN,
     INSERT_EVENTS,
@@ -28,6 +27,7 @@ from batchtap.store.schema import (
     sparse_rows,
     transaction,
 )
+from batchtap.store.url import parse_url
 
 __all__ = ["SQLite"]
 

@@ -11,10 +11,10 @@ Example:
 
 from __future__ import annotations
 
-from batchtap.store._errors import RunNotFound, StoreError
-from batchtap.store._url import StoreURL, parse_url, redact_dsn
+from batchtap.store.errors import RunNotFound, StoreError
 from batchtap.store.reader import Point, RunRow, Store, open
 from batchtap.store.schema import SCHEMA_VERSION
+from batchtap.store.url import StoreURL, parse_url, redact_dsn
 
 __all__ = [
     "open",

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from batchtap._optional import require
-from batchtap.store._errors import StoreError
+from batchtap.store.errors import StoreError
 
 if TYPE_CHECKING:  # the reader imports this module; the annotation only needs the names
     from batchtap.store.reader import RunRow, Store

@@ -16,10 +16,10 @@ from types import TracebackType
 from typing import Any, NamedTuple
 
 from batchtap.records import Event, EventKind, Record, RunStatus
-from batchtap.store._conn import connect_postgres, connect_sqlite
-from batchtap.store._errors import RunNotFound, StoreError
-from batchtap.store._url import parse_url
+from batchtap.store.connect import connect_postgres, connect_sqlite
+from batchtap.store.errors import RunNotFound, StoreError
 from batchtap.store.schema import POSTGRES, SQLITE, Dialect, text_to_float
+from batchtap.store.url import parse_url
 
 __all__ = ["open", "Store", "RunRow", "Point"]
 

@@ -36,7 +36,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from batchtap.records import Event, Record, RunInfo, format_float, parse_float
-from batchtap.store._errors import StoreError
+from batchtap.store.errors import StoreError
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -1,5 +1,6 @@
-"""The demo's model and training loop; ``batchtap demo`` (``demo.py``) parses the options and calls
-:func:`train`. Kept apart so that importing the command line does not import torch.
+"""The demo's model and training loop; ``batchtap demo`` (:mod:`batchtap.cli.demo`) parses the options
+and calls :func:`train`. Kept apart so that importing the command line does not import torch; the
+benchmarks train :class:`DigitsCNN` on :func:`load_digits` too.
 
 The loop is the one a user writes: ``tap.watch(loader)``, ``tap.step(loss=, outputs=, targets=)``,
 ``if tap.should_stop: break``, with a NaN rule, a spike rule that rolls back, and three sinks.
@@ -20,8 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import batchtap as bt
+from batchtap._defaults import DEFAULT_DB
 from batchtap._optional import require
-from batchtap.cli._common import DEFAULT_DB
 
 __all__ = ["DigitsCNN", "load_digits", "train", "evaluate"]
 

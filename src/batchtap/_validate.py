@@ -1,4 +1,5 @@
-"""Private argument checks shared by the rules package: each error names what was expected, what came, and the fix."""
+"""Argument checks shared by the rules and the recovery tools: each error names what was expected, what
+came, and the fix."""
 
 from __future__ import annotations
 

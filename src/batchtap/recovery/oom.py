@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from batchtap._validate import require_int
 from batchtap.errors import ConfigError, InputError
-from batchtap.rules._validate import require_int
 from batchtap.rules.base import BatchSizeTarget
 
 __all__ = ["SplitResult", "is_oom_error", "split_on_oom"]

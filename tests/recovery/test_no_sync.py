@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from batchtap.hostreads import HostReadCounter
-from batchtap.rules import Action, ActionRunner, Decision, Rollback, split_on_oom
+from batchtap.recovery import ActionRunner, Rollback, split_on_oom
+from batchtap.rules import Action, Decision
 
 
 def _model_and_optimizer(kind: str):

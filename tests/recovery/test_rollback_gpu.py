@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchtap.rules import Action, Decision, Rollback
+from batchtap.recovery import Rollback
+from batchtap.rules import Action, Decision
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from batchtap._optional import require
-from batchtap.store._errors import StoreError
-from batchtap.store._url import redact_dsn, redact_message
+from batchtap.store.errors import StoreError
 from batchtap.store.schema import POSTGRES, SQLITE, _current_version, ensure_schema
+from batchtap.store.url import redact_dsn, redact_message
 
 __all__ = ["connect_sqlite", "connect_postgres"]
 
@@ -24,7 +24,7 @@ def _network_options(
     Keepalives find a peer that vanished while the connection was idle; ``tcp_user_timeout``
     one that stopped acknowledging what was sent; ``statement_timeout`` a server that is up but
     stuck. (A peer that acknowledges but never answers needs a client-side deadline as well:
-    :class:`batchtap.store._deadline.Watchdog`.)
+    :class:`batchtap.store.deadline.Watchdog`.)
     """
     try:
         given = psycopg.conninfo.conninfo_to_dict(dsn)

@@ -8,7 +8,7 @@ import re
 import urllib.parse
 from typing import Literal
 
-from batchtap.store._errors import StoreError
+from batchtap.store.errors import StoreError
 
 __all__ = ["StoreURL", "parse_url", "redact_dsn", "redact_message", "redact_text"]
 

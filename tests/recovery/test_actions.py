@@ -9,18 +9,10 @@ import torch
 
 from batchtap.errors import ConfigError, TrainingDiverged
 from batchtap.records import EventKind, Record
-from batchtap.rules import (
-    Action,
-    ActionRunner,
-    Decision,
-    NonFinite,
-    Rollback,
-    RuleEngine,
-    Spike,
-    Threshold,
-)
+from batchtap.recovery import ActionRunner, Rollback
+from batchtap.rules import Action, Decision, NonFinite, RuleEngine, Spike, Threshold
 
-from ._helpers import records
+from tests.rules._helpers import records
 
 NAN = math.nan
 

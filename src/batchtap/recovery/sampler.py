@@ -23,9 +23,9 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
+from batchtap._validate import require_int, require_number, value_of
 from batchtap.errors import ConfigError
 from batchtap.records import Record
-from batchtap.rules._validate import require_int, require_number, value_of
 from batchtap.rules.base import Action, ActionsArg, AlertHook, Anomaly, History, Rule, parse_actions
 
 __all__ = ["AdaptiveBatchSampler", "BatchSizeRule"]

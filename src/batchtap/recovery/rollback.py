@@ -38,9 +38,9 @@ from typing import Any, Literal, Protocol, Union
 
 import torch
 
+from batchtap._validate import require_int, require_number
 from batchtap.errors import ConfigError, TrainingDiverged
-from batchtap.rules._validate import require_int, require_number
-from batchtap.rules.engine import Decision
+from batchtap.rules.base import Decision
 
 __all__ = ["OnExhausted", "Rollback", "RollbackResult", "Where"]
 

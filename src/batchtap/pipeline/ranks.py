@@ -1,5 +1,8 @@
 """Process-group facts with one code path for one process and many: outside an initialized
-``torch.distributed`` group every function answers as a single process would."""
+``torch.distributed`` group every function answers as a single process would.
+
+Public to batchtap's packages (the Tap asks it for the rank and the run id every rank shares);
+not part of the user-facing API."""
 
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from batchtap.errors import ConfigError, TrainingDiverged
-from batchtap.rules import Action, Decision, Rollback
-from batchtap.rules.rollback import _clone
+from batchtap.recovery import Rollback
+from batchtap.recovery.rollback import _clone
+from batchtap.rules import Action, Decision
 
 
 def _decision(step: int) -> Decision:

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchtap.errors import ConfigError, SinkError
-from batchtap.pipeline.resilient import ResilientSink, decode_entry, encode_entry
+from batchtap.sinks.resilient import ResilientSink, decode_entry, encode_entry
 from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus
 from batchtap.sinks.base import Sink
 from batchtap.sinks.sqlite import SQLite

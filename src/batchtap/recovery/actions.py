@@ -22,9 +22,9 @@ from collections.abc import Iterable, Sequence
 
 from batchtap.errors import ConfigError
 from batchtap.records import Event, EventKind
-from batchtap.rules.base import Action
-from batchtap.rules.engine import Decision, RuleEngine
-from batchtap.rules.rollback import Rollback, RollbackResult
+from batchtap.rules.base import Action, Decision
+from batchtap.rules.engine import RuleEngine
+from batchtap.recovery.rollback import Rollback, RollbackResult
 
 __all__ = ["ActionRunner", "Outcome"]
 
@@ -57,7 +57,7 @@ class ActionRunner:
         rollback: required when some rule may roll back.
 
     Raises:
-        ConfigError: a rule may roll back but no :class:`~batchtap.rules.rollback.Rollback` is given.
+        ConfigError: a rule may roll back but no :class:`~batchtap.recovery.rollback.Rollback` is given.
 
     Example:
         >>> from batchtap.rules import NonFinite, RuleEngine

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from batchtap.errors import ConfigError
-from batchtap.rules import ActionRunner, AdaptiveBatchSampler, BatchSizeRule, RuleEngine
+from batchtap.recovery import ActionRunner, AdaptiveBatchSampler, BatchSizeRule
+from batchtap.rules import RuleEngine
 
-from ._helpers import records
+from tests.rules._helpers import records
 
 PROPERTY = settings(derandomize=True, deadline=None, max_examples=150)
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from batchtap.rules import debug_mode
+from batchtap.recovery import debug_mode
 
 
 def _settings():

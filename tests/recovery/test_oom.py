@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchtap.errors import ConfigError, InputError
-from batchtap.rules import AdaptiveBatchSampler, is_oom_error, split_on_oom
+from batchtap.recovery import AdaptiveBatchSampler, is_oom_error, split_on_oom
 
 
 class Budget:
