@@ -160,7 +160,7 @@ class Tap:
         rules: anomaly rules (see :mod:`batchtap.rules`), run on the pipeline thread on every
             block of records; their actions are applied on the training thread at its next step.
         rollback: the :class:`~batchtap.rules.Rollback` that ``rollback`` actions restore from.
-        spool_dir: wrap every sink in a :class:`~batchtap.pipeline.resilient.ResilientSink` that
+        spool_dir: wrap every sink in a :class:`~batchtap.sinks.resilient.ResilientSink` that
             spools to this folder while the sink fails and replays when it recovers (or at the next
             start), so an outage loses nothing.
         handle_sigterm: inside ``run()``, turn SIGTERM into a final flush (run stored as
