@@ -80,6 +80,7 @@ from batchtap.pipeline.agreement import ProcessGroups, RankAgreement
 from batchtap.pipeline.chain import ReduceSpec
 from batchtap.pipeline.control import Control
 from batchtap.pipeline.dispatch import Backpressure
+from batchtap.pipeline.core import PipelineSettings
 from batchtap.pipeline.host import PipelineHost, PipelineKind, make_pipeline
 from batchtap.records import Event, EventKind, RunInfo, RunStatus
 from batchtap.recovery.actions import ActionRunner
@@ -250,7 +251,7 @@ class Tap:
         self.sinks = checked_sinks(default_sinks() if sinks is None else sinks, spool_dir, rank=_dist.rank())
         self._control = Control()
         self._pipeline: PipelineHost = make_pipeline(
-            pipeline, self.sinks, self._control, queue_size=queue_size, backpressure=backpressure, rules=engine
+            pipeline, self.sinks, self._control, PipelineSettings(queue_size, backpressure, engine)
         )
         self._groups: ProcessGroups | None = None  # batchtap's gloo groups, made at the first run in a group
         self._state: _RunState | None = None

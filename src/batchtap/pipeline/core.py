@@ -9,6 +9,7 @@ the pipeline thread (:mod:`batchtap.pipeline.thread`) and the pipeline process's
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from batchtap._ending import wait_for_sinks
@@ -22,7 +23,22 @@ from batchtap.records import Event, Record, RunInfo
 from batchtap.rules.engine import RuleEngine
 from batchtap.sinks.base import Sink
 
-__all__ = ["PipelineCore"]
+__all__ = ["PipelineCore", "PipelineSettings"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PipelineSettings:
+    """How a pipeline treats its sinks and rules (the Tap's settings, wherever the pipeline runs).
+
+    Attributes:
+        queue_size: blocks queued per sink before ``backpressure`` applies.
+        backpressure: ``"block"`` or ``"drop_oldest"``.
+        rules: the rule engine, or None.
+    """
+
+    queue_size: int = 64
+    backpressure: Backpressure = "block"
+    rules: RuleEngine | None = None
 
 
 class PipelineCore:
@@ -31,24 +47,15 @@ class PipelineCore:
     Args:
         sinks: where records go (each gets a worker thread and a bounded queue).
         control: where verdicts, errors and anomaly counts go.
-        queue_size: blocks queued per sink before ``backpressure`` applies.
-        backpressure: ``"block"`` or ``"drop_oldest"``.
-        rules: the rule engine, or None.
+        settings: queues, backpressure and rules.
     """
 
-    def __init__(
-        self,
-        sinks: Sequence[Sink],
-        control: Control,
-        *,
-        queue_size: int = 64,
-        backpressure: Backpressure = "block",
-        rules: RuleEngine | None = None,
-    ) -> None:
+    def __init__(self, sinks: Sequence[Sink], control: Control, settings: PipelineSettings | None = None) -> None:
+        settings = settings or PipelineSettings()
         self.sinks = list(sinks)
         self.control = control
-        self.dispatcher = Dispatcher(self.sinks, maxsize=queue_size, policy=backpressure)
-        self.rules = RulesStage(rules) if rules is not None else None
+        self.dispatcher = Dispatcher(self.sinks, maxsize=settings.queue_size, policy=settings.backpressure)
+        self.rules = RulesStage(settings.rules) if settings.rules is not None else None
 
     def open_chain(
         self, layout: Layout, *, run_id: str, rank: int, writes: bool, reduce: ReduceSpec | None, max_rows: int = 0

@@ -18,9 +18,8 @@ from batchtap.errors import ConfigError
 from batchtap.metrics.layout import Layout
 from batchtap.pipeline.chain import ReduceSpec
 from batchtap.pipeline.control import Control
-from batchtap.pipeline.dispatch import Backpressure
+from batchtap.pipeline.core import PipelineSettings
 from batchtap.records import Event, RunInfo
-from batchtap.rules.engine import RuleEngine
 from batchtap.sinks.base import Sink
 
 __all__ = ["PipelineHost", "PipelineKind", "make_pipeline"]
@@ -56,18 +55,15 @@ def make_pipeline(
     kind: PipelineKind,
     sinks: Sequence[Sink],
     control: Control,
-    *,
-    queue_size: int,
-    backpressure: Backpressure,
-    rules: RuleEngine | None,
+    settings: PipelineSettings,
 ) -> PipelineHost:
     """The pipeline host ``kind`` names."""
     if kind == "thread":
         from batchtap.pipeline.thread import ThreadPipeline
 
-        return ThreadPipeline(sinks, control, queue_size=queue_size, backpressure=backpressure, rules=rules)
+        return ThreadPipeline(sinks, control, settings)
     if kind == "process":
         from batchtap.pipeline.process import ProcessPipeline
 
-        return ProcessPipeline(sinks, control, queue_size=queue_size, backpressure=backpressure, rules=rules)
+        return ProcessPipeline(sinks, control, settings)
     raise ConfigError(f"pipeline must be 'thread' or 'process', got {kind!r}")

@@ -55,8 +55,7 @@ from batchtap.errors import ConfigError
 from batchtap.metrics.layout import Layout
 from batchtap.pipeline.chain import ReduceSpec, RunChain
 from batchtap.pipeline.control import Control
-from batchtap.pipeline.core import PipelineCore
-from batchtap.pipeline.dispatch import Backpressure
+from batchtap.pipeline.core import PipelineCore, PipelineSettings
 from batchtap.pipeline.harvest import read_block
 from batchtap.pipeline.shm import BlockSegment, SegmentShape
 from batchtap.records import (
@@ -72,7 +71,6 @@ from batchtap.records import (
     from_wire,
     to_wire,
 )
-from batchtap.rules.engine import RuleEngine
 from batchtap.sinks.base import Sink
 
 __all__ = ["ProcessPipeline"]
@@ -198,29 +196,21 @@ class _Reply:
 class ProcessPipeline:
     """The training process's end of the pipeline process (see the module docstring).
 
-    Args as for :class:`~batchtap.pipeline.thread.ThreadPipeline`.
+    Args as for :class:`~batchtap.pipeline.thread.ThreadPipeline` (the sinks and settings are
+    pickled into the pipeline process).
 
     Raises:
         ConfigError: a sink or rule cannot be carried into another process (it does not pickle).
     """
 
-    def __init__(
-        self,
-        sinks: Sequence[Sink],
-        control: Control,
-        *,
-        queue_size: int = 64,
-        backpressure: Backpressure = "block",
-        rules: RuleEngine | None = None,
-    ) -> None:
+    def __init__(self, sinks: Sequence[Sink], control: Control, settings: PipelineSettings | None = None) -> None:
         self.sinks = list(sinks)
         self.control = control
         self.gate = DeviceGate()
-        self._settings = (queue_size, backpressure)
-        self._rules = rules
+        self._settings = settings = settings or PipelineSettings()
         self._refs: dict[int, object] = {}
         try:
-            self._config = self._pickle((self.sinks, rules, queue_size, backpressure))
+            self._config = self._pickle((self.sinks, settings))
         except Exception as exc:
             raise ConfigError(
                 f"pipeline='process' carries the sinks and rules into another process, but they do not pickle: "
@@ -543,8 +533,7 @@ class ProcessPipeline:
     def _fall_back_locked(self, report: str) -> None:
         from batchtap.pipeline.thread import ThreadPipeline
 
-        queue_size, backpressure = self._settings
-        fallback = ThreadPipeline(self.sinks, self.control, queue_size=queue_size, backpressure=backpressure, rules=self._rules)
+        fallback = ThreadPipeline(self.sinks, self.control, self._settings)
         if self._run is not None:
             fallback.start_run(self._run[0], writes=self._run[1])
         for chain in self._chains.values():
@@ -666,9 +655,9 @@ def _child_main(conn: Any, config: bytes, parent_pid: int) -> None:
     def send(message: tuple[Any, ...]) -> None:
         conn.send_bytes(_dumps(_ToParent, message))
 
-    sinks, rules, queue_size, backpressure = _FromParent(io.BytesIO(config)).load()
+    sinks, settings = _FromParent(io.BytesIO(config)).load()
     control = _PipeControl(send)
-    core = PipelineCore(sinks, control, queue_size=queue_size, backpressure=backpressure, rules=rules)
+    core = PipelineCore(sinks, control, settings)
     worker = _ChildWorker(core, send)
     try:
         while True:

@@ -24,11 +24,9 @@ from batchtap.capture.logged import Logged
 from batchtap.metrics.layout import Layout
 from batchtap.pipeline.chain import ReduceSpec, RunChain
 from batchtap.pipeline.control import Control
-from batchtap.pipeline.core import PipelineCore
-from batchtap.pipeline.dispatch import Backpressure
+from batchtap.pipeline.core import PipelineCore, PipelineSettings
 from batchtap.pipeline.harvest import read_block
 from batchtap.records import Event, RunInfo
-from batchtap.rules.engine import RuleEngine
 from batchtap.sinks.base import Sink
 
 __all__ = ["ThreadPipeline"]
@@ -57,21 +55,11 @@ class ThreadPipeline:
     Args:
         sinks: where records go.
         control: where verdicts and errors go (read by the training thread).
-        queue_size: blocks queued per sink before ``backpressure`` applies.
-        backpressure: ``"block"`` or ``"drop_oldest"``.
-        rules: the rule engine, or None.
+        settings: queues, backpressure and rules.
     """
 
-    def __init__(
-        self,
-        sinks: Sequence[Sink],
-        control: Control,
-        *,
-        queue_size: int = 64,
-        backpressure: Backpressure = "block",
-        rules: RuleEngine | None = None,
-    ) -> None:
-        self.core = PipelineCore(sinks, control, queue_size=queue_size, backpressure=backpressure, rules=rules)
+    def __init__(self, sinks: Sequence[Sink], control: Control, settings: PipelineSettings | None = None) -> None:
+        self.core = PipelineCore(sinks, control, settings)
         self.sinks = self.core.sinks
         self.gate = DeviceGate()  # the training thread pauses it around CUDA graph captures
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
