@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 import batchtap as bt
 import batchtap.capture.logged as logged_module
 import batchtap.capture.ring as ring_module
-import batchtap.tap as tap_module
+import batchtap.capture.session as session_module
 from batchtap.capture.clock import HostClock
 from batchtap.hostreads import HostReadCounter
 from tests.conftest import ListSink
@@ -54,7 +54,7 @@ class _HostToDevice(TorchDispatchMode):
 
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tap_module, "clock_for", lambda device, capacity: HostClock(capacity))
+    monkeypatch.setattr(session_module, "clock_for", lambda device, capacity: HostClock(capacity))
     # A CPU build of torch has no CUDA streams to ask (its query raises); under fake CUDA nothing
     # is being captured. tests/test_graph_capture.py covers the capturing case.
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

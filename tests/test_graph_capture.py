@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import batchtap as bt
 import batchtap.capture.ring as ring_module
-import batchtap.tap as tap_module
+import batchtap.capture.session as session_module
 from batchtap.capture.clock import DeviceGate, HostClock
 from tests.conftest import ListSink
 
@@ -62,7 +62,7 @@ def test_paused_holds_rows_back_until_it_ends_and_refuses_flush() -> None:
 
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tap_module, "clock_for", lambda device, capacity: HostClock(capacity))
+    monkeypatch.setattr(session_module, "clock_for", lambda device, capacity: HostClock(capacity))
     monkeypatch.setattr(ring_module, "host_buffer", lambda shape, pin: torch.zeros(shape))
 
 

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 import batchtap as bt
 import batchtap.capture.ring as ring_module
-import batchtap.tap as tap_module
+import batchtap.capture.session as session_module
 from batchtap.capture.clock import HostClock
 from batchtap.metrics import StepInputs
 
@@ -52,7 +52,7 @@ class _Launches(TorchDispatchMode):
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     # CUDA events and pinned memory need a driver; the host clock and pageable buffers stand in
     # (neither launches anything: events are not kernels, the pinned copy is counted either way).
-    monkeypatch.setattr(tap_module, "clock_for", lambda device, capacity: HostClock(capacity))
+    monkeypatch.setattr(session_module, "clock_for", lambda device, capacity: HostClock(capacity))
     # A CPU build of torch has no CUDA streams to ask (its query raises); under fake CUDA nothing
     # is being captured. tests/test_graph_capture.py covers the capturing case.
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import batchtap as bt
 import batchtap.capture.ring as ring_module
-import batchtap.tap as tap_module
+import batchtap.capture.session as session_module
 from batchtap.capture.clock import HostClock
 from batchtap.hostreads import HostReadCounter
 from tests.conftest import ListSink, classifier
@@ -67,7 +67,7 @@ def test_no_host_read_in_1000_cpu_steps_including_flushes(sink: ListSink) -> Non
 def test_cuda_path_issues_no_host_read_under_fake_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     # Events need a real GPU; everything else of the CUDA path (ring on cuda, pinned buffers,
     # non_blocking copies, metric kernels) runs under FakeTensorMode, where a host read raises.
-    monkeypatch.setattr(tap_module, "clock_for", lambda device, capacity: HostClock(capacity))
+    monkeypatch.setattr(session_module, "clock_for", lambda device, capacity: HostClock(capacity))
     # A CPU build of torch has no CUDA streams to ask (its query raises); under fake CUDA nothing
     # is being captured. tests/test_graph_capture.py covers the capturing case.
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
