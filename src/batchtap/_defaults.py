@@ -26,9 +26,14 @@ def store_url() -> str:
 
 def checked_sinks(sinks: Sequence[Sink], spool_dir: str | os.PathLike[str] | None, *, rank: int) -> list[Sink]:
     """The Tap's sinks, each wrapped in a spooling ResilientSink when ``spool_dir`` is given."""
+    from batchtap.sinks.base import Sink
+
     for sink in sinks:
-        if not callable(getattr(sink, "write", None)):
-            raise ConfigError(f"sinks must be batchtap.sinks.Sink objects, got {type(sink).__name__}")
+        if not isinstance(sink, Sink):
+            raise ConfigError(
+                f"sinks must be batchtap.sinks.Sink objects, got {type(sink).__name__}; fix: subclass "
+                "batchtap.sinks.Sink and implement write(records, events)"
+            )
     if spool_dir is None:
         return list(sinks)
     from batchtap.sinks.resilient import ResilientSink

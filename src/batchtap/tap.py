@@ -85,7 +85,6 @@ from batchtap.pipeline.host import PipelineHost, PipelineKind, make_pipeline
 from batchtap.records import Event, EventKind, RunInfo, RunStatus
 from batchtap.recovery.actions import ActionRunner
 from batchtap.recovery.rollback import Rollback
-from batchtap.rules.builtin import NonFinite
 from batchtap.rules.engine import RuleEngine, RuleLike
 from batchtap.sinks.base import Sink
 
@@ -247,7 +246,7 @@ class Tap:
         self._runner = ActionRunner(engine, rollback=rollback) if engine is not None else None
         # a NonFinite("loss") rule takes over the NaN guard's default stop: the guard then only
         # flushes at once, so the rule's own action (e.g. rollback) follows within a step or two
-        self._loss_rule = any(isinstance(r, NonFinite) and r.metric == "loss" for r in rules)
+        self._loss_rule = engine is not None and any(r.handles_nonfinite_loss for r in engine.rules)
         self.sinks = checked_sinks(default_sinks() if sinks is None else sinks, spool_dir, rank=_dist.rank())
         self._control = Control()
         self._pipeline: PipelineHost = make_pipeline(

@@ -94,6 +94,9 @@ class Metric(abc.ABC):
     #: the value is computed from gradients: on a step the AMP GradScaler skipped (inf/NaN
     #: gradients), a non-finite value is expected and left out of the record instead of flagged
     gradient_based: ClassVar[bool] = False
+    #: the metric's first device column is the step's loss: the NaN guard copies it to the host
+    #: every step (the first such metric of a run is the one watched)
+    watched_by_nan_guard: ClassVar[bool] = False
 
     @property
     def per_micro_batch(self) -> bool:

@@ -68,6 +68,7 @@ class Loss(Metric):
         ['loss']
     """
 
+    watched_by_nan_guard: ClassVar[bool] = True
     requires: ClassVar[frozenset[Requirement]] = frozenset({"loss"})
     device_width = 1
 

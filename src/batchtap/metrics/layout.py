@@ -6,7 +6,6 @@ import dataclasses
 from collections.abc import Sequence
 
 from batchtap.metrics.base import Metric
-from batchtap.metrics.builtin import Loss
 from batchtap.metrics.domain import Output
 
 __all__ = ["Layout", "Span"]
@@ -45,7 +44,7 @@ class Layout:
         spans, host = [], 0
         guard: int | None = None
         for i, metric in enumerate(metrics):
-            if isinstance(metric, Loss) and guard is None:
+            if metric.watched_by_nan_guard and guard is None:
                 guard = offsets[i]
             spans.append(Span(metric, offsets[i], host, metric.outputs()))
             host += metric.host_width

@@ -77,6 +77,10 @@ class SinkWorker:
 
     def __init__(self, sink: Sink, *, maxsize: int, policy: Backpressure, warn: Callable[[str], None]) -> None:
         self.sink = sink
+        # The optional hooks come from the Sink base class; an object that only has write/flush/close
+        # (allowed here, not by the Tap) gets none of them.
+        self._start_epoch = sink.start_epoch if isinstance(sink, Sink) else None
+        self._take_events = sink.take_events if isinstance(sink, Sink) else list
         self.maxsize = maxsize
         self.policy = policy
         self._warn = warn
@@ -169,9 +173,8 @@ class SinkWorker:
                     self._guarded("close", self.sink.close)
                     return
                 if isinstance(item, _Epoch):
-                    start_epoch = getattr(self.sink, "start_epoch", None)  # sinks need not derive from Sink
-                    if start_epoch is not None:
-                        self._guarded("start_epoch", start_epoch, item.run_id, item.epoch, item.total)
+                    if self._start_epoch is not None:
+                        self._guarded("start_epoch", self._start_epoch, item.run_id, item.epoch, item.total)
                     continue
                 assert isinstance(item, _Call)
                 if item.name == "flush":
@@ -204,10 +207,8 @@ class SinkWorker:
                 lost = f"; {len(records)} records of steps {records[0].step}..{records[-1].step} were not stored by it"
             log.warning("batchtap sink %s failed in %s: %r%s", self.name, what, exc, lost)
             self._warn(f"sink {self.name} failed in {what}: {exc!r}{lost}")
-        take_events = getattr(self.sink, "take_events", None)  # ResilientSink reports outages
-        if take_events is not None:
-            for event in take_events():
-                self._warn(event.message)
+        for event in self._take_events():  # e.g. a ResilientSink's outage, a SQL sink's refused rows
+            self._warn(event.message)
         return ok
 
     def stop(self, timeout: float | None = None) -> bool:

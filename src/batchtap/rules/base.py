@@ -310,6 +310,12 @@ class Rule(abc.ABC):
         self.warmup = warmup
         self.on_alert = on_alert
 
+    @property
+    def handles_nonfinite_loss(self) -> bool:
+        """Whether this rule decides what a non-finite loss does (the NaN guard then only hands
+        the row to the rules at once instead of stopping by itself)."""
+        return False
+
     def applies_to(self, record: Record) -> bool:
         """Whether the record carries this rule's metric (a rule skips records that do not)."""
         return self.metric in record.values
@@ -363,6 +369,12 @@ class CallableRule(Rule):
         # The metric is only a label here: the function reads whatever it wants from the record.
         super().__init__(name=label, metric="*", action=action, warmup=warmup, on_alert=on_alert)
         self.fn = fn
+
+    @property
+    def handles_nonfinite_loss(self) -> bool:
+        """Whether this rule decides what a non-finite loss does (the NaN guard then only hands
+        the row to the rules at once instead of stopping by itself)."""
+        return False
 
     def applies_to(self, record: Record) -> bool:
         return True

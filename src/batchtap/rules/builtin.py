@@ -59,6 +59,10 @@ class NonFinite(Rule):
         self.patience = patience
         self._streak = 0
 
+    @property
+    def handles_nonfinite_loss(self) -> bool:
+        return self.metric == "loss"
+
     def check(self, record: Record, history: History) -> Anomaly | None:
         v = value_of(record, self.metric)
         if math.isfinite(v) or self._streak + 1 < self.patience:

@@ -112,6 +112,11 @@ class Sink:
     def flush(self) -> None:
         """Make everything written so far durable or visible."""
 
+    def take_events(self) -> list[Event]:
+        """Events the sink raised about itself since the last call (an outage, a recovery, rows it
+        refused), stored through the other sinks. Asked after every call; the default has none."""
+        return []
+
     def last_step(self, run_id: str) -> int | None:
         """The largest step stored for ``run_id``, or None when unknown (``tap.run(resume=...)``
         asks the sinks that can answer: the SQL sinks)."""

@@ -345,10 +345,7 @@ class ResilientSink(Sink):
         """The WARNING events raised since the last call (sink failed, recovered, spool damaged)."""
         with self._lock:
             out, self._events = self._events, []
-        inner = getattr(self.sink, "take_events", None)  # e.g. rows a SQL sink refused
-        if inner is not None:
-            out += inner()
-        return out
+        return out + self.sink.take_events()  # e.g. rows a SQL sink refused
 
     def _warn(self, message: str) -> None:
         _log.warning("%s", message)
