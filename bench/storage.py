@@ -142,7 +142,8 @@ def bench_training_thread_cost(pg_dsn: str, reps: int = 5, steps: int = 300, bat
             order = variants[rep % len(variants):] + variants[: rep % len(variants)]
             for pipeline, sinks in order:
                 results[(pipeline, sinks)].append(one([] if sinks == "no sinks" else all_sinks(), pipeline, data))
-        print(f"\ntraining-thread cost, {reps} interleaved reps x {steps} steps (DigitsCNN width 32, batch {batch}):")
+        print(f"\ntraining-thread cost, {reps} interleaved reps x {steps} steps (DigitsCNN width 32, batch {batch}, "
+              f"{torch.get_num_threads()} torch threads):")
         print(f"{'pipeline':<10}{'sinks':<12}{'ms/step':>10}{'tap.step() us':>16}")
         for (pipeline, sinks), rows in results.items():
             print(f"{pipeline:<10}{sinks:<12}{statistics.median(r[0] for r in rows) * 1e3:>10.3f}"
@@ -172,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics", type=int, default=10, help="metrics per record")
     p.add_argument("--pg-dsn", default="postgresql://postgres@127.0.0.1:5432/test", help="PostgreSQL DSN ('' to skip)")
     p.add_argument("--only", default="", help="comma-separated row-name prefixes to run (default: all)")
+    p.add_argument("--step-reps", type=int, default=5, help="training-thread cost: interleaved repetitions")
+    p.add_argument("--step-count", type=int, default=300, help="training-thread cost: timed steps per run")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="training-thread cost: torch.set_num_threads (0: torch's default)")
     args = p.parse_args(argv)
     if args.runs < 5:
         p.error(f"--runs must be >= 5 for a meaningful median, got {args.runs}")
@@ -248,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
                 for s in schemas:
                     conn.execute(f'DROP SCHEMA IF EXISTS "{s}" CASCADE')
     if not args.only or "steps" in args.only:
-        bench_training_thread_cost(args.pg_dsn)
+        if args.torch_threads:
+            import torch
+
+            torch.set_num_threads(args.torch_threads)
+        bench_training_thread_cost(args.pg_dsn, reps=args.step_reps, steps=args.step_count)
     return 0
 
 
