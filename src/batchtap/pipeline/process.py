@@ -208,6 +208,12 @@ class ProcessPipeline:
         self.control = control
         self.gate = DeviceGate()
         self._settings = settings = settings or PipelineSettings()
+        stay = [r.name for r in (settings.rules.rules if settings.rules is not None else ()) if not r.runs_in_pipeline_process]
+        if stay:
+            raise ConfigError(
+                f"rules {stay} read training-side objects while they decide (an adaptive sampler's batch size), "
+                "which a pipeline process cannot see; fix: use Tap(pipeline='thread') with them"
+            )
         self._refs: dict[int, object] = {}
         try:
             self._config = self._pickle((self.sinks, settings))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterable, Iterator, Sized
-from typing import Any
+from typing import Any, ClassVar
 
 from torch.utils.data import Sampler
 
@@ -178,6 +178,8 @@ class BatchSizeRule(Rule):
         >>> rule.check(r, History()).batch_size
         64
     """
+
+    runs_in_pipeline_process: ClassVar[bool] = False  # it reads the sampler's size as it decides
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ import enum
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal, Protocol, Union, runtime_checkable
+from typing import ClassVar, Literal, Protocol, Union, runtime_checkable
 
 from batchtap._validate import require_int
 from batchtap.errors import ConfigError, TrainingDiverged
@@ -310,6 +310,10 @@ class Rule(abc.ABC):
         self.warmup = warmup
         self.on_alert = on_alert
 
+    #: whether the rule can run in a pipeline process (``Tap(pipeline="process")``): False for a
+    #: rule that reads training-side objects while it decides (an adaptive sampler's batch size)
+    runs_in_pipeline_process: ClassVar[bool] = True
+
     @property
     def handles_nonfinite_loss(self) -> bool:
         """Whether this rule decides what a non-finite loss does (the NaN guard then only hands
@@ -369,12 +373,6 @@ class CallableRule(Rule):
         # The metric is only a label here: the function reads whatever it wants from the record.
         super().__init__(name=label, metric="*", action=action, warmup=warmup, on_alert=on_alert)
         self.fn = fn
-
-    @property
-    def handles_nonfinite_loss(self) -> bool:
-        """Whether this rule decides what a non-finite loss does (the NaN guard then only hands
-        the row to the rules at once instead of stopping by itself)."""
-        return False
 
     def applies_to(self, record: Record) -> bool:
         return True
