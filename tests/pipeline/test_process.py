@@ -192,3 +192,20 @@ def test_a_rule_that_reads_training_side_objects_is_refused_with_the_fix() -> No
     with pytest.raises(ConfigError, match=r"batch.*pipeline='thread'"):
         bt.Tap(sinks=[], rules=[rule], pipeline="process")
     bt.Tap(sinks=[], rules=[rule], pipeline="thread").close()  # the thread pipeline takes it
+
+
+def test_steps_and_logs_inside_paused_do_not_wait_for_themselves(tmp_path: Path) -> None:
+    # The process pipeline hands a CPU block over on the training thread: inside tap.paused() it
+    # must defer to its forwarder rather than wait for a resume only this thread can make.
+    path = tmp_path / "p.pkl"
+    with bt.Tap(sinks=[FileListSink(path)], flush_every=2, flush_seconds=3600, pipeline="process") as tap:
+        with tap.run(name="paused"):
+            tap.step(loss=torch.tensor(1.0))
+            with tap.paused():
+                for step in range(1, 6):
+                    tap.step(loss=torch.tensor(float(step)))
+                tap.request_stop("asked inside paused()")
+            tap.step(loss=torch.tensor(6.0))
+    sink, _ = received(path)
+    assert sorted(r.step for r in sink.records) == list(range(7))
+    assert any("asked inside paused()" in e.message for e in sink.events)

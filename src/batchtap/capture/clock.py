@@ -175,6 +175,15 @@ class DeviceGate:
             self._cv.wait_for(lambda: self._pauses == 0)
             yield
 
+    @contextlib.contextmanager
+    def open_now(self) -> Iterator[bool]:
+        """Hold the gate for the body without waiting: yields whether queries may run now (False
+        while paused). Queries inside the body (:meth:`querying` included) run without waiting,
+        and :meth:`pause` waits for the body to end. For callers that must not block, e.g. while
+        holding a lock the training thread may need."""
+        with self._cv:
+            yield self._pauses == 0
+
     def pause(self) -> None:
         """Hold back device queries from now on (waits for one in flight to finish)."""
         # sync: none with the device — at most the few microseconds of a query in flight.

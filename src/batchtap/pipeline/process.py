@@ -276,12 +276,11 @@ class ProcessPipeline:
         clock, segment, gate = flusher.clock, chain.segment, self.gate
 
         def prepare() -> tuple[Any, ...] | None:
-            with gate.querying():
-                if not clock.marker_done(block.marker):
+            # Never waits: it runs under the sending lock, which the training thread also takes.
+            with gate.open_now() as open_:
+                if not (open_ and clock.marker_done(block.marker) and segment.has_room()):
                     return None
-            if not segment.has_room():
-                return None
-            seq = segment.publish(read_block(flusher, block, gate))
+                seq = segment.publish(read_block(flusher, block, gate))
             return (chain.id, seq)
 
         self._queue(_Outgoing("block", prepare))
@@ -301,8 +300,8 @@ class ProcessPipeline:
         gate = self.gate
 
         def prepare() -> tuple[Any, ...] | None:
-            with gate.querying():
-                if not logged.done():
+            with gate.open_now() as open_:  # never waits (see submit)
+                if not (open_ and logged.done()):
                     return None
             record = Record(run_id, logged.step, logged.epoch, -1, rank, logged.wall_time, logged.values(), sparse=True)
             return (to_wire(record), writes)
