@@ -55,7 +55,6 @@ from batchtap.capture.loader import timed_batches
 from batchtap.capture.logged import Logged, check_logged, copy_check
 from batchtap.capture.session import (
     CaptureConfig,
-    RowFacts,
     RunCapture,
     autocast_device,
     check_device_context,
@@ -75,7 +74,7 @@ from batchtap.metrics.inputs import (
     samples_of,
     signature,
 )
-from batchtap.pipeline import ranks as _dist
+from batchtap.pipeline import ranks
 from batchtap.pipeline.agreement import ProcessGroups, RankAgreement
 from batchtap.pipeline.chain import ReduceSpec
 from batchtap.pipeline.control import Control
@@ -247,7 +246,7 @@ class Tap:
         # a NonFinite("loss") rule takes over the NaN guard's default stop: the guard then only
         # flushes at once, so the rule's own action (e.g. rollback) follows within a step or two
         self._loss_rule = engine is not None and any(r.handles_nonfinite_loss for r in engine.rules)
-        self.sinks = checked_sinks(default_sinks() if sinks is None else sinks, spool_dir, rank=_dist.rank())
+        self.sinks = checked_sinks(default_sinks() if sinks is None else sinks, spool_dir, rank=ranks.rank())
         self._control = Control()
         self._pipeline: PipelineHost = make_pipeline(
             pipeline, self.sinks, self._control, PipelineSettings(queue_size, backpressure, engine)
@@ -335,18 +334,18 @@ class Tap:
             name=name or stored_name or time.strftime("run-%Y%m%d-%H%M%S", time.localtime(started)),
             config=config_json,
             started_at=started,
-            world_size=_dist.world_size(),
+            world_size=ranks.world_size(),
             environment=_env.environment(),
         )
         state = _RunState(info, step=first_step)
-        if _dist.is_distributed():
+        if ranks.is_distributed():
             if self._groups is None:
                 # collective calls: every rank makes them at its first run, in the same order
                 self._groups = ProcessGroups.create(self.collective_timeout)
             state.agreement = RankAgreement(self._groups, self.collective_timeout)
             state.rank, state.writes = state.agreement.rank, state.agreement.rank == 0
             if resume is None:  # every rank's rows and events belong to the one run: rank 0's id
-                info.id = _dist.shared_run_id(info.id, self._groups.agreement)
+                info.id = ranks.shared_run_id(info.id, self._groups.agreement)
         self._state = state
         _RUNNING.add(self)
         self._control.reset()
@@ -578,9 +577,14 @@ class Tap:
             assert micro is not None
             sampled, data_time = True, micro.data_time  # accumulate() only sums sampled steps
         if sampled:
-            facts = RowFacts(state.step, ep if epoch is None else epoch, index if batch is None else batch, data_time)
+            if epoch is not None:
+                ep = epoch
+            if batch is not None:
+                index = batch
             try:
-                self._capture_step(state, loss, outputs, targets, extra or {}, batch_size, tokens, grad_norm, facts, micro)
+                self._capture_step(
+                    state, loss, outputs, targets, extra or {}, batch_size, tokens, grad_norm, ep, index, data_time, micro
+                )
             except OverflowError:  # nothing was recorded yet: a number too large for a float
                 raise InputError(overflow_message(extra or {}, tokens)) from None
         if micro is not None:
@@ -599,7 +603,9 @@ class Tap:
         batch_size: int | None,
         tokens: int | None,
         grad_norm: torch.Tensor | float | None,
-        facts: RowFacts,
+        epoch: int,
+        batch: int,
+        data_time: float,
         micro: MicroBatches | None,
     ) -> None:
         """The general path of :meth:`step`: every check, then the row."""
@@ -621,7 +627,7 @@ class Tap:
             inputs = StepInputs(loss, outputs, targets, samples, extra, grad_norm)
             capture = self._new_capture(state, inputs, micro if accumulated else None)
         inputs = StepInputs(loss, outputs, targets, samples, extra, grad_norm, device=capture.device)
-        capture.record(inputs, facts, tokens=step_tokens, accumulated=accumulated)
+        capture.record(inputs, state.step, epoch, batch, data_time, tokens=step_tokens, accumulated=accumulated)
 
     def _step_fast(
         self,
@@ -651,12 +657,11 @@ class Tap:
                 step_tokens = float(tokens)
             except OverflowError:  # nothing was recorded yet, as in step()
                 raise InputError(overflow_message({}, tokens)) from None
-        if state.watching:
-            facts = RowFacts(state.step, state.epoch, state.batch, state.data_time)
-        else:
-            facts = RowFacts(state.step, state.epoch, state.step, math.nan)
         inputs = StepInputs(loss, outputs, targets, samples, {}, grad_norm, device=capture.device)
-        capture.record_fast(inputs, facts, tokens=step_tokens)
+        if state.watching:
+            capture.record_fast(inputs, state.step, state.epoch, state.batch, state.data_time, tokens=step_tokens)
+        else:
+            capture.record_fast(inputs, state.step, state.epoch, state.step, math.nan, tokens=step_tokens)
         state.step += 1
         self._after_step(state, capture)
         return True

@@ -13,11 +13,10 @@ from typing import Any
 
 import torch
 
-from batchtap._names import check_storable
 from batchtap.capture.clock import StepClock
 from batchtap.capture.ring import _real_memory, host_buffer
 from batchtap.errors import InputError
-from batchtap.metrics.inputs import RESERVED_NAMES, check_count, check_scalar
+from batchtap.metrics.inputs import check_count, check_new_name, check_scalar
 
 __all__ = ["Logged", "check_logged", "copy_check"]
 
@@ -87,14 +86,11 @@ def check_logged(values: object, step: object, *, taken: Collection[str]) -> Non
     if step is not None:
         check_count("step", step, minimum=0)
     for name, value in values.items():
-        if not isinstance(name, str) or not name:
-            raise InputError(f"log() names must be non-empty strings, got {name!r}")
-        check_storable("log() name", name)
-        if name in taken or name in RESERVED_NAMES:
-            raise InputError(
-                f"log() name {name!r} is already a per-step value or record field of this run; log it "
-                f"under another name, e.g. 'eval_{name}'"
-            )
+        check_new_name(
+            "log() name", name, taken,
+            "log() name {name!r} is already a per-step value or record field of this run; log it under "
+            "another name, e.g. 'eval_{name}'",
+        )
         check_scalar(f"log() value {name!r}", value)
 
 

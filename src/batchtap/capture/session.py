@@ -46,7 +46,6 @@ from batchtap.metrics.layout import Layout
 
 __all__ = [
     "CaptureConfig",
-    "RowFacts",
     "RunCapture",
     "autocast_device",
     "check_device_context",
@@ -75,16 +74,6 @@ class CaptureConfig:
     flush_seconds: float | None  # None: flush on the count only (every rank at the same steps)
     nan_guard: bool
     fast_path: bool  # steps may take the short path (no rule actions, no process group, every step sampled)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RowFacts:
-    """The host-side facts of one step's row (besides its metric values)."""
-
-    step: int
-    epoch: int
-    batch: int
-    data_time: float
 
 
 @dataclasses.dataclass(slots=True)
@@ -192,7 +181,9 @@ class RunCapture:
             )
         self.checked = key
 
-    def record(self, inputs: StepInputs, facts: RowFacts, *, tokens: float, accumulated: bool) -> None:
+    def record(
+        self, inputs: StepInputs, step: int, epoch: int, batch: int, data_time: float, *, tokens: float, accumulated: bool
+    ) -> None:
         """The general path: check, compute and write one step's row (inputs already carry the device).
 
         Re-arms the short path when the step was a plain one (see :meth:`record_fast`).
@@ -220,7 +211,10 @@ class RunCapture:
                 device_count = len(device_values)
             if device_count != self.layout.device_width or len(host_values) != self.layout.host_width:
                 raise ConfigError(width_mismatch(self.metrics, inputs))
-            self.write_row(device_values, host_values, facts, wall_time=wall, samples=inputs.batch_size, tokens=tokens, head=head)
+            self.write_row(
+                device_values, host_values, step, epoch, batch, data_time,
+                wall_time=wall, samples=inputs.batch_size, tokens=tokens, head=head,
+            )
         finally:
             set_grad_enabled(grad_was)
         self.fast_key = None
@@ -241,7 +235,9 @@ class RunCapture:
             or (self.autocast_device and torch.is_autocast_enabled(self.autocast_device))
         )
 
-    def record_fast(self, inputs: StepInputs, facts: RowFacts, *, tokens: float) -> None:
+    def record_fast(
+        self, inputs: StepInputs, step: int, epoch: int, batch: int, data_time: float, *, tokens: float
+    ) -> None:
         """The short path: :meth:`record` without re-checking or re-deciding anything (call only
         after :meth:`fits_fast` said yes)."""
         wall = time.time()
@@ -250,7 +246,10 @@ class RunCapture:
         try:
             device_values = [v for m in self.device_metrics for v in m.compute(inputs)]
             host_values = [v for metric in self.host_readers for v in metric.read_host(inputs)]
-            self.write_row(device_values, host_values, facts, wall_time=wall, samples=inputs.batch_size, tokens=tokens)
+            self.write_row(
+                device_values, host_values, step, epoch, batch, data_time,
+                wall_time=wall, samples=inputs.batch_size, tokens=tokens,
+            )
         finally:
             set_grad_enabled(grad_was)
 
@@ -262,7 +261,10 @@ class RunCapture:
         self,
         device_values: list[torch.Tensor],
         host_values: Sequence[float],
-        facts: RowFacts,
+        step: int,
+        epoch: int,
+        batch: int,
+        data_time: float,
         *,
         wall_time: float,
         samples: float,
@@ -276,8 +278,8 @@ class RunCapture:
         if guard is not None:
             guard.settle(row)  # before the write overwrites the slot's last loss copy
         self.ring.write(
-            slot, device_values, host_values, step=facts.step, epoch=facts.epoch, batch=facts.batch,
-            wall_time=wall_time, samples=samples, data_time=facts.data_time, tokens=tokens, head=head,
+            slot, device_values, host_values, step=step, epoch=epoch, batch=batch,
+            wall_time=wall_time, samples=samples, data_time=data_time, tokens=tokens, head=head,
         )
         self.clock.mark_end(slot)
         if guard is not None:

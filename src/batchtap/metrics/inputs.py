@@ -9,7 +9,7 @@ devices; never values), so a loop whose steps look alike pays for the checks onc
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -24,6 +24,7 @@ __all__ = [
     "check_count",
     "check_extra_name",
     "check_metrics",
+    "check_new_name",
     "check_scalar",
     "check_step_inputs",
     "declared_extras",
@@ -106,15 +107,23 @@ def declared_extras(
     return out
 
 
-def check_extra_name(name: object, taken: set[str]) -> None:
+def check_new_name(label: str, name: object, taken: Collection[str], clash: str) -> None:
+    """A name a call introduces (an extra, a ``log()`` value): a non-empty storable string that no
+    per-step value (``taken``) or record field already has; ``clash`` is the error then, with
+    ``{name}`` filled in."""
     if not isinstance(name, str) or not name:
-        raise InputError(f"extra names must be non-empty strings, got {name!r}")
-    check_storable("extra name", name)
+        raise InputError(f"{label}s must be non-empty strings, got {name!r}")
+    check_storable(label, name)
     if name in taken or name in RESERVED_NAMES:
-        raise InputError(
-            f"extra {name!r} clashes with a built-in metric or record field of the same name; rename it, "
-            f"e.g. 'extra_{name}'"
-        )
+        raise InputError(clash.format(name=name))
+
+
+def check_extra_name(name: object, taken: Collection[str]) -> None:
+    check_new_name(
+        "extra name", name, taken,
+        "extra {name!r} clashes with a built-in metric or record field of the same name; rename it, "
+        "e.g. 'extra_{name}'",
+    )
 
 
 def width_mismatch(metrics: Sequence[Metric], inputs: StepInputs) -> str:

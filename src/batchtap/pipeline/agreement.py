@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from batchtap.errors import DistributedError
-from batchtap.pipeline import ranks as _dist
+from batchtap.pipeline import ranks
 from batchtap.pipeline.control import Control
 from batchtap.pipeline.reduce import new_group
 
@@ -43,8 +43,8 @@ class RankAgreement:
     """
 
     def __init__(self, groups: ProcessGroups, timeout: float) -> None:
-        self.rank = _dist.rank()
-        self.world_size = _dist.world_size()
+        self.rank = ranks.rank()
+        self.world_size = ranks.world_size()
         self.groups = groups
         self.timeout = timeout
         # two buffers, one in flight and one being read: [stop?, -lowest stopping rank, -verdicts received]
@@ -107,6 +107,6 @@ class RankAgreement:
     def _failure(self, step: int, exc: Exception) -> DistributedError:
         return DistributedError(
             f"rank {self.rank}: ranks could not agree at step {step}: "
-            f"{_dist.describe_failure(exc, self.timeout)}; a rank probably died or "
+            f"{ranks.describe_failure(exc, self.timeout)}; a rank probably died or "
             "stalled. Every step captured so far is being stored."
         )

@@ -233,6 +233,7 @@ class ProcessPipeline:
         self._chain_ids = 0
         self._run: tuple[RunInfo, bool] | None = None  # the open run's start message payload
         self._store: Any = None  # rank 0: the TCPStore the pipeline processes of all ranks meet at
+        self._meeting_port: int | None = None  # its port, on every rank
         self._restarts = 0
         self._closing = False
         self._fallback: Any = None  # a ThreadPipeline after the second death of the process
@@ -619,18 +620,15 @@ class ProcessPipeline:
         """Where the pipeline processes of all ranks meet to make their own gloo group: a TCPStore
         served by rank 0's training process (its port told to the other ranks over batchtap's group)."""
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        if self._store is None:
+        if self._meeting_port is None:  # once per Tap: the pipeline processes keep their group
             port = torch.zeros(1, dtype=torch.int64)
             if reduce.rank == 0:
-                store = torch.distributed.TCPStore(host, 0, None, True, wait_for_workers=False)
-                self._store = store
-                port[0] = store.port
+                self._store = torch.distributed.TCPStore(host, 0, None, True, wait_for_workers=False)
+                port[0] = self._store.port
             torch.distributed.broadcast(port, src=0, group=reduce.group)
             # sync: first step of a run in a process group — a CPU tensor of batchtap's own gloo group
-            self._port = int(port.tolist()[0])
-            if self._store is None:
-                self._store = True
-        return host, self._port
+            self._meeting_port = int(port.tolist()[0])
+        return host, self._meeting_port
 
 
 # ---------------------------------------------------------------------- the pipeline process
