@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -38,8 +39,8 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 
@@ -53,6 +54,7 @@ from batchtap._owner import ThreadOwner
 from batchtap.capture.accumulate import MicroBatches
 from batchtap.capture.loader import timed_batches
 from batchtap.capture.logged import Logged, check_logged, copy_check
+from batchtap.capture.short import ShortStep, short_step
 from batchtap.capture.session import (
     CaptureConfig,
     RunCapture,
@@ -93,11 +95,43 @@ T = TypeVar("T")
 log = logging.getLogger("batchtap")
 
 
+#: dynamo's frame-evaluation switch (private; absent: torch's own disable wrapper does it all)
+_set_eval_frame: Callable[[Any], Any] | None = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "set_eval_frame", None
+)
+
+
 def _eager(method: T) -> T:
-    """Exclude ``method`` from torch.compile tracing (``torch.compiler.disable``): traced, dynamo
-    would guard on the step counter and recompile every step (host arrays and events cannot be
-    traced anyway)."""
-    return torch.compiler.disable(method)  # type: ignore[arg-type,return-value]
+    """Exclude ``method`` from torch.compile tracing: traced, dynamo would guard on the step
+    counter and recompile every step (host arrays and events cannot be traced anyway).
+
+    ``torch.compiler.disable`` does that with a wrapper that costs ~0.4 us per call even when
+    nothing is compiled, a tenth of the short step path. This wrapper carries the same mark, so a
+    compiled caller graph-breaks at the call as it would at torch's; called from eager code (no
+    frame-evaluation callback installed, one C call to find out) it calls the method directly, and
+    otherwise hands over to torch's wrapper, which runs the method with dynamo off.
+    """
+    disabled: Any = torch.compiler.disable(method)  # type: ignore[arg-type]
+    skip_code = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
+    if _set_eval_frame is None or skip_code is None:
+        return disabled  # type: ignore[no-any-return]
+    set_eval_frame, plain = _set_eval_frame, cast(Callable[..., Any], method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        prior = set_eval_frame(None)
+        if prior is None:  # eager caller: nothing to turn off
+            return plain(*args, **kwargs)
+        set_eval_frame(prior)
+        return disabled(*args, **kwargs)
+
+    # a compiled caller runs the call natively after its graph break, and dynamo would then try to
+    # compile this wrapper's own frame: it is marked to be skipped, as torch's own wrapper is
+    skip_code(call.__code__)
+    functools.update_wrapper(call, plain)
+    for name in ("_torchdynamo_disable", "_torchdynamo_disable_recursive"):
+        setattr(call, name, True)
+    call._torchdynamo_orig_callable = plain  # type: ignore[attr-defined]
+    return cast(T, call)
 
 
 class _Terminated(BaseException):
@@ -254,6 +288,9 @@ class Tap:
         self._groups: ProcessGroups | None = None  # batchtap's gloo groups, made at the first run in a group
         self._state: _RunState | None = None
         self._last_capture: RunCapture | None = None
+        # the open run's short step path (capture/short.py) and the input metadata it was built for
+        self._short: ShortStep | None = None
+        self._short_key: object = None
         self._closed = False
         _OPEN_AT_EXIT.add(self)  # weak: a run left open at interpreter exit is ended, never hangs
 
@@ -347,6 +384,7 @@ class Tap:
             if resume is None:  # every rank's rows and events belong to the one run: rank 0's id
                 info.id = ranks.shared_run_id(info.id, self._groups.agreement)
         self._state = state
+        self._short = self._short_key = None
         _RUNNING.add(self)
         self._control.reset()
         self._last_capture = None
@@ -433,6 +471,7 @@ class Tap:
             )
         finally:
             self._state = None
+            self._short = self._short_key = None
             _RUNNING.discard(self)
 
     def _end_at_exit(self) -> None:
@@ -547,15 +586,13 @@ class Tap:
                 indices out of range), at the first step after they reached the host.
             RunStateError: called outside :meth:`run`.
         """
-        state = self._state
+        short = self._short
         if (
-            state is not None
+            short is not None
             and extra is None
             and epoch is None
             and batch is None
-            and state.capture is not None
-            and not self._control.has_error
-            and self._step_fast(state, state.capture, loss, outputs, targets, batch_size, tokens, grad_norm)
+            and short(loss, outputs, targets, batch_size, tokens, grad_norm)
         ):
             return
         state = self._require_run("step()")
@@ -628,43 +665,12 @@ class Tap:
             capture = self._new_capture(state, inputs, micro if accumulated else None)
         inputs = StepInputs(loss, outputs, targets, samples, extra, grad_norm, device=capture.device)
         capture.record(inputs, state.step, epoch, batch, data_time, tokens=step_tokens, accumulated=accumulated)
-
-    def _step_fast(
-        self,
-        state: _RunState,
-        capture: RunCapture,
-        loss: torch.Tensor | None,
-        outputs: torch.Tensor | None,
-        targets: torch.Tensor | None,
-        batch_size: int | None,
-        tokens: int | None,
-        grad_norm: torch.Tensor | float | None,
-    ) -> bool:
-        """The short path of :meth:`step` for inputs shaped like the last checked plain step's
-        (see :meth:`RunCapture.fits_fast`). Returns False, having done nothing, when the step does
-        not qualify."""
-        state.owner.check("step()")
-        capture.check_context()
-        if not capture.fits_fast(loss, outputs, targets, grad_norm):
-            return False
-        if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
-            check_scalar("grad_norm", grad_norm)  # a Python number: its value may not fit a float
-        samples = samples_of(batch_size, outputs, targets)
-        step_tokens = math.nan
-        if tokens is not None:
-            check_count("tokens", tokens)
-            try:
-                step_tokens = float(tokens)
-            except OverflowError:  # nothing was recorded yet, as in step()
-                raise InputError(overflow_message({}, tokens)) from None
-        inputs = StepInputs(loss, outputs, targets, samples, {}, grad_norm, device=capture.device)
-        if state.watching:
-            capture.record_fast(inputs, state.step, state.epoch, state.batch, state.data_time, tokens=step_tokens)
-        else:
-            capture.record_fast(inputs, state.step, state.epoch, state.step, math.nan, tokens=step_tokens)
-        state.step += 1
-        self._after_step(state, capture)
-        return True
+        if capture.fast_key != self._short_key:
+            self._short_key = capture.fast_key
+            self._short = short_step(
+                capture, state, owner_thread=state.owner.ident or 0, errors=self._control,
+                on_nan=lambda hit: self._on_nan(state, hit), on_due=lambda: self._flush(state),
+            )
 
     def _after_step(self, state: _RunState, capture: RunCapture) -> None:
         """What follows every step, captured or not: NaN guard, flush, rule verdicts, next start mark."""
@@ -948,7 +954,12 @@ class Tap:
 
     def _poll_guard(self, state: _RunState, capture: RunCapture) -> None:
         hit = capture.poll_nan()
-        if hit is None or self._control.local_stop is not None:
+        if hit is not None:
+            self._on_nan(state, hit)
+
+    def _on_nan(self, state: _RunState, hit: tuple[int, float]) -> None:
+        """The NaN guard saw a non-finite loss: stop, or let a NonFinite("loss") rule decide."""
+        if self._control.local_stop is not None:
             return
         step, value = hit
         if self._loss_rule:

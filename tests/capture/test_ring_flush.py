@@ -268,8 +268,8 @@ class _PerSlotClock(HostClock):
         super().__init__(capacity)
         self.ended = np.zeros(capacity, dtype=bool)
 
-    def _record_end(self, slot: int) -> None:
-        super()._record_end(slot)
+    def mark_end(self, slot: int) -> None:
+        super().mark_end(slot)
         self.ended[slot] = True
 
     def end_done(self, slot: int) -> bool:

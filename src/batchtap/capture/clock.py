@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 __all__ = ["StepClock", "HostClock", "CudaClock", "DeviceGate", "clock_for"]
@@ -29,16 +28,17 @@ class StepClock(abc.ABC):
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._armed = np.zeros(capacity, dtype=bool)  # a start mark exists for the slot's current row
+        # a start mark exists for the slot's current row (a list: written every step, a numpy
+        # element write would cost several times as much)
+        self._armed = [False] * capacity
 
+    @abc.abstractmethod
     def mark_start(self, slot: int) -> None:
-        """Record the start of the step that will occupy ``slot``."""
-        self._armed[slot] = True
-        self._record_start(slot)
+        """Record the start of the step that will occupy ``slot`` (and arm the slot)."""
 
+    @abc.abstractmethod
     def mark_end(self, slot: int) -> None:
         """Record the end of the step in ``slot`` (after its ring row and guard copy were queued)."""
-        self._record_end(slot)
 
     def disarm(self, slot: int) -> None:
         """Forget the start mark of ``slot`` (its next step has no measurable start)."""
@@ -50,12 +50,6 @@ class StepClock(abc.ABC):
         Only valid once :meth:`end_done` is true for the slot.
         """
         return self._elapsed(slot) if self._armed[slot] else math.nan
-
-    @abc.abstractmethod
-    def _record_start(self, slot: int) -> None: ...
-
-    @abc.abstractmethod
-    def _record_end(self, slot: int) -> None: ...
 
     @abc.abstractmethod
     def _elapsed(self, slot: int) -> float: ...
@@ -78,17 +72,18 @@ class HostClock(StepClock):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._start = np.zeros(capacity)
-        self._end = np.zeros(capacity)
+        self._start = [0.0] * capacity
+        self._end = [0.0] * capacity
 
-    def _record_start(self, slot: int) -> None:
+    def mark_start(self, slot: int) -> None:
+        self._armed[slot] = True
         self._start[slot] = time.perf_counter()
 
-    def _record_end(self, slot: int) -> None:
+    def mark_end(self, slot: int) -> None:
         self._end[slot] = time.perf_counter()
 
     def _elapsed(self, slot: int) -> float:
-        return float(self._end[slot] - self._start[slot])
+        return self._end[slot] - self._start[slot]
 
     def end_done(self, slot: int) -> bool:
         return True  # work on the CPU is done when the call that queued it returns
@@ -110,10 +105,11 @@ class CudaClock(StepClock):
             self._start = [torch.cuda.Event(enable_timing=True) for _ in range(capacity)]
             self._end = [torch.cuda.Event(enable_timing=True) for _ in range(capacity)]
 
-    def _record_start(self, slot: int) -> None:
+    def mark_start(self, slot: int) -> None:
+        self._armed[slot] = True
         self._start[slot].record(torch.cuda.current_stream(self.device))
 
-    def _record_end(self, slot: int) -> None:
+    def mark_end(self, slot: int) -> None:
         self._end[slot].record(torch.cuda.current_stream(self.device))
 
     def _elapsed(self, slot: int) -> float:

@@ -76,19 +76,19 @@ class Flusher:
         self.poll_interval = poll_interval
         self.rows = 0  # rows written so far
         self.flushed = 0  # rows whose copy has been queued
-        self._released = 0  # rows read back by the pipeline; their slots may be reused
+        self.released = 0  # rows read back by the pipeline; their slots may be reused (read freely, written under the condition)
         self._released_cv = threading.Condition()
-        self._last_flush = time.monotonic()
+        self.last_flush = time.monotonic()
         self.waits = 0  # how often claim() had to wait (reported by benchmarks)
 
     def claim(self, row: int) -> int:
         """The slot for ``row``, once the row ``capacity`` before it was released."""
-        if row - self.ring.capacity >= self._released:
+        if row - self.ring.capacity >= self.released:
             # sync: backpressure. The pipeline is a whole ring behind (device lag or blocked sinks);
             # waiting here is the only way not to overwrite rows that were never read.
             with self._released_cv:
                 self.waits += 1
-                self._released_cv.wait_for(lambda: row - self.ring.capacity < self._released)
+                self._released_cv.wait_for(lambda: row - self.ring.capacity < self.released)
         return row % self.ring.capacity
 
     def commit_row(self) -> None:
@@ -102,7 +102,7 @@ class Flusher:
             return True
         if self.flush_seconds is None:
             return False
-        return pending > 0 and time.monotonic() - self._last_flush >= self.flush_seconds
+        return pending > 0 and time.monotonic() - self.last_flush >= self.flush_seconds
 
     def flush(self, *, empty_ok: bool = False) -> Block | None:
         """Queue the copy of every unflushed row and return its block.
@@ -110,7 +110,7 @@ class Flusher:
         Returns None when nothing is new, unless ``empty_ok`` (an empty block still carries events
         through the pipeline, e.g. at the end of a distributed run).
         """
-        self._last_flush = time.monotonic()
+        self.last_flush = time.monotonic()
         if self.rows == self.flushed and not empty_ok:
             return None
         first, last = self.flushed, self.rows
@@ -122,10 +122,5 @@ class Flusher:
     def release(self, block: Block) -> None:
         """Mark ``block``'s slots reusable (once its rows were read back)."""
         with self._released_cv:
-            self._released = max(self._released, block.last_row)
+            self.released = max(self.released, block.last_row)
             self._released_cv.notify_all()
-
-    @property
-    def released(self) -> int:
-        """Rows read back so far."""
-        return self._released

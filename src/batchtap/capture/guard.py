@@ -29,12 +29,13 @@ class LossGuard:
     def __init__(self, ring: MetricRing, clock: StepClock) -> None:
         self.ring = ring
         self.clock = clock
-        self._pending: collections.deque[tuple[int, int]] = collections.deque()  # (slot, row), oldest first
+        # (slot, row) of the rows not yet checked, oldest first (the short step path appends to it directly)
+        self.pending: collections.deque[tuple[int, int]] = collections.deque()
         self._settled_hit: tuple[int, float] | None = None  # found by settle(), reported by the next poll()
 
     def track(self, slot: int, row: int) -> None:
         """Watch ``slot``, where the step that was just captured wrote row ``row``."""
-        self._pending.append((slot, row))
+        self.pending.append((slot, row))
 
     def settle(self, row: int) -> None:
         """Check every watched row at least a ring older than ``row`` before ``row`` reuses a slot.
@@ -43,23 +44,23 @@ class LossGuard:
         copies completed) and before the row is written. A non-finite loss found here is reported
         by the next :meth:`poll`.
         """
-        pending = self._pending
+        pending = self.pending
         oldest = row - self.ring.capacity
         while pending and pending[0][1] <= oldest:
             slot, _ = pending.popleft()
             value = float(self.ring.guard_np[slot])  # complete: its row was harvested
             if self._settled_hit is None and not math.isfinite(value):
-                self._settled_hit = (int(self.ring.step[slot]), value)
+                self._settled_hit = (self.ring.step_of(slot), value)
 
     def poll(self) -> tuple[int, float] | None:
         """(step, loss) of the first non-finite loss the device has delivered, else None."""
         if self._settled_hit is not None:
             hit, self._settled_hit = self._settled_hit, None
             return hit
-        pending, clock, guard = self._pending, self.clock, self.ring.guard_np
+        pending, clock, guard = self.pending, self.clock, self.ring.guard_np
         while pending and clock.end_done(pending[0][0]):
             slot, _ = pending.popleft()
             value = float(guard[slot])  # a pinned host float the device finished writing
             if not math.isfinite(value):
-                return int(self.ring.step[slot]), value
+                return self.ring.step_of(slot), value
         return None

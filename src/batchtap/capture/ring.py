@@ -7,8 +7,10 @@
 * ``guard`` — a page-locked float per slot receiving the step's loss right away (one tiny
   non-blocking copy per step), so the host learns of a NaN within the device's lag instead of at the
   next flush.
-* host arrays — step, epoch, batch, wall time, samples, tokens, data wait and the metrics' host columns,
-  written directly by the training thread.
+* host facts — per slot, one tuple of step, epoch, batch, wall time, samples, data wait and tokens
+  (:data:`FACTS`), and the metrics' host values: Python objects stored by reference, the cheapest
+  write there is (a numpy element write costs several times a list store, and a step makes eight).
+  The pipeline turns a block's tuples into arrays when it reads the block back.
 
 A slot is reused ``capacity`` rows later, only once its previous row was harvested (see
 :class:`~batchtap.capture.flush.Flusher`), so neither the device row, the pinned slot, the host
@@ -24,7 +26,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["MetricRing"]
+__all__ = ["FACTS", "MetricRing"]
+
+#: the order of the per-slot host facts tuple (``MetricRing.facts``)
+FACTS = ("step", "epoch", "batch", "wall_time", "samples", "data_time", "tokens")
 
 
 class MetricRing:
@@ -62,24 +67,20 @@ class MetricRing:
             # numpy views made once here; later host reads go through them, never through torch.
             self.pinned_np = self.pinned.numpy()
             self.guard_np = self.guard.numpy()
-        self.step = np.zeros(capacity, dtype=np.int64)
-        self.epoch = np.zeros(capacity, dtype=np.int64)
-        self.batch = np.zeros(capacity, dtype=np.int64)
-        self.wall_time = np.zeros(capacity)
-        self.samples = np.zeros(capacity)
-        self.data_time = np.full(capacity, math.nan)
-        self.tokens = np.full(capacity, math.nan)
-        self.host_values = np.zeros((capacity, host_width))
+        # (step, epoch, batch, wall_time, samples, data_time, tokens) per slot, see FACTS
+        self.facts: list[tuple[int, int, int, float, float, float, float]] = [_NO_FACTS] * capacity
+        self.host_rows: list[Sequence[float]] = [(0.0,) * host_width] * capacity
         # Views made once: slicing costs a dispatcher call per view, and step() runs every batch.
-        self._rows = [self.device_rows.select(0, i) for i in range(capacity)]
-        self._guard_pairs = None
+        self.slot_rows = [self.device_rows.select(0, i) for i in range(capacity)]
+        # CUDA: per slot, the guard's pinned float and the row's loss column (the per-step copy)
+        self.guard_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if guard_column is not None and device_width:
             if device.type == "cpu":
                 # The ring already is host memory: the guard reads the loss column in place.
                 self.guard_np = self.device_rows.numpy()[:, guard_column]
             else:
-                self._guard_pairs = [
-                    (self.guard.narrow(0, i, 1), self._rows[i].narrow(0, guard_column, 1)) for i in range(capacity)
+                self.guard_pairs = [
+                    (self.guard.narrow(0, i, 1), self.slot_rows[i].narrow(0, guard_column, 1)) for i in range(capacity)
                 ]
 
     def write(
@@ -104,24 +105,34 @@ class MetricRing:
         """
         if head is not None:
             # one kernel for the whole row: the head's columns enter the stack as views
-            torch.stack([*head.unbind(0), *device_values], out=self._rows[slot])
+            torch.stack([*head.unbind(0), *device_values], out=self.slot_rows[slot])
         elif self.device_width == 1:
             # fill_ from a 0-dim tensor of the same device is a device-side copy (no host read),
             # a third of a stack's host time
-            self._rows[slot].fill_(device_values[0])
+            self.slot_rows[slot].fill_(device_values[0])
         elif self.device_width:
-            torch.stack(device_values, out=self._rows[slot])
-        if self._guard_pairs is not None:
-            target, source = self._guard_pairs[slot]
+            torch.stack(device_values, out=self.slot_rows[slot])
+        if self.guard_pairs is not None:
+            target, source = self.guard_pairs[slot]
             target.copy_(source, non_blocking=self.non_blocking)
-        self.host_values[slot] = host_values
-        self.step[slot] = step
-        self.epoch[slot] = epoch
-        self.batch[slot] = batch
-        self.wall_time[slot] = wall_time
-        self.samples[slot] = samples
-        self.data_time[slot] = data_time
-        self.tokens[slot] = tokens
+        self.host_rows[slot] = host_values
+        self.facts[slot] = (step, epoch, batch, wall_time, samples, data_time, tokens)
+
+    def step_of(self, slot: int) -> int:
+        """The step whose row ``slot`` holds now."""
+        return self.facts[slot][0]
+
+    def read_host(self, first_row: int, last_row: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The host values (``[n, host_width]`` float64) and each host fact (see :data:`FACTS`) of
+        rows ``[first_row, last_row)``, as new arrays (safe to keep after the slots are reused)."""
+        order = [row % self.capacity for row in range(first_row, last_row)]
+        facts = [self.facts[s] for s in order]
+        columns = {
+            name: np.fromiter((f[i] for f in facts), dtype=np.int64 if i < 3 else np.float64, count=len(facts))
+            for i, name in enumerate(FACTS)  # step, epoch and batch are integers
+        }
+        host = np.array([self.host_rows[s] for s in order], dtype=np.float64)
+        return host.reshape(len(facts), self.host_width), columns
 
     def copy_rows(self, first_row: int, last_row: int) -> None:
         """Queue the device->pinned copy of rows ``[first_row, last_row)`` (at most ``capacity``)."""
@@ -147,6 +158,9 @@ class MetricRing:
     def slots(self, first_row: int, last_row: int) -> np.ndarray:
         """Slot indices of rows ``[first_row, last_row)`` in row order."""
         return np.arange(first_row, last_row) % self.capacity
+
+
+_NO_FACTS = (0, 0, 0, 0.0, 0.0, math.nan, math.nan)
 
 
 def host_buffer(shape: tuple[int, ...], *, pin: bool) -> torch.Tensor:

@@ -5,8 +5,9 @@ everything that step and the ones after it touch: the metrics in column order, t
 its host arrays, the step clock, the flusher and the NaN guard. Its interface is what the training
 thread needs and nothing more:
 
-* :meth:`RunCapture.record` / :meth:`RunCapture.record_fast` — compute one step's metrics and write
-  its row (device ops and host-array writes only; never a device read);
+* :meth:`RunCapture.record` — check one step's inputs, compute its metrics and write its row
+  (device ops and host writes only; never a device read); steps shaped like the last checked one
+  take the short path built from it (``batchtap.capture.short``);
 * :meth:`RunCapture.due` / :meth:`RunCapture.flush` — when to hand rows over, and the
   :class:`~batchtap.capture.flush.Block` that hands them;
 * :meth:`RunCapture.poll_nan` — the fast channel's verdict on the losses the device delivered.
@@ -37,7 +38,6 @@ from batchtap.metrics.inputs import (
     check_metrics,
     check_step_inputs,
     device_of,
-    fits,
     meta,
     signature,
     width_mismatch,
@@ -100,7 +100,7 @@ class RunCapture:
     checked: tuple[Any, ...] | None = None  # signature of the last step() inputs that passed the checks
     checked_micro: tuple[Any, ...] | None = None  # ... of the last accumulate() inputs
     # (loss, outputs, targets, grad_norm) metadata of the last plain step that passed the checks:
-    # a step whose inputs fit it takes the short path (record_fast); None: no short path
+    # a step whose inputs fit it takes the short path (capture/short.py); None: no short path
     fast_key: tuple[Any, Any, Any, Any] | None = None
 
     @classmethod
@@ -186,7 +186,7 @@ class RunCapture:
     ) -> None:
         """The general path: check, compute and write one step's row (inputs already carry the device).
 
-        Re-arms the short path when the step was a plain one (see :meth:`record_fast`).
+        Sets :attr:`fast_key` when the step was a plain one (the short path's inputs).
         """
         wall = time.time()
         self.check(inputs, accumulated)
@@ -220,38 +220,6 @@ class RunCapture:
         self.fast_key = None
         if self.fast_path and not accumulated and not inputs.extra:
             self.fast_key = (meta(inputs.loss), meta(inputs.outputs), meta(inputs.targets), meta(inputs.grad_norm))
-
-    def fits_fast(self, loss: object, outputs: object, targets: object, grad_norm: object) -> bool:
-        """Whether a plain step with these inputs may take :meth:`record_fast`: they have the
-        metadata of the last checked plain step, no micro-batches are open, autocast is off."""
-        key = self.fast_key
-        return not (
-            key is None
-            or self.micro.count
-            or not fits(loss, key[0])
-            or not fits(outputs, key[1])
-            or not fits(targets, key[2])
-            or not fits(grad_norm, key[3])
-            or (self.autocast_device and torch.is_autocast_enabled(self.autocast_device))
-        )
-
-    def record_fast(
-        self, inputs: StepInputs, step: int, epoch: int, batch: int, data_time: float, *, tokens: float
-    ) -> None:
-        """The short path: :meth:`record` without re-checking or re-deciding anything (call only
-        after :meth:`fits_fast` said yes)."""
-        wall = time.time()
-        grad_was = torch.is_grad_enabled()
-        set_grad_enabled(False)
-        try:
-            device_values = [v for m in self.device_metrics for v in m.compute(inputs)]
-            host_values = [v for metric in self.host_readers for v in metric.read_host(inputs)]
-            self.write_row(
-                device_values, host_values, step, epoch, batch, data_time,
-                wall_time=wall, samples=inputs.batch_size, tokens=tokens,
-            )
-        finally:
-            set_grad_enabled(grad_was)
 
     def compute(self, metrics: Sequence[Metric], inputs: StepInputs) -> list[torch.Tensor]:
         """Every metric's device values, in float32 whatever precision the forward pass ran in."""

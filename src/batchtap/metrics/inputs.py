@@ -29,7 +29,6 @@ __all__ = [
     "check_step_inputs",
     "declared_extras",
     "device_of",
-    "fits",
     "meta",
     "overflow_message",
     "samples_of",
@@ -162,18 +161,6 @@ def meta(value: object) -> object:
     if isinstance(value, torch.Tensor):
         return (value.shape, value.dtype, value.device)
     return type(value)
-
-
-def fits(value: object, key: object) -> bool:
-    """Whether ``value`` has the metadata ``key`` (from :func:`meta`): a few attribute reads."""
-    if type(key) is tuple:
-        return (
-            isinstance(value, torch.Tensor)
-            and value.shape == key[0]
-            and value.dtype == key[1]
-            and value.device == key[2]
-        )
-    return type(value) is key
 
 
 def samples_of(batch_size: int | None, outputs: object, targets: object) -> float:

@@ -38,17 +38,12 @@ def read_block(flusher: Flusher, block: Block, gate: DeviceGate | None = None) -
             step_time = np.array([clock.elapsed(int(s)) for s in slots])
         for s in slots:
             clock.disarm(int(s))  # the slot's next row must record a start mark of its own
+        host_values, facts = ring.read_host(block.first_row, block.last_row)
         return BlockData(
             device_values=ring.pinned_np[slots].astype(np.float64),
-            host_values=ring.host_values[slots].copy(),
-            step=ring.step[slots].copy(),
-            epoch=ring.epoch[slots].copy(),
-            batch=ring.batch[slots].copy(),
-            wall_time=ring.wall_time[slots].copy(),
-            samples=ring.samples[slots].copy(),
-            data_time=ring.data_time[slots].copy(),
+            host_values=host_values,
             step_time=step_time,
-            tokens=ring.tokens[slots].copy(),
+            **facts,
         )
     finally:
         flusher.release(block)
