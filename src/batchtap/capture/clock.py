@@ -101,16 +101,19 @@ class CudaClock(StepClock):
     def __init__(self, capacity: int, device: torch.device) -> None:
         super().__init__(capacity)
         self.device = device
+        # The run's stream, looked up once: every step checks that it is still the current one
+        # (capture/streams.py), and torch.cuda.current_stream() costs a few us of Python per call.
+        self.stream = torch.cuda.current_stream(device)
         with torch.cuda.device(device):
             self._start = [torch.cuda.Event(enable_timing=True) for _ in range(capacity)]
             self._end = [torch.cuda.Event(enable_timing=True) for _ in range(capacity)]
 
     def mark_start(self, slot: int) -> None:
         self._armed[slot] = True
-        self._start[slot].record(torch.cuda.current_stream(self.device))
+        self._start[slot].record(self.stream)
 
     def mark_end(self, slot: int) -> None:
-        self._end[slot].record(torch.cuda.current_stream(self.device))
+        self._end[slot].record(self.stream)
 
     def _elapsed(self, slot: int) -> float:
         # Both events completed (the caller checked end_done); elapsed_time then does not wait.
@@ -122,7 +125,7 @@ class CudaClock(StepClock):
     def block_marker(self) -> object:
         # One event per flush; flushes are rare (every N steps), so creating one there is cheap.
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self.stream)
         return event
 
     def marker_done(self, marker: object) -> bool:

@@ -127,10 +127,11 @@ class MetricRing:
         rows ``[first_row, last_row)``, as new arrays (safe to keep after the slots are reused)."""
         order = [row % self.capacity for row in range(first_row, last_row)]
         facts = [self.facts[s] for s in order]
-        columns = {
-            name: np.fromiter((f[i] for f in facts), dtype=np.int64 if i < 3 else np.float64, count=len(facts))
-            for i, name in enumerate(FACTS)  # step, epoch and batch are integers
-        }
+        # one float64 table (steps are exact in it up to 2**53), then the integer columns cast back
+        table = np.array(facts, dtype=np.float64).reshape(len(facts), len(FACTS))
+        columns = {name: table[:, i] for i, name in enumerate(FACTS)}
+        for name in ("step", "epoch", "batch"):
+            columns[name] = columns[name].astype(np.int64)
         host = np.array([self.host_rows[s] for s in order], dtype=np.float64)
         return host.reshape(len(facts), self.host_width), columns
 

@@ -62,7 +62,7 @@ class StepInputs:
     device: torch.device | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)  # not frozen: one is built per row, and frozen costs ~0.6 us more
 class StepTiming:
     """Host-side facts about one captured step, known once its row reached the host.
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import math
+from math import isfinite
+
 from batchtap.capture.flush import BlockData
 from batchtap.metrics.base import Metric, StepTiming
 from batchtap.metrics.layout import Layout
@@ -57,6 +59,11 @@ class Decoder:
         self._skip_metrics = any(self._skip_metrics_mask)
         self._warns = any(_overrides(span.metric, "warning") for span in layout.spans)
         self._weighs = [_overrides(span.metric, "weight") for span in layout.spans]
+        self._checks_inputs = [_overrides(span.metric, "input_error") for span in layout.spans]
+        # per metric, its outputs with their domain's bounds: a value inside passes on one compare
+        self._bounds = [
+            [(o, o.domain.low, o.domain.high, o.domain.finite) for o in span.outputs] for span in layout.spans
+        ]
         self._warned: set[int] = set()  # metrics whose warning was reported (once per run)
 
     def decode(self, data: BlockData) -> Decoded:
@@ -84,12 +91,14 @@ class Decoder:
                 )
             values: dict[str, float] = {}
             weights: dict[str, float] = {}
-            for (metric, outputs, _, _), raw, weighs in zip(self._spans, raws, self._weighs):
+            for (metric, outputs, _, _), raw, weighs, checks, bounds in zip(
+                self._spans, raws, self._weighs, self._checks_inputs, self._bounds
+            ):
                 if weighs:
                     w = metric.weight(raw)
                     if w is not None:
                         weights.update((o.name, w) for o in outputs)
-                problem = metric.input_error(raw)
+                problem = metric.input_error(raw) if checks else None
                 if problem is not None:
                     message = f"step {step}: {problem}"
                     out.input_errors.append(message)
@@ -105,9 +114,12 @@ class Decoder:
                         out.events.append(
                             Event(self.run_id, step, EventKind.WARNING, f"step {step}: {warning}", wall, rank=self.rank)
                         )
-                for output, value in zip(outputs, metric.finalize(raw, timing), strict=True):
+                for (output, low, high, finite), value in zip(bounds, metric.finalize(raw, timing), strict=True):
                     if value is None:
                         continue  # not measured at this step (e.g. no watched loader)
+                    if low <= value <= high and (not finite or isfinite(value)):  # NaN fails the compare
+                        values[output.name] = value
+                        continue
                     why = output.domain.violation(value)
                     if why is None:
                         values[output.name] = value

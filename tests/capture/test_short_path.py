@@ -1,0 +1,172 @@
+"""The short step path (capture/short.py) against the general path it stands in for.
+
+Each scenario runs twice on the same inputs: once as shipped, once with the short path switched off
+(``short_step`` made to build nothing, so every step takes the general path). Records (timing
+values aside), events and the stop must be identical, and the shipped run must really have taken
+the short path for most of its steps.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import batchtap as bt
+import batchtap.tap as tap_module
+from batchtap.capture import session as session_module
+from batchtap.errors import InputError, RunStateError
+from tests.conftest import ListSink, classifier
+
+TIMING = {"step_time", "data_time", "throughput"}
+
+
+def _steps(seed: int = 0) -> Iterator[dict[str, Any]]:
+    """A loop's tap.step() keyword arguments: mostly one shape, a short last batch per 'epoch',
+    batch_size= and tokens= now and then, and one step under CPU autocast."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # the model's initial weights
+    model, opt = classifier()
+    for step in range(90):
+        n = 7 if step % 30 == 29 else 16  # the short last batch of an epoch
+        x, y = torch.randn(n, 8, generator=gen), torch.randint(0, 5, (n,), generator=gen)
+        if step == 40:
+            y[3] = -100  # a padded target: left out of the accuracy
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step == 50):
+            out = model(x)
+            loss = F.cross_entropy(out.float(), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        kwargs: dict[str, Any] = {"loss": loss, "outputs": out, "targets": y}
+        if step % 11 == 3:
+            kwargs["batch_size"] = n
+        if step % 13 == 5:
+            kwargs["tokens"] = 4 * n
+        if step == 50:
+            kwargs["autocast"] = True
+        yield kwargs
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, *, short: bool, nan_at: int | None = None) -> tuple[ListSink, int]:
+    """Drive the steps through a fresh Tap; returns the sink and how many steps took the general path."""
+    general = 0
+    record = session_module.RunCapture.record
+
+    def counting_record(self: Any, *args: Any, **kwargs: Any) -> None:
+        nonlocal general
+        general += 1
+        record(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(session_module.RunCapture, "record", counting_record)
+        if not short:
+            patch.setattr(tap_module, "short_step", lambda *a, **k: None)
+        sink = ListSink()
+        tap = bt.Tap(
+            [bt.metrics.Loss(), bt.metrics.Accuracy(), bt.metrics.StepTime(), bt.metrics.Throughput()],
+            [sink], flush_every=8, capacity=16,
+        )
+        with tap, tap.run(name="short"):
+            for step, kwargs in enumerate(_steps()):
+                autocast = kwargs.pop("autocast", False)
+                if step == nan_at:
+                    kwargs["loss"] = kwargs["loss"] * math.nan
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    tap.step(**kwargs)
+                if tap.should_stop:
+                    break
+    return sink, general
+
+
+def _comparable(sink: ListSink) -> list[tuple[Any, ...]]:
+    """Each record without its timing values, but with what throughput counted (samples or tokens)."""
+    return [
+        (
+            r.step, r.epoch, r.batch, {k: v for k, v in r.values.items() if k not in TIMING},
+            round(r.values["throughput"] * r.values["step_time"], 3) if "throughput" in r.values else None,
+        )
+        for r in sink.records
+    ]
+
+
+def _events(sink: ListSink) -> list[tuple[Any, ...]]:
+    return [(e.step, e.kind, e.message) for e in sink.events]
+
+
+def test_the_short_path_records_what_the_general_path_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    short, general_steps_short = _run(monkeypatch, short=True)
+    plain, general_steps_plain = _run(monkeypatch, short=False)
+    assert _comparable(short) == _comparable(plain)
+    assert _events(short) == _events(plain)
+    assert [r.values.get("accuracy") for r in short.records][40] == pytest.approx(
+        [r.values.get("accuracy") for r in plain.records][40]
+    )
+    assert general_steps_plain == 90
+    # the general path: the first step, each change of shape or of batch_size/tokens' presence
+    # (back and forth), the autocast step; the short path everything else
+    assert general_steps_short < 20, general_steps_short
+    assert all(not math.isnan(r.values["step_time"]) for r in short.records[1:])
+
+
+def test_a_nan_loss_stops_at_the_same_step_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    short, _ = _run(monkeypatch, short=True, nan_at=23)
+    plain, _ = _run(monkeypatch, short=False, nan_at=23)
+    assert _comparable(short) == _comparable(plain)
+    assert short.records[-1].step == plain.records[-1].step == 23
+    assert short.ended[0].stop_reason == plain.ended[0].stop_reason
+    assert "non-finite loss" in (short.ended[0].stop_reason or "")
+
+
+def _steady_tap(sink: ListSink) -> tuple[bt.Tap, Callable[[], None]]:
+    # targets checked at every step, so the bad one below is seen at the step it came in
+    tap = bt.Tap([bt.metrics.Loss(), bt.metrics.Accuracy(check_targets_every=1)], [sink], flush_every=4, capacity=8)
+    out, y = torch.randn(6, 3), torch.tensor([0, 1, 2, 0, 1, 2])
+
+    def step(targets: torch.Tensor = y) -> None:
+        tap.step(loss=torch.tensor(0.5), outputs=out, targets=targets)
+
+    return tap, step
+
+
+def test_a_step_from_another_thread_is_refused_on_the_short_path_too() -> None:
+    sink = ListSink()
+    tap, step = _steady_tap(sink)
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            step()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+
+    with tap, tap.run():
+        for _ in range(5):
+            step()  # the short path is built and in use
+        assert tap._short is not None
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        step()
+    assert len(errors) == 1 and isinstance(errors[0], RunStateError)
+    assert [r.step for r in sink.records] == list(range(6))  # nothing of the refused call, nothing lost
+
+
+def test_an_error_the_pipeline_found_is_raised_at_the_next_step_on_the_short_path_too() -> None:
+    sink = ListSink()
+    tap, step = _steady_tap(sink)
+    bad = torch.tensor([0, 1, 2, 0, 1, 7])  # class 7 of 3: only its value tells
+    with pytest.raises(InputError, match="outside"), tap, tap.run():
+        for _ in range(3):
+            step()
+        step(bad)  # same metadata: the short path takes it; the pipeline finds the bad index
+        tap.flush()
+        for _ in range(3):
+            step()
+    assert [r.step for r in sink.records] == [0, 1, 2, 3]
+    assert math.isnan(sink.records[3].values["accuracy"])
