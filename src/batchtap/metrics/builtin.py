@@ -341,7 +341,8 @@ class Accuracy(Metric):
 
     def weight(self, raw: Sequence[float]) -> float | None:
         """The kept targets: ranks combine accuracies weighted by them (exact with padding)."""
-        return self._kept_and_counts(raw)[-1]
+        n = self._counts
+        return raw[2 * n - 1] * F.EXACT_FLOAT32 + raw[n - 1]
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         counts = self._kept_and_counts(raw)
@@ -351,9 +352,11 @@ class Accuracy(Metric):
         return [c / kept for c in counts[:-1]]
 
     def input_error(self, raw: Sequence[float]) -> str | None:
-        if not self._kept_and_counts(raw)[-1] > 0:
-            return None  # nothing was counted, so no index was used
         low, high, classes = raw[2 * self._counts], raw[2 * self._counts + 1], raw[-1]
+        if 0 <= low and high < classes:  # in range (or not checked at this step: 0, 0) — the common case first
+            return None
+        if not self.weight(raw) > 0:  # type: ignore[operator]
+            return None  # nothing was counted, so no index was used
         if low < 0 or high >= classes:
             ignored = "" if self.ignore_index is None else f" (targets equal to {self.ignore_index} left out)"
             return (
