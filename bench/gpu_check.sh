@@ -5,10 +5,11 @@
 #
 # The machine's python3 already has torch (CUDA), lightning, torchmetrics, tensorboard, pytest and
 # hypothesis; batchtap runs from src/ (nothing is installed). Results land in $OUT (the device tool
-# brings them back): nvidia-smi.txt, gpu-tests.txt, gpu-bench.md, gpu-bench.json. Budget: tests
-# ~1-2 min, bench/gpu.py < 7 min; each step is capped so the whole fits one 10-minute call.
+# brings them back): nvidia-smi.txt, gpu-tests.txt, gpu-bench.md, gpu-bench.json, gpu-inloop.md.
+# Budget: tests ~1-2 min, bench/gpu.py < 6.5 min, bench/inloop.py < 1 min; each step is capped so
+# the whole fits one 10-minute call.
 # Local dry run on a CPU box (tests skip, the bench runs its smoke mode):
-#   BATCHTAP_REQUIRE_GPU=0 GPU_CHECK_BENCH_ARGS="--device cpu --quick" PYTHON=.venv/bin/python bash bench/gpu_check.sh
+#   BATCHTAP_REQUIRE_GPU=0 GPU_CHECK_BENCH_ARGS="--device cpu --quick" GPU_CHECK_INLOOP_ARGS="--quick" PYTHON=.venv/bin/python bash bench/gpu_check.sh
 # (on the GPU machine a skipped GPU test is a failure: tests/_gpu_skips.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,8 +30,13 @@ tests_rc=${PIPESTATUS[0]}
 
 # 2. the side-by-side table for BENCHMARKS.md
 # shellcheck disable=SC2086  # the args are meant to split
-timeout 420 "$PY" bench/gpu.py ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT/gpu-bench.json" 2>&1 | tee "$OUT/gpu-bench.md"
+timeout 380 "$PY" bench/gpu.py ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT/gpu-bench.json" 2>&1 | tee "$OUT/gpu-bench.md"
 bench_rc=${PIPESTATUS[0]}
 
-echo "gpu_check: tests rc=$tests_rc, bench rc=$bench_rc; files in $OUT" | tee -a "$OUT/nvidia-smi.txt"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+# 3. tap.step's host cost inside the loop vs alone, and the .item() recipe's (issue 13)
+# shellcheck disable=SC2086
+timeout 50 "$PY" bench/inloop.py ${GPU_CHECK_INLOOP_ARGS:---device cuda} 2>&1 | tee "$OUT/gpu-inloop.md"
+inloop_rc=${PIPESTATUS[0]}
+
+echo "gpu_check: tests rc=$tests_rc, bench rc=$bench_rc, inloop rc=$inloop_rc; files in $OUT" | tee -a "$OUT/nvidia-smi.txt"
+exit $(( tests_rc != 0 || bench_rc != 0 || inloop_rc != 0 ))
