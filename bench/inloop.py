@@ -16,12 +16,19 @@ measured call). Reported: median µs per call in the loop and alone, and their r
 (``--device cuda``) the times are host times: the work the call adds to the launch queue's critical
 path, not device time; the recipe then also waits for the device at each ``.item()``.
 
-Run: ``.venv/bin/python bench/inloop.py`` (about 30 s on 2 cores); ``--quick`` for a smoke run.
+``--flush-ab`` adds a second table: whole-loop µs per step over the bare loop, with the pipeline
+flushing as configured by default (every 50 steps) and with a ring large enough that nothing is
+flushed before the run ends (interleaved repetitions, medians): the difference is what the pipeline
+thread's work on the flushed blocks costs the training thread on this machine.
+
+Run: ``.venv/bin/python bench/inloop.py`` (about 10 s on 2 cores; ``--flush-ab`` about 2 min);
+``--quick`` for a smoke run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -43,10 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1200, help="timed training steps (default 1200)")
     parser.add_argument("--alone", type=int, default=3000, help="timed calls alone, per variant (default 3000)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--flush-ab", action="store_true", help="also: whole loop with and without flushes")
+    parser.add_argument("--reps", type=int, default=7, help="--flush-ab repetitions (default 7)")
     parser.add_argument("--quick", action="store_true", help="smoke run: few steps")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.alone = 80, 200
+        args.steps, args.alone, args.reps = 80, 200, 1
     torch.set_num_threads(1)
     device = torch.device(args.device)
     wl = H.digits_workload(device)
@@ -113,7 +122,58 @@ def main(argv: list[str] | None = None) -> int:
         loop_us, alone_us = _median_us(in_loop[name]), _median_us(alone[name])
         print(f"| {name} | {loop_us:.1f} | {alone_us:.1f} | {loop_us / alone_us:.1f}x |")
     print(f"| (the model's step: forward, backward, SGD) | {_median_us(model_step):.1f} | — | — |")
+    if args.flush_ab:
+        print()
+        _flush_ab(wl, args.steps // 3, args.reps)
     return 0
+
+
+def _flush_ab(wl: H.Workload, steps: int, reps: int) -> None:
+    """Whole-loop µs per step over bare: default flushing vs none within the run."""
+    configs: dict[str, dict[str, object] | None] = {
+        "bare": None,
+        "default flushing (every 50 steps)": {},
+        "no flush within the run": {"flush_every": 1024, "capacity": 2048, "flush_seconds": 1e6},
+    }
+    warmup = 10
+    batches = [b for epoch in wl.epochs(steps + warmup) for b in epoch][: steps + warmup]
+
+    def loop(config: dict[str, object] | None, loss_only: bool) -> float:
+        model = wl.make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=wl.lr, momentum=0.9)
+        tap = bt.Tap(sinks=[], **config) if config is not None else None  # type: ignore[arg-type]
+        with contextlib.ExitStack() as stack:
+            if tap is not None:
+                stack.enter_context(tap)
+                stack.enter_context(tap.run(name="flush-ab"))
+            start = 0.0
+            for i, (x, y) in enumerate(batches):
+                if i == warmup:
+                    start = time.perf_counter()
+                out = model(x)
+                loss = F.cross_entropy(out, y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                if tap is not None:
+                    if loss_only:
+                        tap.step(loss=loss)
+                    else:
+                        tap.step(loss=loss, outputs=out, targets=y)
+            return (time.perf_counter() - start) / steps * 1e6
+
+    print(f"whole loop, µs per step over bare; {steps} steps per run, {reps} interleaved reps, medians")
+    print()
+    print("| metrics | " + " | ".join(name for name in configs if name != "bare") + " |")
+    print("|---|---|---|")
+    for loss_only in (False, True):
+        runs: dict[str, list[float]] = {name: [] for name in configs}
+        for _ in range(reps):
+            for name, config in configs.items():
+                runs[name].append(loop(config, loss_only))
+        bare = statistics.median(runs["bare"])
+        cells = [f"+{statistics.median(runs[name]) - bare:.0f}" for name in configs if name != "bare"]
+        print(f"| {'loss only' if loss_only else 'default'} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
