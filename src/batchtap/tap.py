@@ -291,6 +291,7 @@ class Tap:
         # the open run's short step path (capture/short.py) and the input metadata it was built for
         self._short: ShortStep | None = None
         self._short_key: object = None
+        self._short_candidate: object = None  # (signature, step) of the last general-path plain step
         self._closed = False
         _OPEN_AT_EXIT.add(self)  # weak: a run left open at interpreter exit is ended, never hangs
 
@@ -384,7 +385,7 @@ class Tap:
             if resume is None:  # every rank's rows and events belong to the one run: rank 0's id
                 info.id = ranks.shared_run_id(info.id, self._groups.agreement)
         self._state = state
-        self._short = self._short_key = None
+        self._short = self._short_key = self._short_candidate = None
         _RUNNING.add(self)
         self._control.reset()
         self._last_capture = None
@@ -471,7 +472,7 @@ class Tap:
             )
         finally:
             self._state = None
-            self._short = self._short_key = None
+            self._short = self._short_key = self._short_candidate = None
             _RUNNING.discard(self)
 
     def _end_at_exit(self) -> None:
@@ -665,12 +666,18 @@ class Tap:
             capture = self._new_capture(state, inputs, micro if accumulated else None)
         inputs = StepInputs(loss, outputs, targets, samples, extra, grad_norm, device=capture.device)
         capture.record(inputs, state.step, epoch, batch, data_time, tokens=step_tokens, accumulated=accumulated)
-        if capture.fast_key != self._short_key:
-            self._short_key = capture.fast_key
-            self._short = short_step(
-                capture, state, owner_thread=state.owner.ident or 0, errors=self._control,
-                on_nan=lambda hit: self._on_nan(state, hit), on_due=lambda: self._flush(state),
-            )
+        key = capture.fast_key
+        if key is not None and key != self._short_key:
+            # Built at the second plain step in a row with this signature: a loop whose shapes
+            # change every step (dynamic padding) never pays for a closure it would not use, and an
+            # epoch's short last batch leaves the closure of the common shape in place.
+            if self._short_candidate == (key, state.step - 1):
+                self._short_key = key
+                self._short = short_step(
+                    capture, state, owner_thread=state.owner.ident or 0, errors=self._control,
+                    on_nan=lambda hit: self._on_nan(state, hit), on_due=lambda: self._flush(state),
+                )
+            self._short_candidate = (key, state.step)
 
     def _after_step(self, state: _RunState, capture: RunCapture) -> None:
         """What follows every step, captured or not: NaN guard, flush, rule verdicts, next start mark."""

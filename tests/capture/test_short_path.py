@@ -170,3 +170,28 @@ def test_an_error_the_pipeline_found_is_raised_at_the_next_step_on_the_short_pat
             step()
     assert [r.step for r in sink.records] == [0, 1, 2, 3]
     assert math.isnan(sink.records[3].values["accuracy"])
+
+
+def test_a_closure_is_built_for_a_repeated_signature_only_and_outlives_a_short_last_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built: list[object] = []
+    real = tap_module.short_step
+
+    def counting(capture: Any, *args: Any, **kwargs: Any) -> Any:
+        built.append(capture.fast_key)
+        return real(capture, *args, **kwargs)
+
+    monkeypatch.setattr(tap_module, "short_step", counting)
+    sink = ListSink()
+    tap = bt.Tap([bt.metrics.Loss(), bt.metrics.Accuracy()], [sink], flush_every=4, capacity=8)
+    loss = torch.tensor(0.5)
+    with tap, tap.run():
+        for n in range(3, 23):  # dynamic padding: another shape at every step
+            tap.step(loss=loss, outputs=torch.randn(n, 4), targets=torch.zeros(n, dtype=torch.long))
+        assert built == [] and tap._short is None
+        for epoch in range(3):  # 5 full batches, then a short last one
+            for n in (8, 8, 8, 8, 8, 3):
+                tap.step(loss=loss, outputs=torch.randn(n, 4), targets=torch.zeros(n, dtype=torch.long))
+    assert len(built) == 1  # the full batches' closure, built once, used in every epoch
+    assert len(sink.records) == 20 + 18

@@ -1,10 +1,12 @@
 """The short path of ``tap.step()``: one closure per run and input signature.
 
-Most loops call ``tap.step()`` with inputs of the same shapes, dtypes and device at every step. The
-first such step goes through the general path (every check, then the row); it leaves behind the
-inputs' metadata (``RunCapture.fast_key``), and the Tap builds a :class:`ShortStep` for it here.
-Every later step whose inputs fit that metadata runs only this closure: the metrics' device ops,
-the ring write, the end mark and NaN-guard entry, the flush check and the next start mark.
+Most loops call ``tap.step()`` with inputs of the same shapes, dtypes and device at every step.
+Steps go through the general path (every check, then the row) until two plain steps in a row have
+the same inputs' metadata (``RunCapture.fast_key``); the Tap then builds a :class:`ShortStep` for
+it here. Every later step whose inputs fit that metadata runs only this closure: the metrics'
+device ops, the ring write, the end mark and NaN-guard entry, the flush check and the next start
+mark. A step that does not fit (an epoch's short last batch) takes the general path and leaves the
+closure in place; a loop whose shapes change at every step never builds one.
 
 Why a closure and not methods: a step that the model's own step has just pushed out of the CPU's
 caches pays for every attribute lookup and call frame again (issue 13 measured the same calls 6-7x
