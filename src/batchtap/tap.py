@@ -588,13 +588,7 @@ class Tap:
             RunStateError: called outside :meth:`run`.
         """
         short = self._short
-        if (
-            short is not None
-            and extra is None
-            and epoch is None
-            and batch is None
-            and short(loss, outputs, targets, batch_size, tokens, grad_norm)
-        ):
+        if short is not None and not extra and short(loss, outputs, targets, batch_size, tokens, grad_norm, epoch, batch):
             return
         state = self._require_run("step()")
         state.owner.check("step()")
@@ -614,6 +608,10 @@ class Tap:
         if accumulated:
             assert micro is not None
             sampled, data_time = True, micro.data_time  # accumulate() only sums sampled steps
+        if epoch is not None:
+            check_count("epoch", epoch, minimum=0)
+        if batch is not None:
+            check_count("batch", batch, minimum=0)
         if sampled:
             if epoch is not None:
                 ep = epoch

@@ -28,7 +28,8 @@ TIMING = {"step_time", "data_time", "throughput"}
 
 def _steps(seed: int = 0) -> Iterator[dict[str, Any]]:
     """A loop's tap.step() keyword arguments: mostly one shape, a short last batch per 'epoch',
-    batch_size= and tokens= now and then, and one step under CPU autocast."""
+    batch_size= and tokens= now and then, one step under CPU autocast, an empty extras dict now and
+    then, and the loop's own epoch= and batch= in the last third."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # the model's initial weights
     model, opt = classifier()
@@ -50,6 +51,10 @@ def _steps(seed: int = 0) -> Iterator[dict[str, Any]]:
             kwargs["tokens"] = 4 * n
         if step == 50:
             kwargs["autocast"] = True
+        if step >= 60:  # a loop that passes its own position (the recipe callback, Lightning)
+            kwargs["epoch"], kwargs["batch"] = 7, step - 60
+        if step % 17 == 2:
+            kwargs["extra"] = {}  # an empty extras dict (Lightning's when the rate did not change)
         yield kwargs
 
 
@@ -195,3 +200,28 @@ def test_a_closure_is_built_for_a_repeated_signature_only_and_outlives_a_short_l
                 tap.step(loss=loss, outputs=torch.randn(n, 4), targets=torch.zeros(n, dtype=torch.long))
     assert len(built) == 1  # the full batches' closure, built once, used in every epoch
     assert len(sink.records) == 20 + 18
+
+
+def test_steps_without_any_input_take_the_short_path_too() -> None:
+    sink = ListSink()
+    tap = bt.Tap([bt.metrics.StepTime()], [sink], flush_every=4, capacity=8)
+    with tap, tap.run():
+        for _ in range(10):
+            tap.step()
+        assert tap._short is not None
+    assert [r.step for r in sink.records] == list(range(10))
+    assert all(r.values["step_time"] >= 0 for r in sink.records[1:])
+
+
+def test_a_bad_epoch_or_batch_is_refused_with_nothing_recorded() -> None:
+    sink = ListSink()
+    tap, step = _steady_tap(sink)
+    out, y = torch.randn(6, 3), torch.tensor([0, 1, 2, 0, 1, 2])
+    with tap, tap.run():
+        for _ in range(4):
+            step()
+        for bad in ({"epoch": "x"}, {"batch": -1}, {"epoch": 1.5}):
+            with pytest.raises(InputError, match="must be an integer >= 0"):
+                tap.step(loss=torch.tensor(0.5), outputs=out, targets=y, **bad)  # type: ignore[arg-type]
+        tap.step(loss=torch.tensor(0.5), outputs=out, targets=y, epoch=2, batch=9)
+    assert [(r.step, r.epoch, r.batch) for r in sink.records] == [(0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 0, 3), (4, 2, 9)]

@@ -15,8 +15,8 @@ closure, and the body is one straight frame with three calls to metric code and 
 
 The closure decides nothing the general path would decide differently: anything it does not
 expect (another thread, a pipeline error, open micro-batches, autocast, inputs of other metadata,
-an odd ``batch_size``/``tokens``/``grad_norm``) makes it return False having done nothing, and the
-Tap takes the general path for that step.
+extras, an odd ``batch_size``/``tokens``/``grad_norm``/``epoch``/``batch``) makes it return False
+having done nothing, and the Tap takes the general path for that step.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from batchtap.metrics.base import StepInputs
 
 __all__ = ["RunPosition", "ShortStep", "short_step"]
 
-#: ``step(loss, outputs, targets, batch_size, tokens, grad_norm) -> taken``
-ShortStep = Callable[[Any, Any, Any, Any, Any, Any], bool]
+#: ``step(loss, outputs, targets, batch_size, tokens, grad_norm, epoch, batch) -> taken``
+ShortStep = Callable[[Any, Any, Any, Any, Any, Any, Any, Any], bool]
 
 
 class RunPosition(Protocol):
@@ -98,7 +98,9 @@ def short_step(
     # tensors (and a Python-number grad_norm) are checked one by one
     none_pattern = tuple(k is type(None) for k in key)
     checks = [(i, _fits(k)) for i, k in enumerate(key) if k is not type(None)]
-    (first_index, first_fits), rest = checks[0], checks[1:]  # the loss or outputs: at least one tensor
+    if not checks:  # a step with no inputs at all (host-side metrics only): the pattern says it all
+        checks = [(0, lambda value: True)]
+    (first_index, first_fits), rest = checks[0], checks[1:]
     # samples come from the inputs' shapes when batch_size is not given, and those are fixed here
     samples_from_shape = math.nan
     for k in key[1:3]:
@@ -115,7 +117,7 @@ def short_step(
     capacity, every = ring.capacity, flusher.flush_every
     flush_seconds = flusher.flush_seconds
     rows, facts, host_rows = ring.slot_rows, ring.facts, ring.host_rows
-    one_column = ring.device_width == 1
+    one_column, no_columns = ring.device_width == 1, ring.device_width == 0
     guard_pairs, non_blocking = ring.guard_pairs, ring.non_blocking
     pending = guard.pending if guard is not None else None
     mark_start, mark_end = clock.mark_start, clock.mark_end
@@ -123,7 +125,9 @@ def short_step(
     grad_enabled, is_autocast = torch.is_grad_enabled, torch.is_autocast_enabled
     no_host: tuple[float, ...] = ()
 
-    def step(loss: Any, outputs: Any, targets: Any, batch_size: Any, tokens: Any, grad_norm: Any) -> bool:
+    def step(
+        loss: Any, outputs: Any, targets: Any, batch_size: Any, tokens: Any, grad_norm: Any, epoch: Any, batch: Any
+    ) -> bool:
         if (
             get_ident() != owner_thread
             or errors.has_error
@@ -150,6 +154,10 @@ def short_step(
             return False
         if type(grad_norm) is int and not -(2**1023) < grad_norm < 2**1023:
             return False  # too large for a float: the general path reports it
+        if (epoch is not None and not (type(epoch) is int and epoch >= 0)) or (
+            batch is not None and not (type(batch) is int and batch >= 0)
+        ):
+            return False  # the general path reports it
         if cuda:
             check_device_context(capture)  # raises InputError, as the general path would
         wall = wall_clock()
@@ -167,7 +175,7 @@ def short_step(
                 guard.settle(row)  # type: ignore[union-attr]
             if one_column:
                 rows[slot].fill_(values[0])
-            else:
+            elif not no_columns:
                 stack(values, out=rows[slot])  # type: ignore[arg-type]  # a metric's tuple or list
             if guard_pairs is not None:  # CUDA: the loss's copy for the NaN guard
                 target, source = guard_pairs[slot]
@@ -175,10 +183,14 @@ def short_step(
         finally:
             set_grad_enabled(grad_was)
         host_rows[slot] = host_values
+        # the step's position: the loop's own epoch=/batch= when given, else the watched loader's,
+        # else the step counter (as the general path decides)
+        if epoch is None:
+            epoch = run.epoch
         if run.watching:
-            facts[slot] = (run.step, run.epoch, run.batch, wall, samples, run.data_time, step_tokens)
+            facts[slot] = (run.step, epoch, run.batch if batch is None else batch, wall, samples, run.data_time, step_tokens)
         else:
-            facts[slot] = (run.step, run.epoch, run.step, wall, samples, nan, step_tokens)
+            facts[slot] = (run.step, epoch, run.step if batch is None else batch, wall, samples, nan, step_tokens)
         mark_end(slot)
         if pending is not None:
             pending.append((slot, row))
