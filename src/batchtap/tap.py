@@ -588,7 +588,7 @@ class Tap:
             RunStateError: called outside :meth:`run`.
         """
         short = self._short
-        if short is not None and not extra and short(loss, outputs, targets, batch_size, tokens, grad_norm, epoch, batch):
+        if short is not None and short(loss, outputs, targets, batch_size, tokens, grad_norm, epoch, batch, extra):
             return
         state = self._require_run("step()")
         state.owner.check("step()")

@@ -29,7 +29,8 @@ TIMING = {"step_time", "data_time", "throughput"}
 def _steps(seed: int = 0) -> Iterator[dict[str, Any]]:
     """A loop's tap.step() keyword arguments: mostly one shape, a short last batch per 'epoch',
     batch_size= and tokens= now and then, one step under CPU autocast, an empty extras dict now and
-    then, and the loop's own epoch= and batch= in the last third."""
+    then, extras (a number and a tensor) at most steps, and the loop's own epoch= and batch= in the
+    last third."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # the model's initial weights
     model, opt = classifier()
@@ -53,8 +54,9 @@ def _steps(seed: int = 0) -> Iterator[dict[str, Any]]:
             kwargs["autocast"] = True
         if step >= 60:  # a loop that passes its own position (the recipe callback, Lightning)
             kwargs["epoch"], kwargs["batch"] = 7, step - 60
-        if step % 17 == 2:
-            kwargs["extra"] = {}  # an empty extras dict (Lightning's when the rate did not change)
+        # extras: a host float and a device tensor most steps (Lightning's learning rate, a loop's
+        # own scalar), an empty dict now and then (absent at that step)
+        kwargs["extra"] = {} if step % 17 == 2 else {"lr": 0.1 / (1 + step), "margin": out.detach().max()}
         yield kwargs
 
 
@@ -117,6 +119,7 @@ def test_the_short_path_records_what_the_general_path_records(monkeypatch: pytes
     # (back and forth), the autocast step; the short path everything else
     assert general_steps_short < 20, general_steps_short
     assert all(not math.isnan(r.values["step_time"]) for r in short.records[1:])
+    assert sum("lr" in r.values for r in short.records) == 90 - len(range(2, 90, 17))
 
 
 def test_a_nan_loss_stops_at_the_same_step_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -99,9 +99,9 @@ class RunCapture:
     streams: StreamCheck | None  # CUDA: the run's stream, checked at every step
     checked: tuple[Any, ...] | None = None  # signature of the last step() inputs that passed the checks
     checked_micro: tuple[Any, ...] | None = None  # ... of the last accumulate() inputs
-    # (loss, outputs, targets, grad_norm) metadata of the last plain step that passed the checks:
+    # (loss, outputs, targets, grad_norm, extras) metadata of the last plain step that passed the checks:
     # a step whose inputs fit it takes the short path (capture/short.py); None: no short path
-    fast_key: tuple[Any, Any, Any, Any] | None = None
+    fast_key: tuple[Any, Any, Any, Any, tuple[tuple[str, Any], ...]] | None = None
 
     @classmethod
     def create(
@@ -218,8 +218,11 @@ class RunCapture:
         finally:
             set_grad_enabled(grad_was)
         self.fast_key = None
-        if self.fast_path and not accumulated and not inputs.extra:
-            self.fast_key = (meta(inputs.loss), meta(inputs.outputs), meta(inputs.targets), meta(inputs.grad_norm))
+        if self.fast_path and not accumulated:
+            self.fast_key = (
+                meta(inputs.loss), meta(inputs.outputs), meta(inputs.targets), meta(inputs.grad_norm),
+                tuple((name, meta(value)) for name, value in inputs.extra.items()),
+            )
 
     def compute(self, metrics: Sequence[Metric], inputs: StepInputs) -> list[torch.Tensor]:
         """Every metric's device values, in float32 whatever precision the forward pass ran in."""

@@ -15,7 +15,7 @@ closure, and the body is one straight frame with three calls to metric code and 
 
 The closure decides nothing the general path would decide differently: anything it does not
 expect (another thread, a pipeline error, open micro-batches, autocast, inputs of other metadata,
-extras, an odd ``batch_size``/``tokens``/``grad_norm``/``epoch``/``batch``) makes it return False
+other extras, an odd ``batch_size``/``tokens``/``grad_norm``/``epoch``/``batch``) makes it return False
 having done nothing, and the Tap takes the general path for that step.
 """
 
@@ -34,8 +34,8 @@ from batchtap.metrics.base import StepInputs
 
 __all__ = ["RunPosition", "ShortStep", "short_step"]
 
-#: ``step(loss, outputs, targets, batch_size, tokens, grad_norm, epoch, batch) -> taken``
-ShortStep = Callable[[Any, Any, Any, Any, Any, Any, Any, Any], bool]
+#: ``step(loss, outputs, targets, batch_size, tokens, grad_norm, epoch, batch, extra) -> taken``
+ShortStep = Callable[[Any, Any, Any, Any, Any, Any, Any, Any, Any], bool]
 
 
 class RunPosition(Protocol):
@@ -81,7 +81,7 @@ def short_step(
     """The short path for inputs with the metadata of the capture's last checked plain step.
 
     Args:
-        capture: the run's capture; its ``fast_key`` fixes the inputs the closure takes.
+        capture: the run's capture; its ``fast_key`` fixes the inputs (and extras) the closure takes.
         run: the Tap's run counters (``step`` is advanced here).
         owner_thread: the thread that drives the run (another thread takes the general path, which
             refuses it).
@@ -96,8 +96,13 @@ def short_step(
         return None
     # which inputs are None is part of the key: one tuple compare settles those, then only the
     # tensors (and a Python-number grad_norm) are checked one by one
-    none_pattern = tuple(k is type(None) for k in key)
-    checks = [(i, _fits(k)) for i, k in enumerate(key) if k is not type(None)]
+    inputs_key, extras_key = key[:4], key[4]
+    none_pattern = tuple(k is type(None) for k in inputs_key)
+    checks = [(i, _fits(k)) for i, k in enumerate(inputs_key) if k is not type(None)]
+    # extras: the same names in the same order (the general path's signature is ordered too), each
+    # with its metadata; an int extra too large for a float is left to the general path's error
+    extra_names = tuple(name for name, _ in extras_key)
+    extra_checks = [(name, _fits(k), k is int) for name, k in extras_key]
     if not checks:  # a step with no inputs at all (host-side metrics only): the pattern says it all
         checks = [(0, lambda value: True)]
     (first_index, first_fits), rest = checks[0], checks[1:]
@@ -126,7 +131,8 @@ def short_step(
     no_host: tuple[float, ...] = ()
 
     def step(
-        loss: Any, outputs: Any, targets: Any, batch_size: Any, tokens: Any, grad_norm: Any, epoch: Any, batch: Any
+        loss: Any, outputs: Any, targets: Any, batch_size: Any, tokens: Any, grad_norm: Any, epoch: Any, batch: Any,
+        extra: Any,
     ) -> bool:
         if (
             get_ident() != owner_thread
@@ -138,6 +144,15 @@ def short_step(
         given = (loss, outputs, targets, grad_norm)
         if not first_fits(given[first_index]) or (rest and not all(fits(given[i]) for i, fits in rest)):
             return False
+        if extra:
+            if type(extra) is not dict or tuple(extra) != extra_names:
+                return False
+            for name, fits, whole in extra_checks:
+                value = extra[name]
+                if not fits(value) or (whole and not -(2**1023) < value < 2**1023):
+                    return False
+        elif extra_names:
+            return False  # a step without the run's extras: the general path records their absence
         if autocast_device and is_autocast(autocast_device):
             return False  # metrics then run in float32 with autocast off: the general path does that
         if batch_size is None:
@@ -161,7 +176,7 @@ def short_step(
         if cuda:
             check_device_context(capture)  # raises InputError, as the general path would
         wall = wall_clock()
-        inputs = StepInputs(loss, outputs, targets, samples, {}, grad_norm, device)
+        inputs = StepInputs(loss, outputs, targets, samples, extra or {}, grad_norm, device)
         grad_was = grad_enabled()
         set_grad_enabled(False)
         try:
