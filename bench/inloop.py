@@ -45,6 +45,18 @@ def _median_us(samples: list[int]) -> float:
     return statistics.median(samples) / 1e3
 
 
+def _model_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One plain training step; returns (outputs, loss)."""
+    out = model(x)
+    loss = F.cross_entropy(out, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return out, loss
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1200, help="timed training steps (default 1200)")
@@ -88,11 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     with default_tap, default_tap.run(name="inloop-default"), loss_tap, loss_tap.run(name="inloop-loss"):
         for i, (x, y) in enumerate(batches):
             t0 = perf()
-            out = model(x)
-            loss = F.cross_entropy(out, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            out, loss = _model_step(model, opt, x, y)
             t1 = perf()
             name = names[i % len(names)]
             if i < warmup:
@@ -150,11 +158,7 @@ def _flush_ab(wl: H.Workload, steps: int, reps: int) -> None:
             for i, (x, y) in enumerate(batches):
                 if i == warmup:
                     start = time.perf_counter()
-                out = model(x)
-                loss = F.cross_entropy(out, y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+                out, loss = _model_step(model, opt, x, y)
                 if tap is not None:
                     if loss_only:
                         tap.step(loss=loss)
