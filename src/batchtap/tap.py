@@ -610,13 +610,11 @@ class Tap:
             sampled, data_time = True, micro.data_time  # accumulate() only sums sampled steps
         if epoch is not None:
             check_count("epoch", epoch, minimum=0)
+            ep = epoch
         if batch is not None:
             check_count("batch", batch, minimum=0)
+            index = batch
         if sampled:
-            if epoch is not None:
-                ep = epoch
-            if batch is not None:
-                index = batch
             try:
                 self._capture_step(
                     state, loss, outputs, targets, extra or {}, batch_size, tokens, grad_norm, ep, index, data_time, micro

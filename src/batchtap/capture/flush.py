@@ -70,6 +70,7 @@ class Flusher:
         poll_interval: float = 2e-4,
     ) -> None:
         self.ring = ring
+        self.capacity = ring.capacity  # read at every claim()
         self.clock = clock
         self.flush_every = flush_every
         self.flush_seconds = flush_seconds
@@ -83,13 +84,13 @@ class Flusher:
 
     def claim(self, row: int) -> int:
         """The slot for ``row``, once the row ``capacity`` before it was released."""
-        if row - self.ring.capacity >= self.released:
+        if row - self.capacity >= self.released:
             # sync: backpressure. The pipeline is a whole ring behind (device lag or blocked sinks);
             # waiting here is the only way not to overwrite rows that were never read.
             with self._released_cv:
                 self.waits += 1
-                self._released_cv.wait_for(lambda: row - self.ring.capacity < self.released)
-        return row % self.ring.capacity
+                self._released_cv.wait_for(lambda: row - self.capacity < self.released)
+        return row % self.capacity
 
     def commit_row(self) -> None:
         """The row :meth:`claim` handed out was written (rows are written in order)."""

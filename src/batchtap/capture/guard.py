@@ -28,6 +28,7 @@ class LossGuard:
 
     def __init__(self, ring: MetricRing, clock: StepClock) -> None:
         self.ring = ring
+        self.capacity = ring.capacity  # read at every settle()
         self.clock = clock
         # (slot, row) of the rows not yet checked, oldest first (the short step path appends to it directly)
         self.pending: collections.deque[tuple[int, int]] = collections.deque()
@@ -45,7 +46,7 @@ class LossGuard:
         by the next :meth:`poll`.
         """
         pending = self.pending
-        oldest = row - self.ring.capacity
+        oldest = row - self.capacity
         while pending and pending[0][1] <= oldest:
             slot, _ = pending.popleft()
             value = float(self.ring.guard_np[slot])  # complete: its row was harvested

@@ -105,18 +105,24 @@ class MetricRing:
         """
         if head is not None:
             # one kernel for the whole row: the head's columns enter the stack as views
-            torch.stack([*head.unbind(0), *device_values], out=self.slot_rows[slot])
-        elif self.device_width == 1:
+            self.write_device(slot, [*head.unbind(0), *device_values])
+        else:
+            self.write_device(slot, device_values)
+        self.host_rows[slot] = host_values
+        self.facts[slot] = (step, epoch, batch, wall_time, samples, data_time, tokens)
+
+    def write_device(self, slot: int, values: Sequence[torch.Tensor]) -> None:
+        """The device part of :meth:`write`: the row's values into ``slot``, and the NaN guard's copy
+        of its loss (the short step path calls this directly, and writes the host facts itself)."""
+        if self.device_width == 1:
             # fill_ from a 0-dim tensor of the same device is a device-side copy (no host read),
             # a third of a stack's host time
-            self.slot_rows[slot].fill_(device_values[0])
+            self.slot_rows[slot].fill_(values[0])
         elif self.device_width:
-            torch.stack(device_values, out=self.slot_rows[slot])
+            torch.stack(values, out=self.slot_rows[slot])  # type: ignore[arg-type]  # a tuple or list
         if self.guard_pairs is not None:
             target, source = self.guard_pairs[slot]
             target.copy_(source, non_blocking=self.non_blocking)
-        self.host_rows[slot] = host_values
-        self.facts[slot] = (step, epoch, batch, wall_time, samples, data_time, tokens)
 
     def step_of(self, slot: int) -> int:
         """The step whose row ``slot`` holds now."""

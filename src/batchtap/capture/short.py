@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -32,7 +33,10 @@ import torch
 from batchtap.capture.session import RunCapture, check_device_context, set_grad_enabled
 from batchtap.metrics.base import StepInputs
 
-__all__ = ["RunPosition", "ShortStep", "short_step"]
+__all__ = ["NO_EXTRAS", "RunPosition", "ShortStep", "short_step"]
+
+#: the extras of a step that passes none (shared: nothing writes to it)
+NO_EXTRAS: Mapping[str, Any] = types.MappingProxyType({})
 
 #: ``step(loss, outputs, targets, batch_size, tokens, grad_norm, epoch, batch, extra) -> taken``
 ShortStep = Callable[[Any, Any, Any, Any, Any, Any, Any, Any, Any], bool]
@@ -54,9 +58,7 @@ class ErrorFlag(Protocol):
 
 
 def _fits(key: Any) -> Callable[[object], bool]:
-    """A test that an input has the metadata ``key`` (see ``metrics.inputs.meta``), or is None."""
-    if key is type(None):
-        return lambda value: value is None
+    """A test that an input has the metadata ``key`` (see ``metrics.inputs.meta``)."""
     if type(key) is tuple:
         shape, dtype, device = key
         if device.type == "cpu":
@@ -96,16 +98,12 @@ def short_step(
         return None
     # which inputs are None is part of the key: one tuple compare settles those, then only the
     # tensors (and a Python-number grad_norm) are checked one by one
-    inputs_key, extras_key = key[:4], key[4]
-    none_pattern = tuple(k is type(None) for k in inputs_key)
-    checks = [(i, _fits(k)) for i, k in enumerate(inputs_key) if k is not type(None)]
+    # None where the input must be None (a plain `is None` then, no call)
+    fits_loss, fits_outputs, fits_targets, fits_norm = (None if k is type(None) else _fits(k) for k in key[:4])
     # extras: the same names in the same order (the general path's signature is ordered too), each
     # with its metadata; an int extra too large for a float is left to the general path's error
-    extra_names = tuple(name for name, _ in extras_key)
-    extra_checks = [(name, _fits(k), k is int) for name, k in extras_key]
-    if not checks:  # a step with no inputs at all (host-side metrics only): the pattern says it all
-        checks = [(0, lambda value: True)]
-    (first_index, first_fits), rest = checks[0], checks[1:]
+    extra_names = tuple(name for name, _ in key[4])
+    extra_checks = [(name, _fits(k), k is int) for name, k in key[4]]
     # samples come from the inputs' shapes when batch_size is not given, and those are fixed here
     samples_from_shape = math.nan
     for k in key[1:3]:
@@ -116,19 +114,11 @@ def short_step(
     computes = [m.compute for m in capture.device_metrics]
     only_compute = computes[0] if len(computes) == 1 else None
     host_readers = [m.read_host for m in capture.host_readers]
-    device = capture.device
-    cuda = capture.cuda
-    autocast_device = capture.autocast_device
-    capacity, every = ring.capacity, flusher.flush_every
-    flush_seconds = flusher.flush_seconds
-    rows, facts, host_rows = ring.slot_rows, ring.facts, ring.host_rows
-    one_column, no_columns = ring.device_width == 1, ring.device_width == 0
-    guard_pairs, non_blocking = ring.guard_pairs, ring.non_blocking
-    pending = guard.pending if guard is not None else None
-    mark_start, mark_end = clock.mark_start, clock.mark_end
-    get_ident, wall_clock, monotonic, nan, stack = threading.get_ident, time.time, time.monotonic, math.nan, torch.stack
+    device, cuda, autocast_device = capture.device, capture.cuda, capture.autocast_device
+    facts, host_rows, write_device = ring.facts, ring.host_rows, ring.write_device
+    claim, due, mark_start, mark_end = flusher.claim, flusher.due, clock.mark_start, clock.mark_end
+    get_ident, wall_clock, nan = threading.get_ident, time.time, math.nan
     grad_enabled, is_autocast = torch.is_grad_enabled, torch.is_autocast_enabled
-    no_host: tuple[float, ...] = ()
 
     def step(
         loss: Any, outputs: Any, targets: Any, batch_size: Any, tokens: Any, grad_norm: Any, epoch: Any, batch: Any,
@@ -138,11 +128,11 @@ def short_step(
             get_ident() != owner_thread
             or errors.has_error
             or micro.count
-            or (loss is None, outputs is None, targets is None, grad_norm is None) != none_pattern
+            or not (loss is None if fits_loss is None else fits_loss(loss))
+            or not (outputs is None if fits_outputs is None else fits_outputs(outputs))
+            or not (targets is None if fits_targets is None else fits_targets(targets))
+            or not (grad_norm is None if fits_norm is None else fits_norm(grad_norm))
         ):
-            return False
-        given = (loss, outputs, targets, grad_norm)
-        if not first_fits(given[first_index]) or (rest and not all(fits(given[i]) for i, fits in rest)):
             return False
         if extra:
             if type(extra) is not dict or tuple(extra) != extra_names:
@@ -153,6 +143,8 @@ def short_step(
                     return False
         elif extra_names:
             return False  # a step without the run's extras: the general path records their absence
+        else:
+            extra = NO_EXTRAS
         if autocast_device and is_autocast(autocast_device):
             return False  # metrics then run in float32 with autocast off: the general path does that
         if batch_size is None:
@@ -176,25 +168,19 @@ def short_step(
         if cuda:
             check_device_context(capture)  # raises InputError, as the general path would
         wall = wall_clock()
-        inputs = StepInputs(loss, outputs, targets, samples, extra or {}, grad_norm, device)
+        inputs = StepInputs(loss, outputs, targets, samples, extra, grad_norm, device)
         grad_was = grad_enabled()
         set_grad_enabled(False)
         try:
             values = only_compute(inputs) if only_compute is not None else [v for c in computes for v in c(inputs)]
-            host_values = [v for read in host_readers for v in read(inputs)] if host_readers else no_host
-            # the row: its slot (waits only when the pipeline is a whole ring behind), the NaN
-            # guard's check of the slot's old row, the device write, host facts, end mark
+            host_values = [v for read in host_readers for v in read(inputs)] if host_readers else ()
+            # the row, as RunCapture.write_row writes it: its slot, the NaN guard's check of the
+            # slot's old row, the device write, host facts, end mark, guard entry
             row = flusher.rows
-            slot = flusher.claim(row) if row - capacity >= flusher.released else row % capacity
-            if pending and pending[0][1] <= row - capacity:
-                guard.settle(row)  # type: ignore[union-attr]
-            if one_column:
-                rows[slot].fill_(values[0])
-            elif not no_columns:
-                stack(values, out=rows[slot])  # type: ignore[arg-type]  # a metric's tuple or list
-            if guard_pairs is not None:  # CUDA: the loss's copy for the NaN guard
-                target, source = guard_pairs[slot]
-                target.copy_(source, non_blocking=non_blocking)
+            slot = claim(row)
+            if guard is not None:
+                guard.settle(row)
+            write_device(slot, values)
         finally:
             set_grad_enabled(grad_was)
         host_rows[slot] = host_values
@@ -207,22 +193,19 @@ def short_step(
         else:
             facts[slot] = (run.step, epoch, run.step if batch is None else batch, wall, samples, nan, step_tokens)
         mark_end(slot)
-        if pending is not None:
-            pending.append((slot, row))
-        row += 1
-        flusher.rows = row
+        if guard is not None:
+            guard.track(slot, row)
+        flusher.rows = row + 1
         run.step += 1
-        # after the step: NaN guard, flush, next start mark (as Tap._after_step does)
+        # after the step, as Tap._after_step: NaN guard, flush, next start mark
         if guard is not None:
             hit = guard.poll()
             if hit is not None:
                 on_nan(hit)
-        if row - flusher.flushed >= every or (
-            flush_seconds is not None and monotonic() - flusher.last_flush >= flush_seconds
-        ):
+        if due():
             on_due()
         if not run.watching:
-            mark_start(flusher.claim(row) if row - capacity >= flusher.released else row % capacity)
+            mark_start(claim(row + 1))
         return True
 
     return step

@@ -327,19 +327,21 @@ class ResilientSink(Sink):
 
     def last_step(self, run_id: str) -> int | None:
         """The wrapped sink's last stored step for ``run_id`` (None while it is down)."""
-        try:
-            found = self._call(self.sink.last_step, run_id)
-        except Exception:  # down: the caller treats "unknown" as such
-            return None
+        found = self._ask(self.sink.last_step, run_id)
         return None if found is None else int(found)
 
     def run_name(self, run_id: str) -> str | None:
         """The wrapped sink's stored name of ``run_id`` (None while it is down)."""
-        try:
-            found = self._call(self.sink.run_name, run_id)
-        except Exception:  # down: the caller treats "unknown" as such
-            return None
+        found = self._ask(self.sink.run_name, run_id)
         return None if found is None else str(found)
+
+    def _ask(self, question: Callable[[str], Any], run_id: str) -> Any:
+        """The wrapped sink's answer about ``run_id``, or None while it is down (the caller then
+        treats it as unknown)."""
+        try:
+            return self._call(question, run_id)
+        except Exception:
+            return None
 
     def take_events(self) -> list[Event]:
         """The WARNING events raised since the last call (sink failed, recovered, spool damaged)."""
