@@ -670,7 +670,7 @@ class Tap:
             if self._short_candidate == (key, state.step - 1):
                 self._short_key = key
                 self._short = short_step(
-                    capture, state, owner_thread=state.owner.ident or 0, errors=self._control,
+                    capture, state, inputs, owner_thread=state.owner.ident or 0, errors=self._control,
                     on_nan=lambda hit: self._on_nan(state, hit), on_due=lambda: self._flush(state),
                 )
             self._short_candidate = (key, state.step)

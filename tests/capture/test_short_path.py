@@ -228,3 +228,70 @@ def test_a_bad_epoch_or_batch_is_refused_with_nothing_recorded() -> None:
                 tap.step(loss=torch.tensor(0.5), outputs=out, targets=y, **bad)  # type: ignore[arg-type]
         tap.step(loss=torch.tensor(0.5), outputs=out, targets=y, epoch=2, batch=9)
     assert [(r.step, r.epoch, r.batch) for r in sink.records] == [(0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 0, 3), (4, 2, 9)]
+
+
+def _lm_run(monkeypatch: pytest.MonkeyPatch, *, short: bool) -> tuple[ListSink, int, list[str], list[tuple[int, str]]]:
+    """A causal-LM-style loop with the default metrics only (each writes its ring columns itself on
+    the short path): ``[B, T, V]`` logits, padding that changes at every step (an all-padded batch
+    too), a short batch every 10th step (its slot is then written by the general path), targets
+    checked every 3rd step, and a class index out of range at loop step 36 (the short path) and at
+    loop step 49 (a short batch: the general path), both checked steps. The loop catches the InputError each raises at the next
+    step and goes on, so slots that held an out-of-range target are written again a lap later."""
+    general = 0
+    record = session_module.RunCapture.record
+
+    def counting_record(self: Any, *args: Any, **kwargs: Any) -> None:
+        nonlocal general
+        general += 1
+        record(self, *args, **kwargs)
+
+    writers: list[str] = []
+    raised: list[tuple[int, str]] = []
+    gen = torch.Generator().manual_seed(3)
+    with monkeypatch.context() as patch:
+        patch.setattr(session_module.RunCapture, "record", counting_record)
+        if not short:
+            patch.setattr(tap_module, "short_step", lambda *a, **k: None)
+        sink = ListSink()
+        tap = bt.Tap(
+            [bt.metrics.Loss(), bt.metrics.Accuracy(check_targets_every=3), bt.metrics.StepTime(), bt.metrics.Throughput()],
+            [sink], flush_every=8, capacity=16,
+        )
+        try:
+            with tap, tap.run(name="lm"):
+                for step in range(70):
+                    batch = 3 if step % 10 == 9 else 4
+                    logits = torch.randn(batch, 6, 11, generator=gen)
+                    targets = torch.randint(0, 11, (batch, 6), generator=gen)
+                    share = (0.0, 0.3, 1.0, 0.6, 0.2)[step % 5]  # of padded targets; all at every 5th step
+                    targets[torch.rand(batch, 6, generator=gen) < share] = -100
+                    if step in (36, 49):
+                        targets[0, 0] = 11
+                    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten().clamp(max=10), ignore_index=-100)
+                    try:
+                        tap.step(loss=loss, outputs=logits, targets=targets)
+                    except InputError as exc:
+                        raised.append((step, str(exc)))
+                    if step in (36, 49):
+                        tap.flush()  # the error is then raised at the next step
+                    if step == 36:
+                        ring = tap._state.capture.ring  # type: ignore[union-attr]
+                        writers = [w.__qualname__ for w in ring.row_writers[36 % 16] or ()]  # type: ignore[union-attr]
+        except InputError as exc:  # found at the run's last flush
+            raised.append((-1, str(exc)))
+    return sink, general, writers, raised
+
+
+def test_the_metrics_own_row_writers_record_what_the_general_path_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    short, general_short, writers, raised_short = _lm_run(monkeypatch, short=True)
+    plain, general_plain, _, raised_plain = _lm_run(monkeypatch, short=False)
+    assert _comparable(short) == _comparable(plain)
+    assert _events(short) == _events(plain)
+    assert raised_short == raised_plain
+    assert [step for step, _ in raised_short] == [37, 50]  # each at the step after the bad one
+    bad = [r.step for r in short.records if math.isnan(r.values.get("accuracy", 0.0))]
+    assert bad == [36, 48]  # the refused loop step 37 took no step number
+    assert len(short.records) == 68
+    assert sum("accuracy" not in r.values for r in short.records) == 13  # all padded: no accuracy
+    assert general_plain == 68 and general_short < 20, general_short
+    assert any(name.startswith("Accuracy.row_writer") for name in writers), writers  # not the default writer

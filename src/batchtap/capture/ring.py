@@ -26,6 +26,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from batchtap.metrics.base import RowWriter, StepInputs
+
 __all__ = ["FACTS", "MetricRing"]
 
 #: the order of the per-slot host facts tuple (``MetricRing.facts``)
@@ -72,6 +74,9 @@ class MetricRing:
         self.host_rows: list[Sequence[float]] = [(0.0,) * host_width] * capacity
         # Views made once: slicing costs a dispatcher call per view, and step() runs every batch.
         self.slot_rows = [self.device_rows.select(0, i) for i in range(capacity)]
+        # per slot, the short path's writers that wrote its row last (None: a whole-row write);
+        # writers leave constant columns alone, so they must know when a slot's row is not theirs
+        self.row_writers: list[object] = [None] * capacity
         # CUDA: per slot, the guard's pinned float and the row's loss column (the per-step copy)
         self.guard_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if guard_column is not None and device_width:
@@ -114,6 +119,7 @@ class MetricRing:
     def write_device(self, slot: int, values: Sequence[torch.Tensor]) -> None:
         """The device part of :meth:`write`: the row's values into ``slot``, and the NaN guard's copy
         of its loss (the short step path calls this directly, and writes the host facts itself)."""
+        self.row_writers[slot] = None
         if self.device_width == 1:
             # fill_ from a 0-dim tensor of the same device is a device-side copy (no host read),
             # a third of a stack's host time
@@ -121,8 +127,25 @@ class MetricRing:
         elif self.device_width:
             torch.stack(values, out=self.slot_rows[slot])  # type: ignore[arg-type]  # a tuple or list
         if self.guard_pairs is not None:
-            target, source = self.guard_pairs[slot]
-            target.copy_(source, non_blocking=self.non_blocking)
+            self._copy_guard(slot)
+
+    def write_with(self, slot: int, writers: Sequence[RowWriter], inputs: StepInputs) -> None:
+        """:meth:`write_device` by the metrics' own writers (see ``Metric.row_writer``): each writes
+        its columns of the slot's row in place; ``writers`` must cover every device column (none
+        when the row has no device columns)."""
+        owners = self.row_writers
+        fresh = owners[slot] is not writers
+        owners[slot] = writers
+        for write in writers:
+            write(inputs, slot, fresh)
+        if self.guard_pairs is not None:
+            self._copy_guard(slot)
+
+    def _copy_guard(self, slot: int) -> None:
+        """Queue the copy of the slot's loss to its page-locked guard float (CUDA)."""
+        assert self.guard_pairs is not None
+        target, source = self.guard_pairs[slot]
+        target.copy_(source, non_blocking=self.non_blocking)
 
     def step_of(self, slot: int) -> int:
         """The step whose row ``slot`` holds now."""

@@ -25,7 +25,7 @@ import math
 import threading
 import time
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -74,6 +74,7 @@ def _fits(key: Any) -> Callable[[object], bool]:
 def short_step(
     capture: RunCapture,
     run: RunPosition,
+    example: StepInputs,
     *,
     owner_thread: int,
     errors: ErrorFlag,
@@ -85,6 +86,7 @@ def short_step(
     Args:
         capture: the run's capture; its ``fast_key`` fixes the inputs (and extras) the closure takes.
         run: the Tap's run counters (``step`` is advanced here).
+        example: the inputs of that step (the metrics' row writers are made for their metadata).
         owner_thread: the thread that drives the run (another thread takes the general path, which
             refuses it).
         errors: the pipeline's error flag (set: the general path raises the error).
@@ -111,11 +113,19 @@ def short_step(
             samples_from_shape = float(k[0][0])
             break
     ring, clock, flusher, guard, micro = capture.ring, capture.clock, capture.flusher, capture.guard, capture.micro
-    computes = [m.compute for m in capture.device_metrics]
-    only_compute = computes[0] if len(computes) == 1 else None
+    # each device metric writes its own columns of the row in place (see Metric.row_writer)
+    writers = [
+        span.metric.row_writer(example, ring.device_rows.narrow(1, span.device_offset, span.metric.device_width))
+        for span in capture.layout.device_order
+        if span.metric.device_width
+    ]
     host_readers = [m.read_host for m in capture.host_readers]
+    # host values that depend on the inputs' metadata only are read once, here
+    fixed_host: list[float] | None = None
+    if all(m.host_fixed_by_metadata for m in capture.host_readers):
+        fixed_host = [v for read in host_readers for v in read(example)]
     device, cuda, autocast_device = capture.device, capture.cuda, capture.autocast_device
-    facts, host_rows, write_device = ring.facts, ring.host_rows, ring.write_device
+    facts, host_rows, write_with = ring.facts, ring.host_rows, ring.write_with
     claim, due, mark_start, mark_end = flusher.claim, flusher.due, clock.mark_start, clock.mark_end
     get_ident, wall_clock, nan = threading.get_ident, time.time, math.nan
     grad_enabled, is_autocast = torch.is_grad_enabled, torch.is_autocast_enabled
@@ -172,15 +182,17 @@ def short_step(
         grad_was = grad_enabled()
         set_grad_enabled(False)
         try:
-            values = only_compute(inputs) if only_compute is not None else [v for c in computes for v in c(inputs)]
-            host_values = [v for read in host_readers for v in read(inputs)] if host_readers else ()
+            if fixed_host is not None:
+                host_values: Sequence[float] = fixed_host
+            else:
+                host_values = [v for read in host_readers for v in read(inputs)]
             # the row, as RunCapture.write_row writes it: its slot, the NaN guard's check of the
             # slot's old row, the device write, host facts, end mark, guard entry
             row = flusher.rows
             slot = claim(row)
             if guard is not None:
                 guard.settle(row)
-            write_device(slot, values)
+            write_with(slot, writers, inputs)
         finally:
             set_grad_enabled(grad_was)
         host_rows[slot] = host_values
@@ -209,3 +221,4 @@ def short_step(
         return True
 
     return step
+

@@ -16,16 +16,20 @@ import abc
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, Literal
 
 import torch
 
 from batchtap.metrics.domain import Output
 
-__all__ = ["Metric", "StepInputs", "StepTiming", "Requirement", "Combine"]
+__all__ = ["Metric", "StepInputs", "StepTiming", "Requirement", "Combine", "RowWriter"]
 
 Requirement = Literal["loss", "outputs", "targets"]
+
+#: ``write(inputs, slot, fresh)``: a metric's device columns of ring row ``slot``, written in place
+#: (see :meth:`Metric.row_writer`); ``fresh`` is True when another writer wrote the slot last
+RowWriter = Callable[["StepInputs", int, bool], None]
 
 
 class Combine(str, enum.Enum):
@@ -137,6 +141,42 @@ class Metric(abc.ABC):
     def read_host(self, inputs: StepInputs) -> Sequence[float]:
         """``host_width`` floats from host-only state (shapes, Python floats). No tensor reads."""
         return ()
+
+    #: :meth:`read_host` depends on nothing but the inputs' metadata (e.g. a number of classes):
+    #: the short step path reads it once per input signature instead of at every step
+    host_fixed_by_metadata: ClassVar[bool] = False
+
+    def row_writer(self, example: StepInputs, columns: torch.Tensor) -> RowWriter:
+        """A writer of this metric's device columns straight into the ring, for steps whose inputs
+        have the metadata of ``example`` (the short step path, ``capture/short.py``, uses it).
+
+        The default writes :meth:`compute`'s values (one ``fill_`` for a single column, else one
+        ``stack``). Metrics override it to write their columns with ``out=`` and in-place ops, with
+        no 0-dim intermediates: the built-in loss and accuracy do. A writer must write exactly what
+        :meth:`compute` gives for the same inputs (the short path's differential test checks the
+        built-in ones), with no host read; it runs with grad mode off and autocast off.
+
+        Args:
+            example: inputs of a step that passed :meth:`check` (fixes shapes, dtypes, device).
+            columns: ``[capacity, device_width]`` view of the ring: this metric's columns of every
+                slot. The writer gets the slot index, and ``fresh``: True when the slot's row was
+                last written by someone else (the general path, or a writer for other inputs), so
+                columns a writer normally leaves alone (its constants) must be written too.
+        """
+        rows = [columns.select(0, slot) for slot in range(columns.shape[0])]
+        if self.device_width == 1:
+            cells = [row.select(0, 0) for row in rows]
+
+            def write_one(inputs: StepInputs, slot: int, fresh: bool) -> None:
+                # fill_ from a 0-dim tensor of the same device is a device-side copy (cast to float32)
+                cells[slot].fill_(self.compute(inputs)[0])
+
+            return write_one
+
+        def write(inputs: StepInputs, slot: int, fresh: bool) -> None:
+            torch.stack(self.compute(inputs), out=rows[slot])  # type: ignore[arg-type]  # a tuple or list
+
+        return write
 
     def on_flush(self) -> None:
         """Called on the training thread each time the Tap flushes captured rows (e.g. to reset a

@@ -13,7 +13,7 @@ import torch
 
 from batchtap.errors import ConfigError, InputError
 from batchtap.metrics import functional as F
-from batchtap.metrics.base import Combine, Metric, Requirement, StepInputs, StepTiming
+from batchtap.metrics.base import Combine, Metric, Requirement, RowWriter, StepInputs, StepTiming
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Output, Reduce
 
 __all__ = [
@@ -103,6 +103,15 @@ class Loss(Metric):
         assert inputs.loss is not None
         return (_float32(inputs.loss),)
 
+    def row_writer(self, example: StepInputs, columns: torch.Tensor) -> RowWriter:
+        cells = [columns.select(0, slot).select(0, 0) for slot in range(columns.shape[0])]
+
+        def write(inputs: StepInputs, slot: int, fresh: bool) -> None:
+            # fill_ from a 0-dim tensor of the same device: a device-side copy, cast to float32
+            cells[slot].fill_(inputs.loss)  # type: ignore[arg-type]  # the short path checked it
+
+        return write
+
 
 class Accuracy(Metric):
     """Top-k classification accuracy from class scores and integer targets.
@@ -146,6 +155,7 @@ class Accuracy(Metric):
 
     requires: ClassVar[frozenset[Requirement]] = frozenset({"outputs", "targets"})
     host_width = 1  # number of classes: a shape fact, known on the host
+    host_fixed_by_metadata = True
 
     def __init__(
         self, topk: Sequence[int] = (1,), *, ignore_index: int | None = -100, check_targets_every: int = 16
@@ -304,6 +314,64 @@ class Accuracy(Metric):
             kept_parts = F.split_count(keep.sum())
         parts.append(kept_parts)
         return (*(p[0] for p in parts), *(p[1] for p in parts), low, high)
+
+    def row_writer(self, example: StepInputs, columns: torch.Tensor) -> RowWriter:
+        """Top-1 with padding (the default) written into the ring row in four ops, no intermediates.
+
+        Row 0 of a ``[2, *targets]`` buffer takes the argmax; row 1 holds ``ignore_index``. One
+        ``eq`` of the buffer with the targets (into a float buffer) marks the hits and the ignored
+        positions, one matrix product with a column of ones counts both rows into the row's (correct,
+        kept) columns, and kept = positions - ignored. A prediction never equals the ignored value
+        (it is no class index), so the hits are hits among the kept targets. Counts of 0/1 values in
+        float32 are exact below 2**24 (TF32 keeps 0 and 1 exact too).
+
+        Other settings (top-k, an ignored value that is a class, no ``ignore_index``, more than
+        ``2**20`` targets, where the buffers would grow large) take the default writer: compute,
+        then stack.
+        """
+        outputs, targets = example.outputs, example.targets
+        assert outputs is not None and targets is not None
+        facts = self._shape_facts(outputs, targets)
+        ignore = self.ignore_index
+        if self.topk != (1,) or not facts.masked or facts.mask_hits or ignore is None or facts.numel > 2**20:
+            return super().row_writer(example, columns)
+        device = outputs.device
+        pair = torch.full((2, *targets.shape), ignore, dtype=torch.int64, device=device)
+        predicted = pair.select(0, 0)
+        matches = torch.empty(pair.shape, dtype=torch.float32, device=device)
+        per_row = matches.view(2, -1)
+        ignored = torch.empty(targets.shape, dtype=torch.bool, device=device)  # for the range check
+        ones = torch.ones((facts.numel, 1), dtype=torch.float32, device=device)
+        positions = torch.full((), float(facts.numel), dtype=torch.float32, device=device)
+        slots = range(columns.shape[0])
+        # correct, kept: as a [2, 1] column for the product (mm: mv's out= is not traceable under
+        # FakeTensorMode, which the CUDA-path tests use)
+        counts = [columns.select(0, s).narrow(0, 0, 2).unsqueeze(1) for s in slots]
+        kept = [columns.select(0, s).select(0, 1) for s in slots]
+        # high parts (always 0 here: exact counts) and the target range, (0, 0) when not checked
+        rest = [columns.select(0, s).narrow(0, 2, 4) for s in slots]
+        ranges = [columns.select(0, s).narrow(0, 4, 2) for s in slots]
+        ranged = [False] * len(slots)  # the slot's rest columns hold a target range, not zeros
+        class_dim, every = facts.class_dim, self.check_targets_every
+
+        def write(inputs: StepInputs, slot: int, fresh: bool) -> None:
+            targets = inputs.targets
+            torch.argmax(inputs.outputs, class_dim, out=predicted)  # type: ignore[arg-type]
+            torch.eq(pair, targets, out=matches)  # type: ignore[arg-type]
+            torch.mm(per_row, ones, out=counts[slot])  # correct, ignored
+            torch.sub(positions, kept[slot], out=kept[slot])
+            if fresh or ranged[slot]:
+                rest[slot].zero_()
+                ranged[slot] = False
+            calls = self._calls
+            self._calls = calls + 1
+            if calls % every == 0:  # as _sampled_range: ignored targets count as 0, a valid index
+                torch.eq(targets, ignore, out=ignored)  # type: ignore[arg-type]
+                low, high = torch.aminmax(targets.masked_fill(ignored, 0))  # type: ignore[union-attr]
+                torch.stack((low, high), out=ranges[slot])
+                ranged[slot] = True
+
+        return write
 
     def _fused_top1(
         self, outputs: torch.Tensor, targets: torch.Tensor, ignore: int, facts: _AccuracyShape, counts: torch.Tensor
