@@ -187,8 +187,9 @@ def test_micro_batch_with_a_bad_target_is_an_error_of_the_step() -> None:
 
 def test_combine_declaration() -> None:
     C = bt.metrics.Combine
-    assert bt.metrics.Accuracy().combine() == (C.SUM,) * 4 + (C.MIN, C.MAX)
-    assert bt.metrics.Accuracy(topk=(1, 5)).combine() == (C.SUM,) * 6 + (C.MIN, C.MAX)
+    # correct per k, ignored, positions: low parts, then high parts; then the target range
+    assert bt.metrics.Accuracy().combine() == (C.SUM,) * 6 + (C.MIN, C.MAX)
+    assert bt.metrics.Accuracy(topk=(1, 5)).combine() == (C.SUM,) * 8 + (C.MIN, C.MAX)
     assert bt.metrics.Accuracy().per_micro_batch
 
 
@@ -203,8 +204,9 @@ def test_counts_stay_exact_past_2_pow_24_targets() -> None:
     metric = bt.metrics.Accuracy()
     inputs = StepInputs(None, outputs, targets, float(n))
     columns = raw(metric, inputs)
-    assert columns[0] + columns[2] * 2**24 == 2**24 + 3  # correct: low part + high part
-    assert columns[1] + columns[3] * 2**24 == 2**24 + 5  # kept
+    assert columns[0] + columns[3] * 2**24 == 2**24 + 3  # correct: low part + high part
+    assert columns[1] + columns[4] * 2**24 == 1  # ignored
+    assert columns[2] + columns[5] * 2**24 == 2**24 + 6  # positions: kept = positions - ignored
     assert metric.finalize(columns, None) == [(2**24 + 3) / (2**24 + 5)]  # type: ignore[arg-type]
     assert float(torch.tensor(2**24 + 3, dtype=torch.float32)) != 2**24 + 3  # why the split is needed
     del outputs

@@ -175,10 +175,13 @@ class Accuracy(Metric):
         self.check_targets_every = check_targets_every
         self._calls = 0  # compute() calls so far: the target range is checked on some of them
         self._facts: _AccuracyShape | None = None
-        self._fuse_counts: bool | None = None  # count hits and kept in one reduction; None: off the CPU
-        # counts (correct per k, then kept) as float32 low parts, the same counts' high parts
-        # (nonzero only past 2**24 targets per step), then the smallest and largest kept target
-        self._counts = len(ks) + 1
+        self._fuse_counts: bool | None = None  # count hits and ignored in one reduction; None: off the CPU
+        # counts (correct per k, the ignored targets, all target positions; kept = positions -
+        # ignored) as float32 low parts, the same counts' high parts (nonzero only past 2**24
+        # positions per step), then the smallest and largest kept target. The positions are a
+        # host-known constant per shape: storing them (rather than the kept count) lets the device
+        # count hits and ignored targets in one reduction, and costs no op per step.
+        self._counts = len(ks) + 2
         self.device_width = 2 * self._counts + 2
         self._fill = _Filled()
 
@@ -267,6 +270,7 @@ class Accuracy(Metric):
         exact = n <= F.EXACT_FLOAT32  # float32 sums are exact: no high parts needed
         fuse = self._fuse_counts if self._fuse_counts is not None else outputs.device.type != "cpu"
         fused = fuse and exact and self.topk == (1,) and masked and not mask_hits
+        high_n, low_n = divmod(n, F.EXACT_FLOAT32)
         facts = self._facts = _AccuracyShape(
             key=key,
             class_dim=class_dim,
@@ -276,7 +280,7 @@ class Accuracy(Metric):
             exact=exact,
             numel=n,
             zero=self._fill(0.0, outputs.device),
-            all_kept=self._fill(float(n), outputs.device) if exact else None,
+            positions=(self._fill(float(low_n), outputs.device), self._fill(float(high_n), outputs.device)),
             counts=targets.new_empty((2, *targets.shape), dtype=torch.bool) if fused else None,
         )
         return facts
@@ -285,13 +289,14 @@ class Accuracy(Metric):
         outputs, targets = inputs.outputs, inputs.targets
         assert outputs is not None and targets is not None
         facts = self._shape_facts(outputs, targets)
-        class_dim, device = facts.class_dim, outputs.device
+        class_dim = facts.class_dim
         ignore = self.ignore_index
         if facts.counts is not None and ignore is not None:
             return self._fused_top1(outputs, targets, ignore, facts, facts.counts)
-        keep = targets.ne(ignore) if facts.masked and ignore is not None else None
+        dropped = targets.eq(ignore) if facts.masked and ignore is not None else None
         dtype = torch.float32 if facts.exact else torch.int64
-        hit_mask = keep if facts.mask_hits else None
+        # an ignored value that is a class (pad id 0) can be predicted: such hits are no hits
+        hit_mask = dropped.logical_not() if facts.mask_hits and dropped is not None else None
         if self.topk == (1,):  # the common case, fewest ops: argmax, eq, sum
             correct: Sequence[torch.Tensor] = (
                 F.top1_correct(outputs, targets, class_dim=class_dim, dtype=dtype, keep=hit_mask),
@@ -299,31 +304,28 @@ class Accuracy(Metric):
         else:
             counts = F.topk_correct(outputs, targets, self.topk, class_dim=class_dim, dtype=dtype, keep=hit_mask)
             correct = counts.unbind(0)
-        low, high = self._sampled_range(targets, keep, facts.zero)
+        low, high = self._sampled_range(targets, dropped, facts.zero)
         zero = facts.zero
         if facts.exact:
-            kept = keep.sum(dtype=torch.float32) if keep is not None else facts.all_kept
-            assert kept is not None  # made for every exact shape
-            return (*correct, kept, *(zero,) * self._counts, low, high)
+            ignored = dropped.sum(dtype=torch.float32) if dropped is not None else zero
+            return (*correct, ignored, facts.positions[0], *(zero,) * self._counts, low, high)
         # Past 2**24 targets float32 sums lose counts: int64 counts, each split in two exact parts.
         parts = [F.split_count(c) for c in correct]
-        if keep is None:  # every target counts: the count is the host-known numel
-            high_n, low_n = divmod(facts.numel, F.EXACT_FLOAT32)
-            kept_parts = (self._fill(float(low_n), device), self._fill(float(high_n), device))
-        else:
-            kept_parts = F.split_count(keep.sum())
-        parts.append(kept_parts)
+        parts.append(F.split_count(dropped.sum()) if dropped is not None else (zero, zero))
+        parts.append(facts.positions)
         return (*(p[0] for p in parts), *(p[1] for p in parts), low, high)
 
     def row_writer(self, example: StepInputs, columns: torch.Tensor) -> RowWriter:
-        """Top-1 with padding (the default) written into the ring row in four ops, no intermediates.
+        """Top-1 with padding (the default) written into the ring row in three ops, no intermediates.
 
         Row 0 of a ``[2, *targets]`` buffer takes the argmax; row 1 holds ``ignore_index``. One
         ``eq`` of the buffer with the targets (into a float buffer) marks the hits and the ignored
-        positions, one matrix product with a column of ones counts both rows into the row's (correct,
-        kept) columns, and kept = positions - ignored. A prediction never equals the ignored value
-        (it is no class index), so the hits are hits among the kept targets. Counts of 0/1 values in
-        float32 are exact below 2**24 (TF32 keeps 0 and 1 exact too).
+        positions, and one matrix product with a column of ones counts both rows straight into the
+        row's (correct, ignored) columns. A prediction never equals the ignored value (it is no
+        class index), so the hits are hits among the kept targets. Counts of 0/1 values in float32
+        are exact below 2**24 (TF32 keeps 0 and 1 exact too). The other columns are constants for
+        these inputs (the positions, zero high parts, an unchecked target range of (0, 0)): written
+        only when the slot's row is not this writer's, or held a checked range.
 
         Other settings (top-k, an ignored value that is a class, no ``ignore_index``, more than
         ``2**20`` targets, where the buffers would grow large) take the default writer: compute,
@@ -340,18 +342,19 @@ class Accuracy(Metric):
         predicted = pair.select(0, 0)
         matches = torch.empty(pair.shape, dtype=torch.float32, device=device)
         per_row = matches.view(2, -1)
-        ignored = torch.empty(targets.shape, dtype=torch.bool, device=device)  # for the range check
+        dropped = torch.empty(targets.shape, dtype=torch.bool, device=device)  # for the range check
         ones = torch.ones((facts.numel, 1), dtype=torch.float32, device=device)
-        positions = torch.full((), float(facts.numel), dtype=torch.float32, device=device)
+        # columns 2..7: positions, the three high parts, the target range (made constants: written
+        # with one stack, as the general path's row; a device-to-device copy_ is not traceable
+        # under FakeTensorMode, which the CUDA-path tests use)
+        constants = (facts.positions[0], *(facts.zero,) * 5)
         slots = range(columns.shape[0])
-        # correct, kept: as a [2, 1] column for the product (mm: mv's out= is not traceable under
+        # correct, ignored as a [2, 1] column for the product (mm: mv's out= is not traceable under
         # FakeTensorMode, which the CUDA-path tests use)
         counts = [columns.select(0, s).narrow(0, 0, 2).unsqueeze(1) for s in slots]
-        kept = [columns.select(0, s).select(0, 1) for s in slots]
-        # high parts (always 0 here: exact counts) and the target range, (0, 0) when not checked
-        rest = [columns.select(0, s).narrow(0, 2, 4) for s in slots]
-        ranges = [columns.select(0, s).narrow(0, 4, 2) for s in slots]
-        ranged = [False] * len(slots)  # the slot's rest columns hold a target range, not zeros
+        rest = [columns.select(0, s).narrow(0, 2, 6) for s in slots]
+        ranges = [columns.select(0, s).narrow(0, 6, 2) for s in slots]
+        ranged = [False] * len(slots)  # the slot's row holds a checked target range
         class_dim, every = facts.class_dim, self.check_targets_every
 
         def write(inputs: StepInputs, slot: int, fresh: bool) -> None:
@@ -359,15 +362,14 @@ class Accuracy(Metric):
             torch.argmax(inputs.outputs, class_dim, out=predicted)  # type: ignore[arg-type]
             torch.eq(pair, targets, out=matches)  # type: ignore[arg-type]
             torch.mm(per_row, ones, out=counts[slot])  # correct, ignored
-            torch.sub(positions, kept[slot], out=kept[slot])
             if fresh or ranged[slot]:
-                rest[slot].zero_()
+                torch.stack(constants, out=rest[slot])
                 ranged[slot] = False
             calls = self._calls
             self._calls = calls + 1
-            if calls % every == 0:  # as _sampled_range: ignored targets count as 0, a valid index
-                torch.eq(targets, ignore, out=ignored)  # type: ignore[arg-type]
-                low, high = torch.aminmax(targets.masked_fill(ignored, 0))  # type: ignore[union-attr]
+            if calls % every == 0:  # as _sampled_range
+                torch.eq(targets, ignore, out=dropped)  # type: ignore[arg-type]
+                low, high = F.target_range(targets.masked_fill(dropped, 0))  # type: ignore[union-attr]
                 torch.stack((low, high), out=ranges[slot])
                 ranged[slot] = True
 
@@ -376,48 +378,54 @@ class Accuracy(Metric):
     def _fused_top1(
         self, outputs: torch.Tensor, targets: torch.Tensor, ignore: int, facts: _AccuracyShape, counts: torch.Tensor
     ) -> Sequence[torch.Tensor]:
-        """Top-1 with padding in four kernels instead of five: hits and kept flags are written into
-        the two rows of one buffer and counted by a single reduction. Used off the CPU, where each
-        kernel launch costs host time; on the CPU two plain sums are cheaper than a reduction
-        over a dimension, so it is not used there (tests force it with ``_fuse_counts``).
-        The buffer is reused every step: stream order puts each step's reduction before the next
-        step's writes."""
-        hits, keep = counts.unbind(0)  # views (select(): indexing a CUDA tensor with an int is not one)
+        """Top-1 with padding in four kernels instead of five: hits and ignored flags are written
+        into the two rows of one buffer and counted by a single reduction. Used off the CPU on the
+        general path, where each kernel launch costs host time; on the CPU two plain sums are
+        cheaper than a reduction over a dimension, so it is not used there (tests force it with
+        ``_fuse_counts``). The buffer is reused every step: stream order puts each step's reduction
+        before the next step's writes."""
+        hits, dropped = counts.unbind(0)  # views (select(): indexing a CUDA tensor with an int is not one)
         torch.eq(outputs.argmax(facts.class_dim), targets, out=hits)
-        torch.ne(targets, ignore, out=keep)
-        correct, kept = counts.flatten(1).sum(1, dtype=torch.float32).unbind(0)
-        low, high = self._sampled_range(targets, keep, facts.zero)
-        return (correct, kept, facts.zero, facts.zero, low, high)
+        torch.eq(targets, ignore, out=dropped)
+        correct, ignored = counts.flatten(1).sum(1, dtype=torch.float32).unbind(0)
+        low, high = self._sampled_range(targets, dropped, facts.zero)
+        zero = facts.zero
+        return (correct, ignored, facts.positions[0], zero, zero, zero, low, high)
 
     def _sampled_range(
-        self, targets: torch.Tensor, keep: torch.Tensor | None, zero: torch.Tensor
+        self, targets: torch.Tensor, dropped: torch.Tensor | None, zero: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept targets' smallest and largest index on the first call and every
-        ``check_targets_every`` calls; else (0, 0), which never flags (0 is a class of every output)."""
+        ``check_targets_every`` calls; else (0, 0), which never flags (0 is a class of every output).
+        Ignored targets (``dropped``) count as 0, a valid index."""
         check = self._calls % self.check_targets_every == 0
         self._calls += 1
-        return F.target_range(targets, keep) if check else (zero, zero)
+        if not check:
+            return zero, zero
+        return F.target_range(targets.masked_fill(dropped, 0) if dropped is not None else targets)
 
     def read_host(self, inputs: StepInputs) -> Sequence[float]:
         outputs, targets = inputs.outputs, inputs.targets
         assert outputs is not None and targets is not None
         return (self._shape_facts(outputs, targets).classes,)
 
-    def _kept_and_counts(self, raw: Sequence[float]) -> list[float]:
+    def _totals(self, raw: Sequence[float]) -> list[float]:
+        """Correct per k, ignored, positions: each count's low and high part joined."""
         n = self._counts
         return [hi * F.EXACT_FLOAT32 + lo for lo, hi in zip(raw[:n], raw[n : 2 * n])]
 
     def weight(self, raw: Sequence[float]) -> float | None:
         """The kept targets: ranks combine accuracies weighted by them (exact with padding)."""
         n = self._counts
-        return raw[2 * n - 1] * F.EXACT_FLOAT32 + raw[n - 1]
+        positions = raw[2 * n - 1] * F.EXACT_FLOAT32 + raw[n - 1]
+        return positions - (raw[2 * n - 2] * F.EXACT_FLOAT32 + raw[n - 2])
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        counts = self._kept_and_counts(raw)
-        kept = counts[-1]
+        totals = self._totals(raw)
+        kept = totals[-1] - totals[-2]
         if not kept > 0:  # every target ignored: no accuracy at this step
             return [None] * len(self.topk)
-        return [c / kept for c in counts[:-1]]
+        return [c / kept for c in totals[:-2]]
 
     def input_error(self, raw: Sequence[float]) -> str | None:
         low, high, classes = raw[2 * self._counts], raw[2 * self._counts + 1], raw[-1]
@@ -442,13 +450,13 @@ class _AccuracyShape:
     key: tuple[Any, ...]  # outputs shape, targets shape, targets dtype, device
     class_dim: int
     classes: float
-    masked: bool  # a kept-mask is needed (an ignore_index the targets' dtype can hold)
-    mask_hits: bool  # ... and it must mask hits too (the ignore_index is a class index)
+    masked: bool  # ignored targets must be counted (an ignore_index the targets' dtype can hold)
+    mask_hits: bool  # ... and left out of the hits (the ignore_index is a class index)
     exact: bool  # few enough targets for exact float32 counts
     numel: int
     zero: torch.Tensor
-    all_kept: torch.Tensor | None  # the kept count when nothing is masked (exact case)
-    counts: torch.Tensor | None  # [2, *targets.shape] bool: hits and kept, for Accuracy._fused_top1
+    positions: tuple[torch.Tensor, torch.Tensor]  # numel's low and high part (constants)
+    counts: torch.Tensor | None  # [2, *targets.shape] bool: hits and ignored, for Accuracy._fused_top1
 
 
 def _class_dim(outputs: torch.Tensor, targets: torch.Tensor) -> int | None:
