@@ -16,7 +16,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -50,6 +50,15 @@ class StepClock(abc.ABC):
         Only valid once :meth:`end_done` is true for the slot.
         """
         return self._elapsed(slot) if self._armed[slot] else math.nan
+
+    def take_elapsed(self, slots: Sequence[int]) -> list[float]:
+        """:meth:`elapsed` of each of ``slots`` (a flushed block's), then :meth:`disarm` them: the
+        slots' next rows must record start marks of their own."""
+        armed, elapsed, nan = self._armed, self._elapsed, math.nan
+        seconds = [elapsed(slot) if armed[slot] else nan for slot in slots]
+        for slot in slots:
+            armed[slot] = False
+        return seconds
 
     @abc.abstractmethod
     def _elapsed(self, slot: int) -> float: ...

@@ -19,11 +19,12 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, Literal
 
+import numpy as np
 import torch
 
 from batchtap.metrics.domain import Output
 
-__all__ = ["Metric", "StepInputs", "StepTiming", "Requirement", "Combine", "RowWriter"]
+__all__ = ["Metric", "StepInputs", "StepTiming", "BlockTiming", "Requirement", "Combine", "RowWriter"]
 
 Requirement = Literal["loss", "outputs", "targets"]
 
@@ -82,6 +83,17 @@ class StepTiming:
     step_time: float
     data_time: float
     tokens: float = math.nan
+
+
+@dataclasses.dataclass(slots=True)
+class BlockTiming:
+    """:class:`StepTiming` of a block of rows, one float64 array per field (see
+    :meth:`Metric.finalize_block`)."""
+
+    samples: np.ndarray
+    step_time: np.ndarray
+    data_time: np.ndarray
+    tokens: np.ndarray
 
 
 class Metric(abc.ABC):
@@ -185,6 +197,30 @@ class Metric(abc.ABC):
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         """Turn raw columns (device then host) into the reported values."""
         return list(raw)
+
+    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`finalize` of a whole block at once, for metrics that can do it with array math.
+
+        Args:
+            raw: ``[n, device_width + host_width]`` float64, one row per step.
+            timing: the rows' timing.
+
+        Returns:
+            ``(values, present)``: ``[n, len(outputs())]`` float64 values and a bool mask of the
+            same shape, False where :meth:`finalize` would give None. None (the default): the
+            pipeline calls :meth:`finalize` row by row. Must agree with :meth:`finalize` row for row.
+        """
+        return None
+
+    def weight_block(self, raw: np.ndarray) -> np.ndarray | None:
+        """:meth:`weight` of every row of a block (``[n]`` float64), or None (the default): asked
+        row by row. Only used when :meth:`weight` is overridden."""
+        return None
+
+    def input_suspects(self, raw: np.ndarray) -> np.ndarray | None:
+        """The rows of a block whose :meth:`input_error` may not be None (``[n]`` bool), so that
+        only those are asked; None (the default): every row is asked."""
+        return None
 
     def warning(self, raw: Sequence[float]) -> str | None:
         """A message when the raw columns show the value could not be measured at this step for a

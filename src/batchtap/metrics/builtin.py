@@ -9,11 +9,12 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from batchtap.errors import ConfigError, InputError
 from batchtap.metrics import functional as F
-from batchtap.metrics.base import Combine, Metric, Requirement, RowWriter, StepInputs, StepTiming
+from batchtap.metrics.base import BlockTiming, Combine, Metric, Requirement, RowWriter, StepInputs, StepTiming
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Output, Reduce
 
 __all__ = [
@@ -53,6 +54,16 @@ class _Filled:
                 self._made.clear()
             made = self._made[key] = torch.full((), value, dtype=torch.float32, device=device)
         return made
+
+
+def _everywhere(rows: int, width: int) -> np.ndarray:
+    """A block's presence mask with every value present."""
+    return np.ones((rows, width), dtype=bool)
+
+
+def _measured(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A block of one timing column: present where it was measured (not NaN)."""
+    return seconds.reshape(-1, 1), ~np.isnan(seconds).reshape(-1, 1)
 
 
 class Loss(Metric):
@@ -102,6 +113,9 @@ class Loss(Metric):
     def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
         assert inputs.loss is not None
         return (_float32(inputs.loss),)
+
+    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
+        return raw[:, :1], _everywhere(raw.shape[0], 1)
 
     def row_writer(self, example: StepInputs, columns: torch.Tensor) -> RowWriter:
         cells = [columns.select(0, slot).select(0, 0) for slot in range(columns.shape[0])]
@@ -427,6 +441,26 @@ class Accuracy(Metric):
             return [None] * len(self.topk)
         return [c / kept for c in totals[:-2]]
 
+    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
+        n = self._counts
+        totals = raw[:, n : 2 * n] * F.EXACT_FLOAT32 + raw[:, :n]
+        kept = totals[:, -1:] - totals[:, -2:-1]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            present = kept > 0  # NaN fails too
+            values = totals[:, :-2] / kept
+        return values, np.broadcast_to(present, values.shape)
+
+    def weight_block(self, raw: np.ndarray) -> np.ndarray:
+        n = self._counts
+        positions = raw[:, 2 * n - 1] * F.EXACT_FLOAT32 + raw[:, n - 1]
+        with np.errstate(invalid="ignore"):
+            return positions - (raw[:, 2 * n - 2] * F.EXACT_FLOAT32 + raw[:, n - 2])
+
+    def input_suspects(self, raw: np.ndarray) -> np.ndarray:
+        low, high, classes = raw[:, 2 * self._counts], raw[:, 2 * self._counts + 1], raw[:, -1]
+        with np.errstate(invalid="ignore"):
+            return ~((low >= 0) & (high < classes))  # the common case of input_error, for every row
+
     def input_error(self, raw: Sequence[float]) -> str | None:
         low, high, classes = raw[2 * self._counts], raw[2 * self._counts + 1], raw[-1]
         if 0 <= low and high < classes:  # in range (or not checked at this step: 0, 0) — the common case first
@@ -542,6 +576,11 @@ class LearningRate(Metric):
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         first = raw[0]
         return [first, *(None if v == first else v for v in raw[1:])]
+
+    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
+        present = raw != raw[:, :1]  # NaN differs from everything, as in finalize
+        present[:, 0] = True
+        return raw, present
 
 
 # GradNorm's host state column: where this step's value is, or why there is none
@@ -834,6 +873,9 @@ class StepTime(Metric):
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         return (None if math.isnan(timing.step_time) else timing.step_time,)
 
+    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
+        return _measured(timing.step_time)
+
 
 class DataTime(Metric):
     """Seconds the loop waited for the batch (host clock around the loader); needs ``tap.watch()``."""
@@ -843,6 +885,9 @@ class DataTime(Metric):
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         return (None if math.isnan(timing.data_time) else timing.data_time,)
+
+    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
+        return _measured(timing.data_time)
 
 
 class Throughput(Metric):
@@ -867,6 +912,14 @@ class Throughput(Metric):
         if not math.isfinite(count) or not timing.step_time > 0 or not math.isfinite(timing.step_time):
             return (None,)
         return (count / timing.step_time,)
+
+    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
+        count = np.where(np.isfinite(timing.tokens), timing.tokens, timing.samples)
+        seconds = timing.step_time
+        with np.errstate(invalid="ignore", divide="ignore"):
+            present = np.isfinite(count) & (seconds > 0) & np.isfinite(seconds)
+            values = count / seconds
+        return values.reshape(-1, 1), present.reshape(-1, 1)
 
 
 class Memory(Metric):

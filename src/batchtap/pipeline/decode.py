@@ -3,16 +3,25 @@
 A value outside its domain is stored as NaN and reported as an anomaly event that keeps the raw
 value; nothing is dropped silently. Raw columns that reveal invalid inputs (class indices out of
 range) make the metric's values NaN and produce an input error the training thread raises.
+
+A block is decoded column by column: each metric finalizes the whole block at once where it can
+(:meth:`~batchtap.metrics.Metric.finalize_block`, the built-in metrics do), every value is checked
+against its domain with one array compare per output, and only the few values that fail, or rows a
+metric flags, are looked at one by one. The pipeline shares the training process's GIL, so its
+time per row is time the training thread may wait for.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-from math import isfinite
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from batchtap.capture.flush import BlockData
-from batchtap.metrics.base import Metric, StepTiming
+from batchtap.metrics.base import BlockTiming, Metric, StepTiming
+from batchtap.metrics.domain import Output
 from batchtap.metrics.layout import Layout
 from batchtap.records import Event, EventKind, Record
 
@@ -30,6 +39,16 @@ class Decoded:
         self.records: list[Record] = []
         self.events: list[Event] = []
         self.input_errors: list[str] = []
+
+
+class _Columns:
+    """One metric's values over a block: ``[n, outputs]`` values and presence, filled in place."""
+
+    __slots__ = ("values", "present")
+
+    def __init__(self, values: np.ndarray, present: np.ndarray) -> None:
+        self.values = values
+        self.present = present
 
 
 class Decoder:
@@ -54,92 +73,218 @@ class Decoder:
             )
             for span in layout.spans
         ]
-        # Only metrics that override the optional hooks are asked, row by row.
-        self._skip_metrics_mask = [_overrides(span.metric, "skipped") for span in layout.spans]
-        self._skip_metrics = any(self._skip_metrics_mask)
-        self._warns = any(_overrides(span.metric, "warning") for span in layout.spans)
+        # Only metrics that override the optional hooks are asked.
+        self._skips = [_overrides(span.metric, "skipped") for span in layout.spans]
+        self._warns = [_overrides(span.metric, "warning") for span in layout.spans]
         self._weighs = [_overrides(span.metric, "weight") for span in layout.spans]
         self._checks_inputs = [_overrides(span.metric, "input_error") for span in layout.spans]
-        # per metric, its outputs with their domain's bounds: a value inside passes on one compare
-        self._bounds = [
-            [(o, o.domain.low, o.domain.high, o.domain.finite) for o in span.outputs] for span in layout.spans
-        ]
+        self._names = [o.name for span in layout.spans for o in span.outputs]
         self._warned: set[int] = set()  # metrics whose warning was reported (once per run)
 
     def decode(self, data: BlockData) -> Decoded:
         out = Decoded()
-        dev, host = data.device_values.tolist(), data.host_values.tolist()  # numpy, host memory
-        steps, epochs, batches = data.step.tolist(), data.epoch.tolist(), data.batch.tolist()
-        walls, samples = data.wall_time.tolist(), data.samples.tolist()
-        step_times, data_times = data.step_time.tolist(), data.data_time.tolist()
-        tokens = data.tokens.tolist()
-        for i in range(len(steps)):
-            step, wall, dev_row, host_row = steps[i], walls[i], dev[i], host[i]
-            timing = StepTiming(samples[i], step_times[i], data_times[i], tokens[i])
-            raws = [dev_row[device_cols] + host_row[host_cols] for _, _, device_cols, host_cols in self._spans]
-            skipped = self._skip_metrics and any(
-                span[0].skipped(raw) for span, asks, raw in zip(self._spans, self._skip_metrics_mask, raws) if asks
+        n = len(data.step)
+        if n == 0:
+            return out
+        steps, walls = data.step.tolist(), data.wall_time.tolist()
+        timing = BlockTiming(data.samples, data.step_time, data.data_time, data.tokens)
+        raws = [
+            np.concatenate((data.device_values[:, device_cols], data.host_values[:, host_cols]), axis=1)
+            for _, _, device_cols, host_cols in self._spans
+        ]
+        rows: list[list[list[float]] | None] = [None] * len(raws)  # raws[i].tolist(), made when needed
+
+        def raw_rows(index: int) -> list[list[float]]:
+            made = rows[index]
+            if made is None:
+                made = rows[index] = raws[index].tolist()
+            return made
+
+        # events keyed by (row, metric, place) so they come out in the order a row-by-row decode
+        # gives: a row's skip event, then per metric its input error, warning and anomalies
+        events: list[tuple[tuple[int, int, int], Event]] = []
+        input_errors: list[tuple[tuple[int, int], str]] = []
+
+        skipped = np.zeros(n, dtype=bool)
+        for index, (metric, *_rest) in enumerate(self._spans):
+            if self._skips[index]:
+                table = raw_rows(index)
+                for i in range(n):
+                    if not skipped[i] and metric.skipped(table[i]):
+                        skipped[i] = True
+        for i in np.flatnonzero(skipped).tolist():
+            step = steps[i]
+            message = (
+                f"step {step}: the AMP GradScaler skipped the optimizer step (inf/NaN gradients; "
+                "the loss scale is lowered); gradient values of this step are left out"
             )
-            if skipped:
-                out.events.append(
-                    Event(
-                        self.run_id, step, EventKind.SKIP,
-                        f"step {step}: the AMP GradScaler skipped the optimizer step (inf/NaN gradients; "
-                        "the loss scale is lowered); gradient values of this step are left out",
-                        wall, rank=self.rank,
-                    )
-                )
-            values: dict[str, float] = {}
-            weights: dict[str, float] = {}
-            for (metric, outputs, _, _), raw, weighs, checks, bounds in zip(
-                self._spans, raws, self._weighs, self._checks_inputs, self._bounds
-            ):
-                if weighs:
-                    w = metric.weight(raw)
-                    if w is not None:
-                        weights.update((o.name, w) for o in outputs)
-                problem = metric.input_error(raw) if checks else None
-                if problem is not None:
-                    message = f"step {step}: {problem}"
-                    out.input_errors.append(message)
-                    for output in outputs:
-                        values[output.name] = math.nan
-                        self.anomaly_counts[output.name] += 1
-                        out.events.append(self._event(step, wall, output.name, None, message))
-                    continue
-                if self._warns:
-                    warning = metric.warning(raw)
-                    if warning is not None and id(metric) not in self._warned:
+            events.append(((i, -1, 0), Event(self.run_id, step, EventKind.SKIP, message, walls[i], rank=self.rank)))
+
+        columns: list[_Columns] = []
+        weights: list[tuple[tuple[str, ...], list[float | None]]] = []
+        for index, (metric, outputs, _, _) in enumerate(self._spans):
+            raw = raws[index]
+            if self._weighs[index]:
+                block = metric.weight_block(raw)
+                row_weights = block.tolist() if block is not None else [metric.weight(r) for r in raw_rows(index)]
+                weights.append((tuple(o.name for o in outputs), row_weights))
+            problems: dict[int, str] = {}
+            if self._checks_inputs[index]:
+                suspects = metric.input_suspects(raw)
+                asked = range(n) if suspects is None else np.flatnonzero(suspects).tolist()
+                for i in asked:
+                    problem = metric.input_error(raw_rows(index)[i])
+                    if problem is not None:
+                        problems[i] = f"step {steps[i]}: {problem}"
+            if self._warns[index] and id(metric) not in self._warned:
+                for i, row in enumerate(raw_rows(index)):
+                    if i in problems:
+                        continue
+                    warning = metric.warning(row)
+                    if warning is not None:
                         self._warned.add(id(metric))
-                        out.events.append(
-                            Event(self.run_id, step, EventKind.WARNING, f"step {step}: {warning}", wall, rank=self.rank)
+                        event = Event(
+                            self.run_id, steps[i], EventKind.WARNING, f"step {steps[i]}: {warning}", walls[i], rank=self.rank
                         )
-                for (output, low, high, finite), value in zip(bounds, metric.finalize(raw, timing), strict=True):
-                    if value is None:
-                        continue  # not measured at this step (e.g. no watched loader)
-                    if low <= value <= high and (not finite or isfinite(value)):  # NaN fails the compare
-                        values[output.name] = value
-                        continue
-                    why = output.domain.violation(value)
-                    if why is None:
-                        values[output.name] = value
-                        continue
-                    if skipped and metric.gradient_based and not math.isfinite(value):
-                        continue  # expected on a step the scaler skipped: reported by the skip event
-                    values[output.name] = math.nan
+                        events.append(((i, index, -1), event))
+                        break
+            values = self._finalize(metric, len(outputs), raw, timing, raw_rows, index, problems)
+            self._validate(values, metric, outputs, index, problems, skipped, steps, walls, events)
+            for i, message in problems.items():
+                input_errors.append(((i, index), message))
+                for place, output in enumerate(outputs):
                     self.anomaly_counts[output.name] += 1
-                    message = (
-                        f"{output.name}={value!r} at step {step} is {why} "
-                        f"(expected {output.domain.describe()}); stored as NaN"
-                    )
-                    out.events.append(self._event(step, wall, output.name, value, message))
-            out.records.append(Record(self.run_id, step, epochs[i], batches[i], self.rank, wall, values))
-            out.weights.append(weights)
+                    events.append(((i, index, place), self._event(steps[i], walls[i], output.name, None, message)))
+            columns.append(values)
+
+        events.sort(key=lambda keyed: keyed[0])
+        out.events = [event for _, event in events]
+        input_errors.sort(key=lambda keyed: keyed[0])
+        out.input_errors = [message for _, message in input_errors]
+        out.records = self._records(data, columns, steps, walls)
+        out.weights = [
+            {name: w for names, row_weights in weights if (w := row_weights[i]) is not None for name in names}
+            for i in range(n)
+        ]
         return out
+
+    def _finalize(
+        self,
+        metric: Metric,
+        width: int,
+        raw: np.ndarray,
+        timing: BlockTiming,
+        raw_rows: Callable[[int], list[list[float]]],
+        index: int,
+        problems: dict[int, str],
+    ) -> _Columns:
+        """The metric's values over the block; rows with an input problem are NaN (present)."""
+        block = metric.finalize_block(raw, timing) if width else None
+        n = raw.shape[0]
+        if block is not None:
+            values, present = block
+            values = np.array(values, dtype=np.float64).reshape(n, width)  # a copy: written below
+            present = np.array(present, dtype=bool).reshape(n, width)
+        else:
+            values = np.full((n, width), math.nan)
+            present = np.zeros((n, width), dtype=bool)
+            if width:
+                rows = raw_rows(index)
+                samples, step_times = timing.samples.tolist(), timing.step_time.tolist()
+                data_times, tokens = timing.data_time.tolist(), timing.tokens.tolist()
+                for i in range(n):
+                    if i in problems:
+                        continue
+                    row_timing = StepTiming(samples[i], step_times[i], data_times[i], tokens[i])
+                    finalized = list(metric.finalize(rows[i], row_timing))
+                    if len(finalized) != width:
+                        raise ValueError(
+                            f"{type(metric).__name__}.finalize returned {len(finalized)} values for "
+                            f"{width} outputs"
+                        )
+                    for j, value in enumerate(finalized):
+                        if value is not None:
+                            values[i, j] = value
+                            present[i, j] = True
+        for i in problems:
+            values[i] = math.nan
+            present[i] = True
+        return _Columns(values, present)
+
+    def _validate(
+        self,
+        columns: _Columns,
+        metric: Metric,
+        outputs: Sequence[Output],
+        index: int,
+        problems: dict[int, str],
+        skipped: np.ndarray,
+        steps: list[int],
+        walls: list[float],
+        events: list[tuple[tuple[int, int, int], Event]],
+    ) -> None:
+        """Check every present value against its output's domain (one compare per output); a value
+        outside becomes NaN with an anomaly event, except a non-finite gradient value on a step the
+        scaler skipped (left out: the skip event reports it)."""
+        values, present = columns.values, columns.present
+        for place, output in enumerate(outputs):
+            column = values[:, place]
+            domain = output.domain
+            with np.errstate(invalid="ignore"):
+                inside = (domain.low <= column) & (column <= domain.high)  # NaN fails the compare
+            if domain.finite:
+                inside &= np.isfinite(column)
+            failed = np.flatnonzero(present[:, place] & ~inside).tolist()
+            for i in failed:
+                if i in problems:
+                    continue  # reported as the input error
+                value = float(column[i])
+                why = domain.violation(value)
+                if why is None:
+                    continue
+                if skipped[i] and metric.gradient_based and not math.isfinite(value):
+                    present[i, place] = False
+                    continue
+                column[i] = math.nan
+                self.anomaly_counts[output.name] += 1
+                message = (
+                    f"{output.name}={value!r} at step {steps[i]} is {why} "
+                    f"(expected {domain.describe()}); stored as NaN"
+                )
+                events.append(((i, index, place), self._event(steps[i], walls[i], output.name, value, message)))
+
+    def _records(self, data: BlockData, columns: list[_Columns], steps: list[int], walls: list[float]) -> list[Record]:
+        n = len(steps)
+        epochs, batches = data.epoch.tolist(), data.batch.tolist()
+        if columns:
+            values = np.concatenate([c.values for c in columns], axis=1)
+            present = np.concatenate([c.present for c in columns], axis=1)
+        else:
+            values, present = np.zeros((n, 0)), np.zeros((n, 0), dtype=bool)
+        names = self._names
+        somewhere = present.any(axis=0)
+        if not somewhere.all():  # a value no row has (data wait without a watched loader): dropped
+            keep = np.flatnonzero(somewhere)
+            values, present, names = values[:, keep], present[:, keep], [names[k] for k in keep.tolist()]
+        table = values.tolist()
+        # NaN values as the one math.nan object, as a row-by-row decode stores them (records then
+        # compare equal with == wherever their NaNs sit)
+        for i, j in zip(*np.nonzero(np.isnan(values))):
+            table[i][j] = math.nan
+        run_id, rank = self.run_id, self.rank
+        if present.all():
+            return [Record(run_id, steps[i], epochs[i], batches[i], rank, walls[i], dict(zip(names, table[i]))) for i in range(n)]
+        flags = present.tolist()
+        return [
+            Record(
+                run_id, steps[i], epochs[i], batches[i], rank, walls[i],
+                {name: v for name, v, p in zip(names, table[i], flags[i]) if p},
+            )
+            for i in range(n)
+        ]
 
     def _event(self, step: int, wall: float, metric: str, raw: float | None, message: str) -> Event:
         return Event(self.run_id, step, EventKind.ANOMALY, message, wall, metric=metric, raw_value=raw, rank=self.rank)
-
 
 
 def _overrides(metric: Metric, hook: str) -> bool:

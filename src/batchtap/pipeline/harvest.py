@@ -35,9 +35,7 @@ def read_block(flusher: Flusher, block: Block, gate: DeviceGate | None = None) -
             time.sleep(flusher.poll_interval)  # polling keeps the GIL free for the training thread
         slots = ring.slots(block.first_row, block.last_row)
         with gate.querying():
-            step_time = np.array([clock.elapsed(int(s)) for s in slots])
-        for s in slots:
-            clock.disarm(int(s))  # the slot's next row must record a start mark of its own
+            step_time = np.array(clock.take_elapsed(slots.tolist()), dtype=np.float64)
         host_values, facts = ring.read_host(block.first_row, block.last_row)
         return BlockData(
             device_values=ring.pinned_np[slots].astype(np.float64),

@@ -1,0 +1,131 @@
+"""The row-by-row decoder that batchtap used before the block decoder (pipeline/decode.py), kept
+as the reference the block decoder is checked against (tests/pipeline/test_decode_blocks.py)."""
+
+# ruff: noqa
+from __future__ import annotations
+
+import collections
+import math
+from math import isfinite
+
+from batchtap.capture.flush import BlockData
+from batchtap.metrics.base import Metric, StepTiming
+from batchtap.metrics.layout import Layout
+from batchtap.pipeline.decode import Decoded
+from batchtap.records import Event, EventKind, Record
+
+__all__ = ["RowDecoder"]
+
+
+class RowDecoder:
+    """Turns :class:`BlockData` into validated :class:`Record` objects for one run and rank.
+
+    Attributes:
+        anomaly_counts: anomalies seen so far per value name.
+    """
+
+    def __init__(self, layout: Layout, *, run_id: str, rank: int) -> None:
+        self.layout = layout
+        self.run_id = run_id
+        self.rank = rank
+        self.anomaly_counts: collections.Counter[str] = collections.Counter()
+        # Per metric, made once: its outputs and the column ranges of its raw values.
+        self._spans = [
+            (
+                span.metric,
+                span.outputs,
+                slice(span.device_offset, span.device_offset + span.metric.device_width),
+                slice(span.host_offset, span.host_offset + span.metric.host_width),
+            )
+            for span in layout.spans
+        ]
+        # Only metrics that override the optional hooks are asked, row by row.
+        self._skip_metrics_mask = [_overrides(span.metric, "skipped") for span in layout.spans]
+        self._skip_metrics = any(self._skip_metrics_mask)
+        self._warns = any(_overrides(span.metric, "warning") for span in layout.spans)
+        self._weighs = [_overrides(span.metric, "weight") for span in layout.spans]
+        self._checks_inputs = [_overrides(span.metric, "input_error") for span in layout.spans]
+        # per metric, its outputs with their domain's bounds: a value inside passes on one compare
+        self._bounds = [
+            [(o, o.domain.low, o.domain.high, o.domain.finite) for o in span.outputs] for span in layout.spans
+        ]
+        self._warned: set[int] = set()  # metrics whose warning was reported (once per run)
+
+    def decode(self, data: BlockData) -> Decoded:
+        out = Decoded()
+        dev, host = data.device_values.tolist(), data.host_values.tolist()  # numpy, host memory
+        steps, epochs, batches = data.step.tolist(), data.epoch.tolist(), data.batch.tolist()
+        walls, samples = data.wall_time.tolist(), data.samples.tolist()
+        step_times, data_times = data.step_time.tolist(), data.data_time.tolist()
+        tokens = data.tokens.tolist()
+        for i in range(len(steps)):
+            step, wall, dev_row, host_row = steps[i], walls[i], dev[i], host[i]
+            timing = StepTiming(samples[i], step_times[i], data_times[i], tokens[i])
+            raws = [dev_row[device_cols] + host_row[host_cols] for _, _, device_cols, host_cols in self._spans]
+            skipped = self._skip_metrics and any(
+                span[0].skipped(raw) for span, asks, raw in zip(self._spans, self._skip_metrics_mask, raws) if asks
+            )
+            if skipped:
+                out.events.append(
+                    Event(
+                        self.run_id, step, EventKind.SKIP,
+                        f"step {step}: the AMP GradScaler skipped the optimizer step (inf/NaN gradients; "
+                        "the loss scale is lowered); gradient values of this step are left out",
+                        wall, rank=self.rank,
+                    )
+                )
+            values: dict[str, float] = {}
+            weights: dict[str, float] = {}
+            for (metric, outputs, _, _), raw, weighs, checks, bounds in zip(
+                self._spans, raws, self._weighs, self._checks_inputs, self._bounds
+            ):
+                if weighs:
+                    w = metric.weight(raw)
+                    if w is not None:
+                        weights.update((o.name, w) for o in outputs)
+                problem = metric.input_error(raw) if checks else None
+                if problem is not None:
+                    message = f"step {step}: {problem}"
+                    out.input_errors.append(message)
+                    for output in outputs:
+                        values[output.name] = math.nan
+                        self.anomaly_counts[output.name] += 1
+                        out.events.append(self._event(step, wall, output.name, None, message))
+                    continue
+                if self._warns:
+                    warning = metric.warning(raw)
+                    if warning is not None and id(metric) not in self._warned:
+                        self._warned.add(id(metric))
+                        out.events.append(
+                            Event(self.run_id, step, EventKind.WARNING, f"step {step}: {warning}", wall, rank=self.rank)
+                        )
+                for (output, low, high, finite), value in zip(bounds, metric.finalize(raw, timing), strict=True):
+                    if value is None:
+                        continue  # not measured at this step (e.g. no watched loader)
+                    if low <= value <= high and (not finite or isfinite(value)):  # NaN fails the compare
+                        values[output.name] = value
+                        continue
+                    why = output.domain.violation(value)
+                    if why is None:
+                        values[output.name] = value
+                        continue
+                    if skipped and metric.gradient_based and not math.isfinite(value):
+                        continue  # expected on a step the scaler skipped: reported by the skip event
+                    values[output.name] = math.nan
+                    self.anomaly_counts[output.name] += 1
+                    message = (
+                        f"{output.name}={value!r} at step {step} is {why} "
+                        f"(expected {output.domain.describe()}); stored as NaN"
+                    )
+                    out.events.append(self._event(step, wall, output.name, value, message))
+            out.records.append(Record(self.run_id, step, epochs[i], batches[i], self.rank, wall, values))
+            out.weights.append(weights)
+        return out
+
+    def _event(self, step: int, wall: float, metric: str, raw: float | None, message: str) -> Event:
+        return Event(self.run_id, step, EventKind.ANOMALY, message, wall, metric=metric, raw_value=raw, rank=self.rank)
+
+
+
+def _overrides(metric: Metric, hook: str) -> bool:
+    return getattr(type(metric), hook) is not getattr(Metric, hook)
