@@ -62,18 +62,8 @@ def _steps(seed: int = 0) -> Iterator[dict[str, Any]]:
 
 def _run(monkeypatch: pytest.MonkeyPatch, *, short: bool, nan_at: int | None = None) -> tuple[ListSink, int]:
     """Drive the steps through a fresh Tap; returns the sink and how many steps took the general path."""
-    general = 0
-    record = session_module.RunCapture.record
-
-    def counting_record(self: Any, *args: Any, **kwargs: Any) -> None:
-        nonlocal general
-        general += 1
-        record(self, *args, **kwargs)
-
     with monkeypatch.context() as patch:
-        patch.setattr(session_module.RunCapture, "record", counting_record)
-        if not short:
-            patch.setattr(tap_module, "short_step", lambda *a, **k: None)
+        general = _count_general_steps(patch, short=short)
         sink = ListSink()
         tap = bt.Tap(
             [bt.metrics.Loss(), bt.metrics.Accuracy(), bt.metrics.StepTime(), bt.metrics.Throughput()],
@@ -88,7 +78,23 @@ def _run(monkeypatch: pytest.MonkeyPatch, *, short: bool, nan_at: int | None = N
                     tap.step(**kwargs)
                 if tap.should_stop:
                     break
-    return sink, general
+    return sink, general[0]
+
+
+def _count_general_steps(patch: pytest.MonkeyPatch, *, short: bool) -> list[int]:
+    """Count the steps that take the general path (a one-item list, updated in place); without
+    ``short`` no short path is ever built."""
+    general = [0]
+    record = session_module.RunCapture.record
+
+    def counting_record(self: Any, *args: Any, **kwargs: Any) -> None:
+        general[0] += 1
+        record(self, *args, **kwargs)
+
+    patch.setattr(session_module.RunCapture, "record", counting_record)
+    if not short:
+        patch.setattr(tap_module, "short_step", lambda *a, **k: None)
+    return general
 
 
 def _comparable(sink: ListSink) -> list[tuple[Any, ...]]:
@@ -237,21 +243,11 @@ def _lm_run(monkeypatch: pytest.MonkeyPatch, *, short: bool) -> tuple[ListSink, 
     checked every 3rd step, and a class index out of range at loop step 36 (the short path) and at
     loop step 49 (a short batch: the general path), both checked steps. The loop catches the InputError each raises at the next
     step and goes on, so slots that held an out-of-range target are written again a lap later."""
-    general = 0
-    record = session_module.RunCapture.record
-
-    def counting_record(self: Any, *args: Any, **kwargs: Any) -> None:
-        nonlocal general
-        general += 1
-        record(self, *args, **kwargs)
-
     writers: list[str] = []
     raised: list[tuple[int, str]] = []
     gen = torch.Generator().manual_seed(3)
     with monkeypatch.context() as patch:
-        patch.setattr(session_module.RunCapture, "record", counting_record)
-        if not short:
-            patch.setattr(tap_module, "short_step", lambda *a, **k: None)
+        general = _count_general_steps(patch, short=short)
         sink = ListSink()
         tap = bt.Tap(
             [bt.metrics.Loss(), bt.metrics.Accuracy(check_targets_every=3), bt.metrics.StepTime(), bt.metrics.Throughput()],
@@ -279,7 +275,7 @@ def _lm_run(monkeypatch: pytest.MonkeyPatch, *, short: bool) -> tuple[ListSink, 
                         writers = [w.__qualname__ for w in ring.row_writers[36 % 16] or ()]  # type: ignore[union-attr]
         except InputError as exc:  # found at the run's last flush
             raised.append((-1, str(exc)))
-    return sink, general, writers, raised
+    return sink, general[0], writers, raised
 
 
 def test_the_metrics_own_row_writers_record_what_the_general_path_records(monkeypatch: pytest.MonkeyPatch) -> None:

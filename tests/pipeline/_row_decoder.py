@@ -4,52 +4,30 @@ as the reference the block decoder is checked against (tests/pipeline/test_decod
 # ruff: noqa
 from __future__ import annotations
 
-import collections
 import math
 from math import isfinite
 
 from batchtap.capture.flush import BlockData
-from batchtap.metrics.base import Metric, StepTiming
+from batchtap.metrics.base import StepTiming
 from batchtap.metrics.layout import Layout
-from batchtap.pipeline.decode import Decoded
+from batchtap.pipeline.decode import Decoded, Decoder
 from batchtap.records import Event, EventKind, Record
 
 __all__ = ["RowDecoder"]
 
 
-class RowDecoder:
-    """Turns :class:`BlockData` into validated :class:`Record` objects for one run and rank.
-
-    Attributes:
-        anomaly_counts: anomalies seen so far per value name.
-    """
+class RowDecoder(Decoder):
+    """The block decoder's setup (spans, hooks, names), with the row-by-row ``decode`` it replaced."""
 
     def __init__(self, layout: Layout, *, run_id: str, rank: int) -> None:
-        self.layout = layout
-        self.run_id = run_id
-        self.rank = rank
-        self.anomaly_counts: collections.Counter[str] = collections.Counter()
-        # Per metric, made once: its outputs and the column ranges of its raw values.
-        self._spans = [
-            (
-                span.metric,
-                span.outputs,
-                slice(span.device_offset, span.device_offset + span.metric.device_width),
-                slice(span.host_offset, span.host_offset + span.metric.host_width),
-            )
-            for span in layout.spans
-        ]
-        # Only metrics that override the optional hooks are asked, row by row.
-        self._skip_metrics_mask = [_overrides(span.metric, "skipped") for span in layout.spans]
-        self._skip_metrics = any(self._skip_metrics_mask)
-        self._warns = any(_overrides(span.metric, "warning") for span in layout.spans)
-        self._weighs = [_overrides(span.metric, "weight") for span in layout.spans]
-        self._checks_inputs = [_overrides(span.metric, "input_error") for span in layout.spans]
+        super().__init__(layout, run_id=run_id, rank=rank)
+        self._skip_metrics_mask = self._skips
+        self._skip_metrics = any(self._skips)
+        self._warns_any = any(self._warns)
         # per metric, its outputs with their domain's bounds: a value inside passes on one compare
         self._bounds = [
             [(o, o.domain.low, o.domain.high, o.domain.finite) for o in span.outputs] for span in layout.spans
         ]
-        self._warned: set[int] = set()  # metrics whose warning was reported (once per run)
 
     def decode(self, data: BlockData) -> Decoded:
         out = Decoded()
@@ -92,7 +70,7 @@ class RowDecoder:
                         self.anomaly_counts[output.name] += 1
                         out.events.append(self._event(step, wall, output.name, None, message))
                     continue
-                if self._warns:
+                if self._warns_any:
                     warning = metric.warning(raw)
                     if warning is not None and id(metric) not in self._warned:
                         self._warned.add(id(metric))
@@ -121,11 +99,3 @@ class RowDecoder:
             out.records.append(Record(self.run_id, step, epochs[i], batches[i], self.rank, wall, values))
             out.weights.append(weights)
         return out
-
-    def _event(self, step: int, wall: float, metric: str, raw: float | None, message: str) -> Event:
-        return Event(self.run_id, step, EventKind.ANOMALY, message, wall, metric=metric, raw_value=raw, rank=self.rank)
-
-
-
-def _overrides(metric: Metric, hook: str) -> bool:
-    return getattr(type(metric), hook) is not getattr(Metric, hook)
