@@ -6,27 +6,19 @@ numbers in it, never the times themselves.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench._quick import run_quick
+
 CALLS = ("tap.step, default metrics", "tap.step, loss only", "per-step .item() recipe")
 
 
 def test_inloop_bench_quick_prints_a_row_per_call() -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "inloop.py"), "--quick"],
-        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=240,
-        check=False,
-    )
-    assert done.returncode == 0, f"bench/inloop.py failed ({done.returncode}):\n{done.stdout}\n{done.stderr[-4000:]}"
-    rows = {c[0]: c for c in ([x.strip() for x in line.strip("|").split("|")] for line in done.stdout.splitlines())}
+    stdout = run_quick("inloop.py")
+    rows = {c[0]: c for c in ([x.strip() for x in line.strip("|").split("|")] for line in stdout.splitlines())}
     for call in CALLS:
         cells = rows.get(call)
-        assert cells is not None, f"no row for {call!r} in:\n{done.stdout}"
+        assert cells is not None, f"no row for {call!r} in:\n{stdout}"
         loop_us, alone_us, ratio = cells[1:4]
         assert re.fullmatch(r"\d+\.\d", loop_us) and re.fullmatch(r"\d+\.\d", alone_us), cells
         assert re.fullmatch(r"\d+\.\dx", ratio), cells

@@ -54,10 +54,9 @@ class StepClock(abc.ABC):
     def take_elapsed(self, slots: Sequence[int]) -> list[float]:
         """:meth:`elapsed` of each of ``slots`` (a flushed block's), then :meth:`disarm` them: the
         slots' next rows must record start marks of their own."""
-        armed, elapsed, nan = self._armed, self._elapsed, math.nan
-        seconds = [elapsed(slot) if armed[slot] else nan for slot in slots]
+        seconds = [self.elapsed(slot) for slot in slots]
         for slot in slots:
-            armed[slot] = False
+            self._armed[slot] = False
         return seconds
 
     @abc.abstractmethod

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from batchtap.metrics.base import RowWriter, StepInputs
+from batchtap.metrics.base import RowWriter, StepInputs, write_values
 
 __all__ = ["FACTS", "MetricRing"]
 
@@ -118,14 +118,10 @@ class MetricRing:
 
     def write_device(self, slot: int, values: Sequence[torch.Tensor]) -> None:
         """The device part of :meth:`write`: the row's values into ``slot``, and the NaN guard's copy
-        of its loss (the short step path calls this directly, and writes the host facts itself)."""
+        of its loss."""
         self.row_writers[slot] = None
-        if self.device_width == 1:
-            # fill_ from a 0-dim tensor of the same device is a device-side copy (no host read),
-            # a third of a stack's host time
-            self.slot_rows[slot].fill_(values[0])
-        elif self.device_width:
-            torch.stack(values, out=self.slot_rows[slot])  # type: ignore[arg-type]  # a tuple or list
+        if self.device_width:
+            write_values(self.slot_rows[slot], values)
         if self.guard_pairs is not None:
             self._copy_guard(slot)
 

@@ -221,4 +221,3 @@ def short_step(
         return True
 
     return step
-

@@ -24,7 +24,7 @@ import torch
 
 from batchtap.metrics.domain import Output
 
-__all__ = ["Metric", "StepInputs", "StepTiming", "BlockTiming", "Requirement", "Combine", "RowWriter"]
+__all__ = ["Metric", "StepInputs", "StepTiming", "BlockTiming", "Requirement", "Combine", "RowWriter", "write_values"]
 
 Requirement = Literal["loss", "outputs", "targets"]
 
@@ -94,6 +94,17 @@ class BlockTiming:
     step_time: np.ndarray
     data_time: np.ndarray
     tokens: np.ndarray
+
+
+def write_values(row: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
+    """0-dim tensors into ``row`` (a 1-dim float32 view of the ring), cast on the way: one device
+    op, no allocation, no host read."""
+    if len(values) == 1:
+        # fill_ from a 0-dim tensor of the same device is a device-side copy, a third of a
+        # stack's host time
+        row.fill_(values[0])
+    elif values:
+        torch.stack(values, out=row)  # type: ignore[arg-type]  # a tuple or list
 
 
 class Metric(abc.ABC):
@@ -176,17 +187,9 @@ class Metric(abc.ABC):
                 columns a writer normally leaves alone (its constants) must be written too.
         """
         rows = [columns.select(0, slot) for slot in range(columns.shape[0])]
-        if self.device_width == 1:
-            cells = [row.select(0, 0) for row in rows]
-
-            def write_one(inputs: StepInputs, slot: int, fresh: bool) -> None:
-                # fill_ from a 0-dim tensor of the same device is a device-side copy (cast to float32)
-                cells[slot].fill_(self.compute(inputs)[0])
-
-            return write_one
 
         def write(inputs: StepInputs, slot: int, fresh: bool) -> None:
-            torch.stack(self.compute(inputs), out=rows[slot])  # type: ignore[arg-type]  # a tuple or list
+            write_values(rows[slot], self.compute(inputs))
 
         return write
 

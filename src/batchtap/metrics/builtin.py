@@ -369,7 +369,7 @@ class Accuracy(Metric):
         rest = [columns.select(0, s).narrow(0, 2, 6) for s in slots]
         ranges = [columns.select(0, s).narrow(0, 6, 2) for s in slots]
         ranged = [False] * len(slots)  # the slot's row holds a checked target range
-        class_dim, every = facts.class_dim, self.check_targets_every
+        class_dim = facts.class_dim
 
         def write(inputs: StepInputs, slot: int, fresh: bool) -> None:
             targets = inputs.targets
@@ -379,12 +379,9 @@ class Accuracy(Metric):
             if fresh or ranged[slot]:
                 torch.stack(constants, out=rest[slot])
                 ranged[slot] = False
-            calls = self._calls
-            self._calls = calls + 1
-            if calls % every == 0:  # as _sampled_range
+            if self._range_due():
                 torch.eq(targets, ignore, out=dropped)  # type: ignore[arg-type]
-                low, high = F.target_range(targets.masked_fill(dropped, 0))  # type: ignore[union-attr]
-                torch.stack((low, high), out=ranges[slot])
+                torch.stack(self._kept_range(targets, dropped), out=ranges[slot])  # type: ignore[arg-type]
                 ranged[slot] = True
 
         return write
@@ -410,12 +407,19 @@ class Accuracy(Metric):
         self, targets: torch.Tensor, dropped: torch.Tensor | None, zero: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept targets' smallest and largest index on the first call and every
-        ``check_targets_every`` calls; else (0, 0), which never flags (0 is a class of every output).
-        Ignored targets (``dropped``) count as 0, a valid index."""
-        check = self._calls % self.check_targets_every == 0
-        self._calls += 1
-        if not check:
-            return zero, zero
+        ``check_targets_every`` calls; else (0, 0), which never flags (0 is a class of every output)."""
+        return self._kept_range(targets, dropped) if self._range_due() else (zero, zero)
+
+    def _range_due(self) -> bool:
+        """Count a call; whether it is one whose targets are checked (the first, then every
+        ``check_targets_every``-th)."""
+        calls = self._calls
+        self._calls = calls + 1
+        return calls % self.check_targets_every == 0
+
+    @staticmethod
+    def _kept_range(targets: torch.Tensor, dropped: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Smallest and largest target, ignored ones (``dropped``) counted as 0, a valid index."""
         return F.target_range(targets.masked_fill(dropped, 0) if dropped is not None else targets)
 
     def read_host(self, inputs: StepInputs) -> Sequence[float]:
@@ -429,10 +433,10 @@ class Accuracy(Metric):
         return [hi * F.EXACT_FLOAT32 + lo for lo, hi in zip(raw[:n], raw[n : 2 * n])]
 
     def weight(self, raw: Sequence[float]) -> float | None:
-        """The kept targets: ranks combine accuracies weighted by them (exact with padding)."""
-        n = self._counts
-        positions = raw[2 * n - 1] * F.EXACT_FLOAT32 + raw[n - 1]
-        return positions - (raw[2 * n - 2] * F.EXACT_FLOAT32 + raw[n - 2])
+        """The kept targets (positions - ignored): ranks combine accuracies weighted by them
+        (exact with padding)."""
+        totals = self._totals(raw)
+        return totals[-1] - totals[-2]
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         totals = self._totals(raw)
@@ -441,20 +445,22 @@ class Accuracy(Metric):
             return [None] * len(self.topk)
         return [c / kept for c in totals[:-2]]
 
-    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
+    def _totals_block(self, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_totals` of every row of a block, and the kept targets (``[n, 1]``)."""
         n = self._counts
         totals = raw[:, n : 2 * n] * F.EXACT_FLOAT32 + raw[:, :n]
-        kept = totals[:, -1:] - totals[:, -2:-1]
+        with np.errstate(invalid="ignore"):
+            return totals, totals[:, -1:] - totals[:, -2:-1]
+
+    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
+        totals, kept = self._totals_block(raw)
         with np.errstate(invalid="ignore", divide="ignore"):
             present = kept > 0  # NaN fails too
             values = totals[:, :-2] / kept
         return values, np.broadcast_to(present, values.shape)
 
     def weight_block(self, raw: np.ndarray) -> np.ndarray:
-        n = self._counts
-        positions = raw[:, 2 * n - 1] * F.EXACT_FLOAT32 + raw[:, n - 1]
-        with np.errstate(invalid="ignore"):
-            return positions - (raw[:, 2 * n - 2] * F.EXACT_FLOAT32 + raw[:, n - 2])
+        return self._totals_block(raw)[1][:, 0]
 
     def input_suspects(self, raw: np.ndarray) -> np.ndarray:
         low, high, classes = raw[:, 2 * self._counts], raw[:, 2 * self._counts + 1], raw[:, -1]

@@ -14,6 +14,7 @@ time per row is time the training thread may wait for.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -100,6 +101,14 @@ class Decoder:
                 made = rows[index] = raws[index].tolist()
             return made
 
+        timings: list[StepTiming] = []  # per row, made when a metric finalizes row by row
+
+        def step_timings() -> list[StepTiming]:
+            if not timings:
+                fields = (data.samples, data.step_time, data.data_time, data.tokens)
+                timings.extend(map(StepTiming, *(f.tolist() for f in fields)))
+            return timings
+
         # events keyed by (row, metric, place) so they come out in the order a row-by-row decode
         # gives: a row's skip event, then per metric its input error, warning and anomalies
         events: list[tuple[tuple[int, int, int], Event]] = []
@@ -148,7 +157,9 @@ class Decoder:
                         )
                         events.append(((i, index, -1), event))
                         break
-            values = self._finalize(metric, len(outputs), raw, timing, raw_rows, index, problems)
+            values = self._finalize(
+                metric, len(outputs), raw, timing, functools.partial(raw_rows, index), step_timings, problems
+            )
             self._validate(values, metric, outputs, index, problems, skipped, steps, walls, events)
             for i, message in problems.items():
                 input_errors.append(((i, index), message))
@@ -174,8 +185,8 @@ class Decoder:
         width: int,
         raw: np.ndarray,
         timing: BlockTiming,
-        raw_rows: Callable[[int], list[list[float]]],
-        index: int,
+        raw_rows: Callable[[], list[list[float]]],
+        step_timings: Callable[[], list[StepTiming]],
         problems: dict[int, str],
     ) -> _Columns:
         """The metric's values over the block; rows with an input problem are NaN (present)."""
@@ -189,14 +200,11 @@ class Decoder:
             values = np.full((n, width), math.nan)
             present = np.zeros((n, width), dtype=bool)
             if width:
-                rows = raw_rows(index)
-                samples, step_times = timing.samples.tolist(), timing.step_time.tolist()
-                data_times, tokens = timing.data_time.tolist(), timing.tokens.tolist()
+                rows, row_timings = raw_rows(), step_timings()
                 for i in range(n):
                     if i in problems:
                         continue
-                    row_timing = StepTiming(samples[i], step_times[i], data_times[i], tokens[i])
-                    finalized = list(metric.finalize(rows[i], row_timing))
+                    finalized = list(metric.finalize(rows[i], row_timings[i]))
                     if len(finalized) != width:
                         raise ValueError(
                             f"{type(metric).__name__}.finalize returned {len(finalized)} values for "
