@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
 import batchtap as bt
 from batchtap.hostreads import HostReadCounter
+from batchtap.records import Event, Record
+from batchtap.sinks.base import Sink
 from tests.conftest import ListSink
 
 
@@ -29,6 +34,37 @@ def test_values_first_seen_at_any_step_are_stored_as_their_own_records(sink: Lis
         (3, {"test_acc": 0.875}),
     ]
     assert not sink.events
+
+
+class WriteLog(Sink):
+    """One JSON line per ``write()``: the (step, sparse) of each record it carried (it pickles, so
+    it works in the pipeline process too)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps([[r.step, r.sparse] for r in records]) + "\n")
+
+
+@pytest.mark.parametrize("pipeline", ["thread", "process"])
+def test_logged_values_are_written_with_the_rows_of_the_steps_before_them(tmp_path: Path, pipeline: str) -> None:
+    # A reader of the store (batchtap tail) must never see step 5's row without the value logged
+    # after step 5: they arrive in one write (one transaction of a store sink).
+    path = tmp_path / "writes.jsonl"
+    with bt.Tap([bt.metrics.Loss()], [WriteLog(path)], flush_every=4, pipeline=pipeline) as tap, tap.run():
+        for step in range(12):
+            tap.step(loss=torch.tensor(float(step)))
+            if step in (5, 6):
+                tap.log({f"val_{step}": torch.tensor(0.5)})
+    writes = [json.loads(line) for line in path.read_text().splitlines()]
+    where = {(step, sparse): i for i, w in enumerate(writes) for step, sparse in w}  # (the sink worker may merge blocks)
+    assert where[(5, True)] == where[(5, False)] == where[(7, False)], writes  # with the block of steps 4..7
+    assert where[(6, True)] == where[(6, False)], writes
+    w = writes[where[(5, True)]]
+    assert w.index([5, True]) > w.index([7, False]) and w.index([6, True]) > w.index([5, True])  # after its rows, in order
+    assert sorted(s for w in writes for s, sparse in w if not sparse) == list(range(12))
 
 
 def test_log_before_the_first_step_and_without_any_step(sink: ListSink) -> None:

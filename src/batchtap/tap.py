@@ -763,8 +763,9 @@ class Tap:
         Any name, first seen at any step; stored in the same store as their own rows (not as
         columns of every step), shown by ``batchtap show/plot/export`` and sent to TensorBoard.
         Tensors are copied to the host asynchronously: no host read here either. The values reach
-        the sinks with the next flush (after the rows of the steps before them), as step values do;
-        ``flush()`` or the end of the run hands them over at once.
+        the sinks with the next flush, in one write with the rows of the steps before them (a
+        reader of the store never sees those steps without them); ``flush()`` or the end of the
+        run hands them over at once.
 
         In a process group every rank may call it; rank 0's values are stored (reduce evaluation
         values over ranks yourself, e.g. with ``all_reduce``, before logging them).
@@ -949,11 +950,14 @@ class Tap:
         capture = state.capture
         assert capture is not None
         block = capture.flush(empty_ok=empty_ok)
+        pending, state.pending_logged = state.pending_logged, []
         if block is not None:
-            self._pipeline.submit(capture.flusher, block, state.chain)
-        for logged in state.pending_logged:
-            self._pipeline.logged(logged, run_id=state.info.id, rank=state.rank, writes=state.writes)
-        state.pending_logged.clear()
+            # log() values travel with the block of the steps they follow: stored in one write, so
+            # a reader never sees those steps without them (nor them before those steps).
+            self._pipeline.submit(capture.flusher, block, state.chain, pending)
+        else:
+            for logged in pending:
+                self._pipeline.logged(logged, run_id=state.info.id, rank=state.rank, writes=state.writes)
 
     def _poll_guard(self, state: _RunState, capture: RunCapture) -> None:
         hit = capture.poll_nan()

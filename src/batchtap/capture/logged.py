@@ -17,6 +17,7 @@ from batchtap.capture.clock import StepClock
 from batchtap.capture.ring import _real_memory, host_buffer
 from batchtap.errors import InputError
 from batchtap.metrics.inputs import check_count, check_new_name, check_scalar
+from batchtap.records import Record
 
 __all__ = ["Logged", "check_logged", "copy_check"]
 
@@ -76,6 +77,10 @@ class Logged:
             # sync: none — pipeline thread, host memory whose copy the marker showed complete
             out.update(zip(self.tensor_names, self.host.numpy().tolist()))
         return out
+
+    def record(self, run_id: str, rank: int) -> Record:
+        """The sparse record these values are stored as (pipeline side, once :attr:`done`)."""
+        return Record(run_id, self.step, self.epoch, -1, rank, self.wall_time, self.values(), sparse=True)
 
 
 def check_logged(values: object, step: object, *, taken: Collection[str]) -> None:

@@ -83,6 +83,8 @@ class RunChain:
         reduce: ReduceSpec | None = None,
         rules: RulesStage | None = None,
     ) -> None:
+        self.run_id = run_id
+        self.rank = rank
         self.decoder = Decoder(layout, run_id=run_id, rank=rank)
         self.reducer: Reducer | None = None
         if reduce is not None:

@@ -10,7 +10,7 @@ the pipeline thread (:mod:`batchtap.pipeline.thread`) and the pipeline process's
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from batchtap._ending import wait_for_sinks
 from batchtap.capture.flush import BlockData
@@ -67,21 +67,20 @@ class PipelineCore:
         self.control.anomaly_counts = chain.decoder.anomaly_counts  # live: read as the pipeline counts
         return chain
 
-    def block(self, data: BlockData, chain: RunChain) -> None:
-        """Run a block through the chain, post what the training side needs, dispatch the rest."""
+    def block(self, data: BlockData, chain: RunChain, logged: Sequence[Record] = ()) -> None:
+        """Run a block through the chain, post what the training side needs, dispatch the rest.
+
+        ``logged``: the sparse records of ``log()`` calls made during the block's steps, written
+        with its rows in one hand-over so that no reader sees the rows after them without them.
+        """
         processed = chain.process(data)
         if processed.input_errors:
             self.control.fail(InputError(processed.input_errors[0]))
         if processed.verdict is not None:
             self.control.post(processed.verdict)
         if chain.writes:
-            self.dispatcher.write(processed.records, processed.events)
-
-    def logged(
-        self, values: Mapping[str, float], *, run_id: str, rank: int, writes: bool, step: int, epoch: int, wall_time: float
-    ) -> None:
-        """``log()`` values whose copy completed: one sparse record."""
-        self.sparse(Record(run_id, step, epoch, -1, rank, wall_time, dict(values), sparse=True), writes=writes)
+            records = [*processed.records, *logged] if logged else processed.records
+            self.dispatcher.write(records, processed.events)
 
     def sparse(self, record: Record, *, writes: bool) -> None:
         """A sparse record (``log()`` values) where this rank writes."""

@@ -270,19 +270,20 @@ class ProcessPipeline:
             self._post("open_chain", chain.open_message)
         return chain
 
-    def submit(self, flusher: Flusher, block: Block, chain: _Chain) -> None:
+    def submit(self, flusher: Flusher, block: Block, chain: _Chain, logged: Sequence[Logged] = ()) -> None:
         if self._fallback is not None:
-            self._fallback.submit(flusher, block, chain.local)
+            self._fallback.submit(flusher, block, chain.local, logged)
             return
         clock, segment, gate = flusher.clock, chain.segment, self.gate
 
         def prepare() -> tuple[Any, ...] | None:
             # Never waits: it runs under the sending lock, which the training thread also takes.
             with gate.open_now() as open_:
-                if not (open_ and clock.marker_done(block.marker) and segment.has_room()):
+                ready = clock.marker_done(block.marker) and all(item.done() for item in logged)
+                if not (open_ and ready and segment.has_room()):
                     return None
                 seq = segment.publish(read_block(flusher, block, gate))
-            return (chain.id, seq)
+            return (chain.id, seq, [to_wire(item.record(chain.run_id, chain.rank)) for item in logged])
 
         self._queue(_Outgoing("block", prepare))
 
@@ -304,8 +305,7 @@ class ProcessPipeline:
             with gate.open_now() as open_:  # never waits (see submit)
                 if not (open_ and logged.done()):
                     return None
-            record = Record(run_id, logged.step, logged.epoch, -1, rank, logged.wall_time, logged.values(), sparse=True)
-            return (to_wire(record), writes)
+            return (to_wire(logged.record(run_id, rank)), writes)
 
         self._queue(_Outgoing("logged", prepare))
 
@@ -597,7 +597,8 @@ class ProcessPipeline:
             return
         if kind == "block":
             chain = by_id[payload[0]]
-            fallback.submit_data(chain.segment.read(payload[1]), chain.local)  # a copy: the slot is free
+            logged = [_message(wire, Record) for wire in payload[2]]
+            fallback.submit_data(chain.segment.read(payload[1]), chain.local, logged)  # a copy: the slot is free
             chain.segment.consume(payload[1])
         elif kind == "events":
             wire, chain_id, writes = payload
@@ -718,7 +719,7 @@ class _ChildWorker:
                 chain, segment = self.chains[payload[0]]
                 block_seq = payload[1]
                 if block_seq >= segment.consumed:  # a resent block a predecessor had processed is skipped
-                    core.block(segment.read(block_seq), chain)
+                    core.block(segment.read(block_seq), chain, [_message(wire, Record) for wire in payload[2]])
                     self._consumable.append((segment, block_seq))
                     counts = chain.anomaly_counts
                     if counts != self._counts:

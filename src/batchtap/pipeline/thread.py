@@ -26,7 +26,7 @@ from batchtap.pipeline.chain import ReduceSpec, RunChain
 from batchtap.pipeline.control import Control
 from batchtap.pipeline.core import PipelineCore, PipelineSettings
 from batchtap.pipeline.harvest import read_block
-from batchtap.records import Event, RunInfo
+from batchtap.records import Event, Record, RunInfo
 from batchtap.sinks.base import Sink
 
 __all__ = ["ThreadPipeline"]
@@ -47,6 +47,7 @@ class _Block:
     flusher: Flusher
     block: Block
     chain: RunChain
+    logged: tuple[Logged, ...]
 
 
 class ThreadPipeline:
@@ -74,12 +75,14 @@ class ThreadPipeline:
         """The chain of a run whose capture was just made."""
         return self.core.open_chain(layout, run_id=run_id, rank=rank, writes=writes, reduce=reduce)
 
-    def submit(self, flusher: Flusher, block: Block, chain: RunChain) -> None:
-        self._queue.put(_Block(flusher, block, chain))
+    def submit(self, flusher: Flusher, block: Block, chain: RunChain, logged: Sequence[Logged] = ()) -> None:
+        """Hand over a flushed block, with the ``log()`` values logged during its steps (stored
+        together with its rows)."""
+        self._queue.put(_Block(flusher, block, chain, tuple(logged)))
 
-    def submit_data(self, data: BlockData, chain: RunChain) -> None:
+    def submit_data(self, data: BlockData, chain: RunChain, logged: Sequence[Record] = ()) -> None:
         """A block already read back (the process pipeline's fallback hands its segment over)."""
-        self._queue.put(("data", (data, chain)))
+        self._queue.put(("data", (data, chain, list(logged))))
 
     def events(self, events: list[Event], chain: RunChain | None = None, *, writes: bool = True) -> None:
         """Hand over events raised on the training side (through ``chain``'s reducer when it has one)."""
@@ -153,15 +156,14 @@ class ThreadPipeline:
     def _handle(self, item: object) -> None:
         core = self.core
         if isinstance(item, _Block):
-            core.block(read_block(item.flusher, item.block, self.gate), item.chain)
+            data, chain = read_block(item.flusher, item.block, self.gate), item.chain
+            for logged in item.logged:
+                wait_for_copy(logged, self.gate)
+            core.block(data, chain, [logged.record(chain.run_id, chain.rank) for logged in item.logged])
             return
         if isinstance(item, _Logged):
-            logged = item.logged
-            wait_for_copy(logged, self.gate)
-            core.logged(
-                logged.values(), run_id=item.run_id, rank=item.rank, writes=item.writes,
-                step=logged.step, epoch=logged.epoch, wall_time=logged.wall_time,
-            )
+            wait_for_copy(item.logged, self.gate)
+            core.sparse(item.logged.record(item.run_id, item.rank), writes=item.writes)
             return
         assert isinstance(item, tuple)
         kind: str = item[0]
