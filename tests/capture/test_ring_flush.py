@@ -16,6 +16,7 @@ from batchtap.capture.flush import Flusher
 from batchtap.capture.guard import LossGuard
 from batchtap.capture.loader import timed_batches
 from batchtap.capture.ring import MetricRing
+from batchtap.metrics.base import with_settle
 
 CPU = torch.device("cpu")
 
@@ -44,6 +45,33 @@ def test_segments_cover_a_wrapped_block_in_row_order() -> None:
     assert ring.slots(3, 6).tolist() == [3, 0, 1]
     with pytest.raises(ValueError, match="cannot address 5 rows in a ring of 4"):
         ring.segments(0, 5)
+
+
+def test_the_flush_lets_writers_settle_each_run_of_slots_they_wrote_last_before_the_copy() -> None:
+    ring = _ring(capacity=8, device_width=1, host_width=0, guard=None)
+    settled: list[tuple[str, int, int]] = []
+
+    def writers(name: str, settles: bool) -> list:  # type: ignore[type-arg]
+        def write(inputs: object, slot: int, fresh: bool) -> None:
+            ring.device_rows[slot, 0] = -1.0  # left for settle to complete
+
+        def settle(start: int, length: int) -> None:
+            ring.device_rows[start : start + length, 0] = float(len(settled) + 1)
+            settled.append((name, start, length))
+
+        return [with_settle(write, settle)] if settles else [write]
+
+    a, b, plain = ring.slot_writers(writers("a", True)), ring.slot_writers(writers("b", True)), ring.slot_writers(writers("plain", False))
+    assert ring.settling
+    owner_of = {0: a, 1: a, 2: None, 3: a, 4: b, 5: b, 6: plain, 7: a}  # None: the general path's row
+    for slot, owner in owner_of.items():
+        if owner is None:
+            ring.write_device(slot, [torch.tensor(5.0)])
+        else:
+            ring.write_with(slot, owner, None)  # type: ignore[arg-type]
+    ring.copy_rows(6, 14)  # slots 6, 7, then 0..5: a wrapped block
+    assert settled == [("a", 7, 1), ("a", 0, 2), ("a", 3, 1), ("b", 4, 2)]
+    assert ring.pinned[:, 0].tolist() == [2.0, 2.0, 5.0, 3.0, 4.0, 4.0, -1.0, 1.0]  # settled before the copy
 
 
 def test_rows_survive_many_wraps_and_come_back_in_step_order() -> None:

@@ -272,7 +272,8 @@ def _lm_run(monkeypatch: pytest.MonkeyPatch, *, short: bool) -> tuple[ListSink, 
                         tap.flush()  # the error is then raised at the next step
                     if step == 36:
                         ring = tap._state.capture.ring  # type: ignore[union-attr]
-                        writers = [w.__qualname__ for w in ring.row_writers[36 % 16] or ()]  # type: ignore[union-attr]
+                        owner = ring.row_writers[36 % 16]  # type: ignore[union-attr]
+                        writers = [w.__qualname__ for w in owner.writers] if owner is not None else []
         except InputError as exc:  # found at the run's last flush
             raised.append((-1, str(exc)))
     return sink, general[0], writers, raised

@@ -9,10 +9,21 @@ import pytest
 import torch
 
 import batchtap as bt
+import batchtap.metrics.builtin as builtin
 from batchtap.metrics import Metric, StepInputs
+from batchtap.metrics.base import settle_of
 from tests.metrics._helpers import CountOps
 
 CAPACITY = 4
+
+
+@pytest.fixture(params=["counted at the flush", "counted at each step"])
+def hits_counted(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The accuracy writer both ways: per-slot hit flags counted when the rows are flushed (the
+    default), and one shared buffer counted at every step (targets too large for per-slot flags)."""
+    if request.param == "counted at each step":
+        monkeypatch.setattr(builtin, "HITS_BUFFER_BYTES", 0)
+    return str(request.param)
 
 
 def _compute_row(metric: Metric, inputs: StepInputs) -> list[float]:
@@ -21,16 +32,23 @@ def _compute_row(metric: Metric, inputs: StepInputs) -> list[float]:
     return torch.stack([v.float() for v in values]).tolist()
 
 
-def _written_rows(metric: Metric, steps: list[StepInputs], stale: float = 7.0) -> list[list[float]]:
+def _written_rows(metric: Metric, steps: list[StepInputs], stale: float = 7.0, block: int = 1) -> list[list[float]]:
     """Each step written by the metric's writer into slot ``step % CAPACITY`` of a ring whose
-    rows first hold ``stale`` values (another writer's row: the first write of a slot is fresh)."""
+    rows first hold ``stale`` values (another writer's row: the first write of a slot is fresh),
+    and read back ``block`` steps at a time, after the writer's ``settle`` (if any) of those slots,
+    as the ring's flush does (``block`` divides ``CAPACITY``: a flush never wraps within a run)."""
     columns = torch.full((CAPACITY, metric.device_width), stale)
     write = metric.row_writer(steps[0], columns)
+    settle = settle_of(write)
     rows = []
     with torch.no_grad(), CountOps() as counted:
-        for i, inputs in enumerate(steps):
-            write(inputs, i % CAPACITY, i < CAPACITY)
-            rows.append(columns[i % CAPACITY].tolist())
+        for first in range(0, len(steps), block):
+            chunk = steps[first : first + block]
+            for i, inputs in enumerate(chunk, first):
+                write(inputs, i % CAPACITY, i < CAPACITY)
+            if settle is not None:
+                settle(first % CAPACITY, len(chunk))
+            rows.extend(columns[i % CAPACITY].tolist() for i in range(first, first + len(chunk)))
     assert counted.host_reads == []
     return rows
 
@@ -58,17 +76,40 @@ def _accuracy_steps(shape: tuple[int, ...], classes: int, class_dim: int, pad: i
     ids=["NxC", "BxTxV", "NxCxd1xd2", "two-classes"],
 )
 @pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.parametrize("block", [1, 2, 4], ids=["flush-1", "flush-2", "flush-4"])
 def test_accuracys_writer_writes_what_compute_gives(
-    shape: tuple[int, ...], classes: int, class_dim: int, every: int
+    shape: tuple[int, ...], classes: int, class_dim: int, every: int, block: int, hits_counted: str
 ) -> None:
-    steps = _accuracy_steps(shape, classes, class_dim, pad=-100)
+    steps = _accuracy_steps(shape, classes, class_dim, pad=-100, n=12)
     by_compute = bt.metrics.Accuracy(check_targets_every=every)
     expected = [_compute_row(by_compute, inputs) for inputs in steps]
     by_writer = bt.metrics.Accuracy(check_targets_every=every)
-    assert _written_rows(by_writer, steps) == expected
+    write = by_writer.row_writer(steps[0], torch.zeros(CAPACITY, by_writer.device_width))
+    assert (settle_of(write) is not None) == (hits_counted == "counted at the flush")
+    assert _written_rows(by_writer, steps, block=block) == expected
 
 
-def test_accuracys_writer_takes_int32_targets_and_a_sampled_range_that_shows_a_bad_index() -> None:
+def test_accuracys_flush_count_takes_one_op_for_a_block_and_two_a_step(hits_counted: str) -> None:
+    steps = _accuracy_steps((4, 9), 13, -1, pad=-100, n=CAPACITY)
+    metric = bt.metrics.Accuracy(check_targets_every=1000)
+    columns = torch.zeros(CAPACITY, metric.device_width)
+    write = metric.row_writer(steps[0], columns)
+    with torch.no_grad():
+        write(steps[0], 0, True)  # the first: range check and constant columns
+        with CountOps() as per_step:
+            for slot, inputs in enumerate(steps[1:], 1):
+                write(inputs, slot, False)
+        settle = settle_of(write)
+        with CountOps() as at_flush:
+            if settle is not None:
+                settle(0, CAPACITY)
+    kernels = lambda ops: [op for op in ops if not any(v in op for v in ("slice", "select", "view", "alias"))]  # noqa: E731
+    flush_ops = 1 if hits_counted == "counted at the flush" else 0
+    counts = (len(kernels(per_step.ops)), len(kernels(at_flush.ops)))
+    assert counts == ((CAPACITY - 1) * (3 - flush_ops), flush_ops), (per_step.ops, at_flush.ops)
+
+
+def test_accuracys_writer_takes_int32_targets_and_a_sampled_range_that_shows_a_bad_index(hits_counted: str) -> None:
     steps = _accuracy_steps((16,), 5, -1, pad=-100, n=6)
     for inputs in steps:
         inputs.targets = inputs.targets.int()  # type: ignore[union-attr]

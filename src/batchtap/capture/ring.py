@@ -26,12 +26,29 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from batchtap.metrics.base import RowWriter, StepInputs, write_values
+from batchtap.metrics.base import RowWriter, StepInputs, settle_of, write_values
 
-__all__ = ["FACTS", "MetricRing"]
+__all__ = ["FACTS", "MetricRing", "SlotWriters"]
 
 #: the order of the per-slot host facts tuple (``MetricRing.facts``)
 FACTS = ("step", "epoch", "batch", "wall_time", "samples", "data_time", "tokens")
+
+
+class SlotWriters:
+    """The metrics' row writers of one short-path closure (see ``Metric.row_writer``): together
+    they write every device column of a row, and the ring records them as the owner of the slots
+    they wrote last.
+
+    Attributes:
+        writers: the row writers, called in order.
+        settles: the ``settle`` of those that leave columns to the flush (see ``with_settle``).
+    """
+
+    __slots__ = ("writers", "settles")
+
+    def __init__(self, writers: Sequence[RowWriter]) -> None:
+        self.writers = tuple(writers)
+        self.settles = tuple(s for s in map(settle_of, self.writers) if s is not None)
 
 
 class MetricRing:
@@ -75,8 +92,10 @@ class MetricRing:
         # Views made once: slicing costs a dispatcher call per view, and step() runs every batch.
         self.slot_rows = [self.device_rows.select(0, i) for i in range(capacity)]
         # per slot, the short path's writers that wrote its row last (None: a whole-row write);
-        # writers leave constant columns alone, so they must know when a slot's row is not theirs
-        self.row_writers: list[object] = [None] * capacity
+        # writers leave constant columns alone, so they must know when a slot's row is not theirs,
+        # and some leave columns to the flush, which must know whose rows it copies
+        self.row_writers: list[SlotWriters | None] = [None] * capacity
+        self.settling = False  # some writers of this ring leave columns to the flush
         # CUDA: per slot, the guard's pinned float and the row's loss column (the per-step copy)
         self.guard_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if guard_column is not None and device_width:
@@ -125,14 +144,20 @@ class MetricRing:
         if self.guard_pairs is not None:
             self._copy_guard(slot)
 
-    def write_with(self, slot: int, writers: Sequence[RowWriter], inputs: StepInputs) -> None:
+    def slot_writers(self, writers: Sequence[RowWriter]) -> SlotWriters:
+        """The owner :meth:`write_with` takes for ``writers`` (which must cover every device column:
+        none when the row has no device columns)."""
+        owner = SlotWriters(writers)
+        self.settling = self.settling or bool(owner.settles)
+        return owner
+
+    def write_with(self, slot: int, owner: SlotWriters, inputs: StepInputs) -> None:
         """:meth:`write_device` by the metrics' own writers (see ``Metric.row_writer``): each writes
-        its columns of the slot's row in place; ``writers`` must cover every device column (none
-        when the row has no device columns)."""
+        its columns of the slot's row in place (some complete theirs at the flush)."""
         owners = self.row_writers
-        fresh = owners[slot] is not writers
-        owners[slot] = writers
-        for write in writers:
+        fresh = owners[slot] is not owner
+        owners[slot] = owner
+        for write in owner.writers:
             write(inputs, slot, fresh)
         if self.guard_pairs is not None:
             self._copy_guard(slot)
@@ -165,9 +190,32 @@ class MetricRing:
         if not self.device_width or last_row <= first_row:
             return
         for start, length in self.segments(first_row, last_row):
+            if self.settling:
+                self._settle(start, length)
             self.pinned.narrow(0, start, length).copy_(
                 self.device_rows.narrow(0, start, length), non_blocking=self.non_blocking
             )
+
+    def _settle(self, start: int, length: int) -> None:
+        """Let the writers that left columns to the flush complete them in slots ``[start, start +
+        length)``: once per run of consecutive slots they wrote last (one run in a steady loop)."""
+        owners = self.row_writers
+        end = start + length
+        block = owners[start:end]
+        if block.count(block[0]) == length:  # one owner for the whole run (a C-speed scan)
+            runs = [(start, length, block[0])]
+        else:
+            runs, i = [], start
+            while i < end:
+                owner, j = owners[i], i + 1
+                while j < end and owners[j] is owner:
+                    j += 1
+                runs.append((i, j - i, owner))
+                i = j
+        for first, count, owner in runs:
+            if owner is not None:
+                for settle in owner.settles:
+                    settle(first, count)
 
     def segments(self, first_row: int, last_row: int) -> list[tuple[int, int]]:
         """The (slot, length) runs covering rows ``[first_row, last_row)``: one, or two on wrap-around."""

@@ -114,11 +114,11 @@ def short_step(
             break
     ring, clock, flusher, guard, micro = capture.ring, capture.clock, capture.flusher, capture.guard, capture.micro
     # each device metric writes its own columns of the row in place (see Metric.row_writer)
-    writers = [
+    writers = ring.slot_writers([
         span.metric.row_writer(example, ring.device_rows.narrow(1, span.device_offset, span.metric.device_width))
         for span in capture.layout.device_order
         if span.metric.device_width
-    ]
+    ])
     host_readers = [m.read_host for m in capture.host_readers]
     # host values that depend on the inputs' metadata only are read once, here
     fixed_host: list[float] | None = None

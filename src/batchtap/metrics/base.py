@@ -24,13 +24,39 @@ import torch
 
 from batchtap.metrics.domain import Output
 
-__all__ = ["Metric", "StepInputs", "StepTiming", "BlockTiming", "Requirement", "Combine", "RowWriter", "write_values"]
+__all__ = [
+    "Metric", "StepInputs", "StepTiming", "BlockTiming", "Requirement", "Combine", "RowWriter", "Settle",
+    "write_values", "with_settle", "settle_of",
+]
 
 Requirement = Literal["loss", "outputs", "targets"]
 
 #: ``write(inputs, slot, fresh)``: a metric's device columns of ring row ``slot``, written in place
 #: (see :meth:`Metric.row_writer`); ``fresh`` is True when another writer wrote the slot last
 RowWriter = Callable[["StepInputs", int, bool], None]
+
+#: ``settle(start, length)``: completes the columns a row writer left for the flush, in ring slots
+#: ``[start, start + length)`` (see :func:`with_settle`)
+Settle = Callable[[int, int], None]
+
+
+def with_settle(write: RowWriter, settle: Settle) -> RowWriter:
+    """Mark ``write`` as a row writer that leaves some of its columns to be completed at the flush.
+
+    The ring calls ``settle(start, length)`` right before it queues the copy of a block, once per
+    run of consecutive slots whose rows ``write`` wrote last: one op for a whole block where a
+    per-step op would cost host time at every step (the built-in accuracy counts its hits there).
+    ``settle`` must write exactly what the step's writes would have, from state the writes left
+    per slot, and must not read device values.
+    """
+    write.settle = settle  # type: ignore[attr-defined]  # a plain function keeps the per-step call cheap
+    return write
+
+
+def settle_of(write: RowWriter) -> Settle | None:
+    """The ``settle`` that :func:`with_settle` attached to ``write``, if any."""
+    settle: Settle | None = getattr(write, "settle", None)
+    return settle
 
 
 class Combine(str, enum.Enum):
@@ -185,6 +211,8 @@ class Metric(abc.ABC):
                 slot. The writer gets the slot index, and ``fresh``: True when the slot's row was
                 last written by someone else (the general path, or a writer for other inputs), so
                 columns a writer normally leaves alone (its constants) must be written too.
+
+        A writer may leave columns to the flush: see :func:`with_settle`.
         """
         rows = [columns.select(0, slot) for slot in range(columns.shape[0])]
 

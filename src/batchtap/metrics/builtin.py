@@ -14,7 +14,9 @@ import torch
 
 from batchtap.errors import ConfigError, InputError
 from batchtap.metrics import functional as F
-from batchtap.metrics.base import BlockTiming, Combine, Metric, Requirement, RowWriter, StepInputs, StepTiming
+from batchtap.metrics.base import (
+    BlockTiming, Combine, Metric, Requirement, RowWriter, StepInputs, StepTiming, with_settle,
+)
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Output, Reduce
 
 __all__ = [
@@ -125,6 +127,11 @@ class Loss(Metric):
             cells[slot].fill_(inputs.loss)  # type: ignore[arg-type]  # the short path checked it
 
         return write
+
+
+#: device memory one accuracy row writer may take for its per-slot hit flags (``capacity * 2 *
+#: targets`` bytes); past it the counts are reduced at every step instead of at the flush
+HITS_BUFFER_BYTES = 16 * 2**20
 
 
 class Accuracy(Metric):
@@ -330,16 +337,23 @@ class Accuracy(Metric):
         return (*(p[0] for p in parts), *(p[1] for p in parts), low, high)
 
     def row_writer(self, example: StepInputs, columns: torch.Tensor) -> RowWriter:
-        """Top-1 with padding (the default) written into the ring row in three ops, no intermediates.
+        """Top-1 with padding (the default) written into the ring row in two ops a step, no
+        intermediates, and counted at the flush.
 
         Row 0 of a ``[2, *targets]`` buffer takes the argmax; row 1 holds ``ignore_index``. One
-        ``eq`` of the buffer with the targets (into a float buffer) marks the hits and the ignored
-        positions, and one matrix product with a column of ones counts both rows straight into the
-        row's (correct, ignored) columns. A prediction never equals the ignored value (it is no
-        class index), so the hits are hits among the kept targets. Counts of 0/1 values in float32
-        are exact below 2**24 (TF32 keeps 0 and 1 exact too). The other columns are constants for
-        these inputs (the positions, zero high parts, an unchecked target range of (0, 0)): written
-        only when the slot's row is not this writer's, or held a checked range.
+        ``eq`` of the buffer with the targets marks the hits and the ignored positions into the
+        slot's own ``[2, *targets]`` bool buffer, and at the flush one sum over the block's slots
+        counts both rows straight into the rows' (correct, ignored) columns (see ``with_settle``):
+        the per-step reduction and the per-step cast to float are gone (together they cost more
+        host time than the argmax and the eq). A prediction never equals the ignored value (it is
+        no class index), so the hits are hits among the kept targets. Counts of 0/1 values in
+        float32 are exact below 2**24. The other columns are constants for these inputs (the
+        positions, zero high parts, an unchecked target range of (0, 0)): written only when the
+        slot's row is not this writer's, or held a checked range.
+
+        The per-slot buffers take ``capacity * 2 * targets.numel()`` bytes of device memory; past
+        :data:`HITS_BUFFER_BYTES` the eq writes one shared float buffer instead and a matrix
+        product with a column of ones counts it into the row at every step (three ops a step).
 
         Other settings (top-k, an ignored value that is a class, no ``ignore_index``, more than
         ``2**20`` targets, where the buffers would grow large) take the default writer: compute,
@@ -354,37 +368,60 @@ class Accuracy(Metric):
         device = outputs.device
         pair = torch.full((2, *targets.shape), ignore, dtype=torch.int64, device=device)
         predicted = pair.select(0, 0)
-        matches = torch.empty(pair.shape, dtype=torch.float32, device=device)
-        per_row = matches.view(2, -1)
         dropped = torch.empty(targets.shape, dtype=torch.bool, device=device)  # for the range check
-        ones = torch.ones((facts.numel, 1), dtype=torch.float32, device=device)
         # columns 2..7: positions, the three high parts, the target range (made constants: written
         # with one stack, as the general path's row; a device-to-device copy_ is not traceable
         # under FakeTensorMode, which the CUDA-path tests use)
         constants = (facts.positions[0], *(facts.zero,) * 5)
-        slots = range(columns.shape[0])
+        capacity = columns.shape[0]
+        slots = range(capacity)
+        rest = [columns.select(0, s).narrow(0, 2, 6) for s in slots]
+        ranges = [columns.select(0, s).narrow(0, 6, 2) for s in slots]
+        ranged = [False] * capacity  # the slot's row holds a checked target range
+        class_dim = facts.class_dim
+        range_due, kept_range = self._range_due, self._kept_range
+
+        def write_constants(targets: torch.Tensor, slot: int, fresh: bool) -> None:
+            if fresh or ranged[slot]:
+                torch.stack(constants, out=rest[slot])
+                ranged[slot] = False
+            if range_due():
+                torch.eq(targets, ignore, out=dropped)  # type: ignore[arg-type]
+                torch.stack(kept_range(targets, dropped), out=ranges[slot])  # type: ignore[arg-type]
+                ranged[slot] = True
+
+        if capacity * 2 * facts.numel <= HITS_BUFFER_BYTES:
+            hits = torch.empty((capacity, 2, facts.numel), dtype=torch.bool, device=device)
+            slot_hits = [hits.select(0, s).view(pair.shape) for s in slots]
+            counted = columns.narrow(1, 0, 2)  # correct, ignored
+
+            def write(inputs: StepInputs, slot: int, fresh: bool) -> None:
+                targets = inputs.targets
+                torch.argmax(inputs.outputs, class_dim, out=predicted)  # type: ignore[arg-type]
+                torch.eq(pair, targets, out=slot_hits[slot])  # type: ignore[arg-type]  # counted at the flush
+                write_constants(targets, slot, fresh)  # type: ignore[arg-type]
+
+            def settle(start: int, length: int) -> None:
+                # one reduction for the block: bool -> float32 counts of the hits and the ignored
+                torch.sum(hits.narrow(0, start, length), 2, dtype=torch.float32, out=counted.narrow(0, start, length))
+
+            return with_settle(write, settle)
+
+        matches = torch.empty(pair.shape, dtype=torch.float32, device=device)
+        per_row = matches.view(2, -1)
+        ones = torch.ones((facts.numel, 1), dtype=torch.float32, device=device)
         # correct, ignored as a [2, 1] column for the product (mm: mv's out= is not traceable under
         # FakeTensorMode, which the CUDA-path tests use)
         counts = [columns.select(0, s).narrow(0, 0, 2).unsqueeze(1) for s in slots]
-        rest = [columns.select(0, s).narrow(0, 2, 6) for s in slots]
-        ranges = [columns.select(0, s).narrow(0, 6, 2) for s in slots]
-        ranged = [False] * len(slots)  # the slot's row holds a checked target range
-        class_dim = facts.class_dim
 
-        def write(inputs: StepInputs, slot: int, fresh: bool) -> None:
+        def write_counted(inputs: StepInputs, slot: int, fresh: bool) -> None:
             targets = inputs.targets
             torch.argmax(inputs.outputs, class_dim, out=predicted)  # type: ignore[arg-type]
             torch.eq(pair, targets, out=matches)  # type: ignore[arg-type]
             torch.mm(per_row, ones, out=counts[slot])  # correct, ignored
-            if fresh or ranged[slot]:
-                torch.stack(constants, out=rest[slot])
-                ranged[slot] = False
-            if self._range_due():
-                torch.eq(targets, ignore, out=dropped)  # type: ignore[arg-type]
-                torch.stack(self._kept_range(targets, dropped), out=ranges[slot])  # type: ignore[arg-type]
-                ranged[slot] = True
+            write_constants(targets, slot, fresh)  # type: ignore[arg-type]
 
-        return write
+        return write_counted
 
     def _fused_top1(
         self, outputs: torch.Tensor, targets: torch.Tensor, ignore: int, facts: _AccuracyShape, counts: torch.Tensor
