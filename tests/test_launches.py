@@ -77,7 +77,8 @@ DEFAULTS = lambda: [  # noqa: E731 - the metrics a Tap picks for loss/outputs/ta
 
 @pytest.mark.parametrize("nan_guard", [True, False], ids=["nan_guard", "no_guard"])
 def test_default_metrics_launch_three_kernels_a_step_plus_the_nan_guards_copy(fake_cuda: None, nan_guard: bool) -> None:
-    tap = bt.Tap(DEFAULTS(), [], flush_every=16, capacity=64, nan_guard=nan_guard)
+    # flush by count only: a slow machine could otherwise flush by age within the counted steps
+    tap = bt.Tap(DEFAULTS(), [], flush_every=16, flush_seconds=3600, capacity=64, nan_guard=nan_guard)
     with tap, tap.run(), FakeTensorMode(allow_non_fake_inputs=True):
         logits = torch.randn(8, 64, 100, device="cuda")  # [B, T, V] with -100 padding: the LM case
         targets = torch.randint(0, 100, (8, 64), device="cuda")
@@ -93,7 +94,7 @@ def test_default_metrics_launch_three_kernels_a_step_plus_the_nan_guards_copy(fa
 
 
 def test_loss_only_launches_one_kernel_a_step_plus_the_guards_copy(fake_cuda: None) -> None:
-    tap = bt.Tap([bt.metrics.Loss()], [], flush_every=16, capacity=64)
+    tap = bt.Tap([bt.metrics.Loss()], [], flush_every=16, flush_seconds=3600, capacity=64)
     with tap, tap.run(), FakeTensorMode(allow_non_fake_inputs=True):
         per_step, ops = _per_step(tap, loss=torch.randn(4, device="cuda").mean())
     assert per_step == pytest.approx(2 + 1 / 16), dict(ops)  # row copy, guard copy; flush copy

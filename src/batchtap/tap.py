@@ -99,6 +99,8 @@ log = logging.getLogger("batchtap")
 _set_eval_frame: Callable[[Any], Any] | None = getattr(
     getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "set_eval_frame", None
 )
+#: dynamo's list of code objects it never compiles (private, as above)
+_skip_code: Callable[[Any], None] | None = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
 
 
 def _eager(method: T) -> T:
@@ -112,8 +114,7 @@ def _eager(method: T) -> T:
     otherwise hands over to torch's wrapper, which runs the method with dynamo off.
     """
     disabled: Any = torch.compiler.disable(method)  # type: ignore[arg-type]
-    skip_code = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
-    if _set_eval_frame is None or skip_code is None:
+    if _set_eval_frame is None or _skip_code is None:
         return disabled  # type: ignore[no-any-return]
     set_eval_frame, plain = _set_eval_frame, cast(Callable[..., Any], method)
 
@@ -124,14 +125,41 @@ def _eager(method: T) -> T:
         set_eval_frame(prior)
         return disabled(*args, **kwargs)
 
-    # a compiled caller runs the call natively after its graph break, and dynamo would then try to
-    # compile this wrapper's own frame: it is marked to be skipped, as torch's own wrapper is
-    skip_code(call.__code__)
     functools.update_wrapper(call, plain)
+    return cast(T, _skipped_by_dynamo(call, plain))
+
+
+def _eager_entry(method: T) -> T:
+    """Mark ``method`` as :func:`_eager` does, without a wrapper: the method itself must run its
+    own work only when :func:`_in_eager_code` says so, and hand over to an :func:`_eager` method
+    otherwise. For ``Tap.step``, whose short path is a few microseconds: a wrapper forwarding
+    ``*args, **kwargs`` costs a tenth of that."""
+    if _set_eval_frame is None or _skip_code is None:
+        return method  # _in_eager_code() is then always False: every call takes the _eager method
+    return cast(T, _skipped_by_dynamo(method, method))
+
+
+def _skipped_by_dynamo(function: Any, plain: Any) -> Any:
+    """Mark ``function`` as torch's ``disable`` marks its wrapper: a compiled caller graph-breaks
+    at the call and runs it natively; dynamo then must not try to compile its frame either."""
+    assert _skip_code is not None
+    _skip_code(function.__code__)
     for name in ("_torchdynamo_disable", "_torchdynamo_disable_recursive"):
-        setattr(call, name, True)
-    call._torchdynamo_orig_callable = plain  # type: ignore[attr-defined]
-    return cast(T, call)
+        setattr(function, name, True)
+    function._torchdynamo_orig_callable = plain
+    return function
+
+
+def _in_eager_code() -> bool:
+    """No frame-evaluation callback is installed: the caller is plain eager code (one C call to
+    find out). False under a compiled caller, and where torch has no such switch."""
+    if _set_eval_frame is None:
+        return False
+    prior = _set_eval_frame(None)
+    if prior is None:
+        return True
+    _set_eval_frame(prior)
+    return False
 
 
 class _Terminated(BaseException):
@@ -549,7 +577,7 @@ class Tap:
         finally:
             state.watching = False
 
-    @_eager
+    @_eager_entry
     def step(
         self,
         loss: torch.Tensor | None = None,
@@ -588,8 +616,28 @@ class Tap:
             RunStateError: called outside :meth:`run`.
         """
         short = self._short
-        if short is not None and short(loss, outputs, targets, batch_size, tokens, grad_norm, epoch, batch, extra):
+        if (
+            short is not None
+            and _in_eager_code()
+            and short(loss, outputs, targets, batch_size, tokens, grad_norm, epoch, batch, extra)
+        ):
             return
+        self._step(loss, outputs, targets, extra, batch_size, tokens, grad_norm, epoch, batch)
+
+    @_eager
+    def _step(
+        self,
+        loss: torch.Tensor | None,
+        outputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        extra: Mapping[str, torch.Tensor | float] | None,
+        batch_size: int | None,
+        tokens: int | None,
+        grad_norm: torch.Tensor | float | None,
+        epoch: int | None,
+        batch: int | None,
+    ) -> None:
+        """:meth:`step`'s general path: every check, then the row (see ``capture/short.py``)."""
         state = self._require_run("step()")
         state.owner.check("step()")
         self._raise_pipeline_error()
