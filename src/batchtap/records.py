@@ -134,6 +134,45 @@ class Record:
         return out
 
 
+def _slot_setters(cls: type) -> tuple[Callable[[Any, Any], None], ...]:
+    return tuple(cls.__dict__[field.name].__set__ for field in dataclasses.fields(cls))
+
+
+_RECORD_SETTERS = _slot_setters(Record)
+_new_object = object.__new__
+
+
+def step_records(
+    run_id: str, rank: int, steps: Sequence[int], epochs: Sequence[int], batches: Sequence[int],
+    walls: Sequence[float], values: Sequence[Mapping[str, float]],
+) -> list[Record]:
+    """``Record(run_id, steps[i], epochs[i], batches[i], rank, walls[i], values[i])`` for every i:
+    the records of a decoded block, made at half the cost of calling the class.
+
+    A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``; the pipeline
+    makes one record per captured step, on the training process's GIL, so these are filled
+    through their slots directly. The objects are the same (equal, hashable, frozen afterwards).
+
+    Example:
+        >>> step_records("r", 0, [4], [0], [4], [1.5], [{"loss": 0.5}]) == [Record("r", 4, 0, 4, 0, 1.5, {"loss": 0.5})]
+        True
+    """
+    s_run, s_step, s_epoch, s_batch, s_rank, s_wall, s_values, s_sparse = _RECORD_SETTERS
+    out = []
+    for step, epoch, batch, wall, row in zip(steps, epochs, batches, walls, values):
+        record = _new_object(Record)
+        s_run(record, run_id)
+        s_step(record, step)
+        s_epoch(record, epoch)
+        s_batch(record, batch)
+        s_rank(record, rank)
+        s_wall(record, wall)
+        s_values(record, row)
+        s_sparse(record, False)
+        out.append(record)
+    return out
+
+
 class EventKind(str, enum.Enum):
     """What an :class:`Event` reports."""
 

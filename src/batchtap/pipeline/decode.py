@@ -16,15 +16,14 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
 from batchtap.capture.flush import BlockData
 from batchtap.metrics.base import BlockTiming, Metric, StepTiming
-from batchtap.metrics.domain import Output
 from batchtap.metrics.layout import Layout
-from batchtap.records import Event, EventKind, Record
+from batchtap.records import Event, EventKind, Record, step_records
 
 __all__ = ["Decoder", "Decoded"]
 
@@ -81,6 +80,17 @@ class Decoder:
         self._checks_inputs = [_overrides(span.metric, "input_error") for span in layout.spans]
         self._names = [o.name for span in layout.spans for o in span.outputs]
         self._warned: set[int] = set()  # metrics whose warning was reported (once per run)
+        # Per output column of a block (metrics in order): its metric's index, its place among the
+        # metric's outputs, the output, and its domain as arrays (one compare checks every column)
+        self._owners = [
+            (index, place, output, span.metric)
+            for index, span in enumerate(layout.spans)
+            for place, output in enumerate(span.outputs)
+        ]
+        domains = [output.domain for _, _, output, _ in self._owners]
+        self._low = np.array([d.low for d in domains], dtype=np.float64)
+        self._high = np.array([d.high for d in domains], dtype=np.float64)
+        self._infinite_ok = np.array([not d.finite for d in domains], dtype=bool)
 
     def decode(self, data: BlockData) -> Decoded:
         out = Decoded()
@@ -130,6 +140,7 @@ class Decoder:
             events.append(((i, -1, 0), Event(self.run_id, step, EventKind.SKIP, message, walls[i], rank=self.rank)))
 
         columns: list[_Columns] = []
+        problems_of: list[dict[int, str]] = []  # per metric: rows whose inputs it found invalid
         weights: list[tuple[tuple[str, ...], list[float | None]]] = []
         for index, (metric, outputs, _, _) in enumerate(self._spans):
             raw = raws[index]
@@ -160,19 +171,25 @@ class Decoder:
             values = self._finalize(
                 metric, len(outputs), raw, timing, functools.partial(raw_rows, index), step_timings, problems
             )
-            self._validate(values, metric, outputs, index, problems, skipped, steps, walls, events)
             for i, message in problems.items():
                 input_errors.append(((i, index), message))
                 for place, output in enumerate(outputs):
                     self.anomaly_counts[output.name] += 1
                     events.append(((i, index, place), self._event(steps[i], walls[i], output.name, None, message)))
             columns.append(values)
+            problems_of.append(problems)
 
+        if columns:
+            block_values = np.concatenate([c.values for c in columns], axis=1)
+            present = np.concatenate([c.present for c in columns], axis=1)
+        else:
+            block_values, present = np.zeros((n, 0)), np.zeros((n, 0), dtype=bool)
+        self._validate(block_values, present, problems_of, skipped, steps, walls, events)
         events.sort(key=lambda keyed: keyed[0])
         out.events = [event for _, event in events]
         input_errors.sort(key=lambda keyed: keyed[0])
         out.input_errors = [message for _, message in input_errors]
-        out.records = self._records(data, columns, steps, walls)
+        out.records = self._records(data, block_values, present, steps, walls)
         out.weights = [
             {name: w for names, row_weights in weights if (w := row_weights[i]) is not None for name in names}
             for i in range(n)
@@ -221,54 +238,46 @@ class Decoder:
 
     def _validate(
         self,
-        columns: _Columns,
-        metric: Metric,
-        outputs: Sequence[Output],
-        index: int,
-        problems: dict[int, str],
+        values: np.ndarray,
+        present: np.ndarray,
+        problems_of: list[dict[int, str]],
         skipped: np.ndarray,
         steps: list[int],
         walls: list[float],
         events: list[tuple[tuple[int, int, int], Event]],
     ) -> None:
-        """Check every present value against its output's domain (one compare per output); a value
-        outside becomes NaN with an anomaly event, except a non-finite gradient value on a step the
-        scaler skipped (left out: the skip event reports it)."""
-        values, present = columns.values, columns.present
-        for place, output in enumerate(outputs):
-            column = values[:, place]
+        """Check every present value of the block against its output's domain, all outputs in one
+        array compare; a value outside becomes NaN with an anomaly event, except a non-finite
+        gradient value on a step the scaler skipped (left out: the skip event reports it)."""
+        with np.errstate(invalid="ignore"):
+            inside = (self._low <= values) & (values <= self._high)  # NaN fails the compare
+        inside &= self._infinite_ok | np.isfinite(values)
+        rows, cols = np.nonzero(present & ~inside)
+        for i, c in zip(rows.tolist(), cols.tolist()):
+            index, place, output, metric = self._owners[c]
+            if i in problems_of[index]:
+                continue  # reported as the input error
+            value = float(values[i, c])
             domain = output.domain
-            with np.errstate(invalid="ignore"):
-                inside = (domain.low <= column) & (column <= domain.high)  # NaN fails the compare
-            if domain.finite:
-                inside &= np.isfinite(column)
-            failed = np.flatnonzero(present[:, place] & ~inside).tolist()
-            for i in failed:
-                if i in problems:
-                    continue  # reported as the input error
-                value = float(column[i])
-                why = domain.violation(value)
-                if why is None:
-                    continue
-                if skipped[i] and metric.gradient_based and not math.isfinite(value):
-                    present[i, place] = False
-                    continue
-                column[i] = math.nan
-                self.anomaly_counts[output.name] += 1
-                message = (
-                    f"{output.name}={value!r} at step {steps[i]} is {why} "
-                    f"(expected {domain.describe()}); stored as NaN"
-                )
-                events.append(((i, index, place), self._event(steps[i], walls[i], output.name, value, message)))
+            why = domain.violation(value)
+            if why is None:
+                continue
+            if skipped[i] and metric.gradient_based and not math.isfinite(value):
+                present[i, c] = False
+                continue
+            values[i, c] = math.nan
+            self.anomaly_counts[output.name] += 1
+            message = (
+                f"{output.name}={value!r} at step {steps[i]} is {why} "
+                f"(expected {domain.describe()}); stored as NaN"
+            )
+            events.append(((i, index, place), self._event(steps[i], walls[i], output.name, value, message)))
 
-    def _records(self, data: BlockData, columns: list[_Columns], steps: list[int], walls: list[float]) -> list[Record]:
+    def _records(
+        self, data: BlockData, values: np.ndarray, present: np.ndarray, steps: list[int], walls: list[float]
+    ) -> list[Record]:
         n = len(steps)
         epochs, batches = data.epoch.tolist(), data.batch.tolist()
-        if columns:
-            values = np.concatenate([c.values for c in columns], axis=1)
-            present = np.concatenate([c.present for c in columns], axis=1)
-        else:
-            values, present = np.zeros((n, 0)), np.zeros((n, 0), dtype=bool)
         names = self._names
         somewhere = present.any(axis=0)
         if not somewhere.all():  # a value no row has (data wait without a watched loader): dropped
@@ -279,17 +288,11 @@ class Decoder:
         # compare equal with == wherever their NaNs sit)
         for i, j in zip(*np.nonzero(np.isnan(values))):
             table[i][j] = math.nan
-        run_id, rank = self.run_id, self.rank
         if present.all():
-            return [Record(run_id, steps[i], epochs[i], batches[i], rank, walls[i], dict(zip(names, table[i]))) for i in range(n)]
-        flags = present.tolist()
-        return [
-            Record(
-                run_id, steps[i], epochs[i], batches[i], rank, walls[i],
-                {name: v for name, v, p in zip(names, table[i], flags[i]) if p},
-            )
-            for i in range(n)
-        ]
+            rows = [dict(zip(names, row)) for row in table]
+        else:
+            rows = [{name: v for name, v, p in zip(names, row, flags) if p} for row, flags in zip(table, present.tolist())]
+        return step_records(self.run_id, self.rank, steps, epochs, batches, walls, rows)
 
     def _event(self, step: int, wall: float, metric: str, raw: float | None, message: str) -> Event:
         return Event(self.run_id, step, EventKind.ANOMALY, message, wall, metric=metric, raw_value=raw, rank=self.rank)
