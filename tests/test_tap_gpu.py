@@ -90,6 +90,42 @@ def test_nan_is_seen_within_the_device_lag() -> None:
     assert seen is not None and seen - 50 <= 10
 
 
+def test_default_accuracy_counted_at_the_flush_is_exact_on_padded_lm_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default Accuracy on [B, T, V] logits with -100 padding takes the short path's writer that
+    # marks hits per slot and counts a whole block with one sum at the flush (bool -> float32 into
+    # strided ring views): every step's value must be what .item() says, with no sync.
+    sink = ListSink()
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    steps = []
+    for i in range(40):
+        logits = torch.randn(4, 16, 50, device=device, generator=gen)
+        targets = torch.randint(0, 50, (4, 16), device=device, generator=gen)
+        share = (0.0, 0.3, 1.0, 0.6)[i % 4]  # of padded targets; all of them every 4th step
+        targets[torch.rand(4, 16, device=device, generator=gen) < share] = -100
+        steps.append((logits, targets))
+    syncs = _ExplicitSyncs(monkeypatch)
+    with bt.Tap([bt.metrics.Loss(), bt.metrics.Accuracy()], [sink], flush_every=8, capacity=16) as tap, tap.run():
+        tap.step(loss=steps[0][0].mean(), outputs=steps[0][0], targets=steps[0][1])
+        syncs.calls.clear()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for logits, targets in steps[1:]:
+                tap.step(loss=logits.mean(), outputs=logits, targets=targets)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert syncs.calls == []
+    assert len(sink.records) == len(steps)
+    for record, (logits, targets) in zip(sink.records, steps):
+        kept = targets != -100
+        if not kept.any().item():
+            assert "accuracy" not in record.values  # every target ignored: no accuracy at this step
+            continue
+        hits = ((logits.argmax(-1) == targets) & kept).sum().float()
+        expected = (hits / kept.sum().float()).item()
+        assert np.float32(record.values["accuracy"]) == np.float32(expected), record.step
+
+
 def test_a_captured_graph_replayed_with_steps_after_each_replay() -> None:
     # The supported pattern: capture the model's step inside tap.paused(), then tap.step() on the
     # graph's static outputs after each replay; blocks are in flight when the capture starts.
