@@ -134,11 +134,10 @@ class Record:
         return out
 
 
-def _slot_setters(cls: type) -> tuple[Callable[[Any, Any], None], ...]:
-    return tuple(cls.__dict__[field.name].__set__ for field in dataclasses.fields(cls))
-
-
-_RECORD_SETTERS = _slot_setters(Record)
+#: each field's slot setter, in field order (a frozen dataclass's own __setattr__ refuses)
+_RECORD_SETTERS: tuple[Callable[[Any, Any], None], ...] = tuple(
+    Record.__dict__[field.name].__set__ for field in dataclasses.fields(Record)
+)
 _new_object = object.__new__
 
 

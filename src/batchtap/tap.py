@@ -116,13 +116,11 @@ def _eager(method: T) -> T:
     disabled: Any = torch.compiler.disable(method)  # type: ignore[arg-type]
     if _set_eval_frame is None or _skip_code is None:
         return disabled  # type: ignore[no-any-return]
-    set_eval_frame, plain = _set_eval_frame, cast(Callable[..., Any], method)
+    plain = cast(Callable[..., Any], method)
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        prior = set_eval_frame(None)
-        if prior is None:  # eager caller: nothing to turn off
+        if _in_eager_code():  # nothing to turn off
             return plain(*args, **kwargs)
-        set_eval_frame(prior)
         return disabled(*args, **kwargs)
 
     functools.update_wrapper(call, plain)

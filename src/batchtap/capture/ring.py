@@ -98,10 +98,14 @@ class MetricRing:
         self.settling = False  # some writers of this ring leave columns to the flush
         # CUDA: per slot, the guard's pinned float and the row's loss column (the per-step copy)
         self.guard_pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # the guard's floats are the ring's own loss column: a step's loss is readable on the host
+        # as soon as its write returned (nothing to wait for, nothing to poll)
+        self.loss_in_place = False
         if guard_column is not None and device_width:
             if device.type == "cpu":
                 # The ring already is host memory: the guard reads the loss column in place.
                 self.guard_np = self.device_rows.numpy()[:, guard_column]
+                self.loss_in_place = True
             else:
                 self.guard_pairs = [
                     (self.guard.narrow(0, i, 1), self.slot_rows[i].narrow(0, guard_column, 1)) for i in range(capacity)

@@ -126,9 +126,9 @@ def short_step(
         fixed_host = [v for read in host_readers for v in read(example)]
     device, cuda, autocast_device = capture.device, capture.cuda, capture.autocast_device
     facts, host_rows, write_with = ring.facts, ring.host_rows, ring.write_with
-    # On the CPU the row is written when the step's ops return, and the guard reads the loss column
-    # of the ring in place: the step checks its own loss here, with no queue of slots to poll.
-    losses_in_place = ring.guard_np if guard is not None and device.type == "cpu" else None
+    # Where the guard reads the ring's loss column in place (the CPU), the step checks its own loss
+    # right after writing it, with no queue of slots to poll.
+    losses_in_place = ring.guard_np if guard is not None and ring.loss_in_place else None
     isfinite = math.isfinite
     claim, due, mark_start, mark_end = flusher.claim, flusher.due, clock.mark_start, clock.mark_end
     get_ident, wall_clock, nan = threading.get_ident, time.time, math.nan
@@ -215,7 +215,7 @@ def short_step(
         run.step += 1
         # after the step, as Tap._after_step: NaN guard, flush, next start mark
         if losses_in_place is not None:
-            loss_value = losses_in_place[slot]
+            loss_value = losses_in_place[slot]  # sync: none — host memory the step's own op just wrote
             if not isfinite(loss_value):
                 on_nan((facts[slot][0], float(loss_value)))
         elif guard is not None:

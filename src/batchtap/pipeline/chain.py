@@ -83,8 +83,6 @@ class RunChain:
         reduce: ReduceSpec | None = None,
         rules: RulesStage | None = None,
     ) -> None:
-        self.run_id = run_id
-        self.rank = rank
         self.decoder = Decoder(layout, run_id=run_id, rank=rank)
         self.reducer: Reducer | None = None
         if reduce is not None:
@@ -98,6 +96,14 @@ class RunChain:
         # training-thread events held back to travel with the next block through the reducer, so
         # the writing rank stores every rank's events
         self._held: list[Event] = []
+
+    @property
+    def run_id(self) -> str:
+        return self.decoder.run_id
+
+    @property
+    def rank(self) -> int:
+        return self.decoder.rank
 
     @property
     def anomaly_counts(self) -> dict[str, int]:
