@@ -10,7 +10,10 @@ import re
 
 from tests.bench._quick import run_quick
 
-CALLS = ("tap.step, default metrics", "tap.step, loss only", "per-step .item() recipe")
+CALLS = (
+    "tap.step, default metrics", "tap.step, loss only", "per-step .item() recipe",
+    "floor: the default metrics' 3 device ops alone",
+)
 
 
 def test_inloop_bench_quick_prints_a_row_per_call() -> None:

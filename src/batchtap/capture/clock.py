@@ -93,6 +93,15 @@ class HostClock(StepClock):
     def _elapsed(self, slot: int) -> float:
         return self._end[slot] - self._start[slot]
 
+    def take_elapsed(self, slots: Sequence[int]) -> list[float]:
+        # the base class's, in one comprehension: a block's rows pay no call each (the pipeline
+        # reads them on the training process's GIL)
+        armed, start, end, nan = self._armed, self._start, self._end, math.nan
+        seconds = [end[slot] - start[slot] if armed[slot] else nan for slot in slots]
+        for slot in slots:
+            armed[slot] = False
+        return seconds
+
     def end_done(self, slot: int) -> bool:
         return True  # work on the CPU is done when the call that queued it returns
 

@@ -83,7 +83,7 @@ class RunChain:
         reduce: ReduceSpec | None = None,
         rules: RulesStage | None = None,
     ) -> None:
-        self.decoder = Decoder(layout, run_id=run_id, rank=rank)
+        self.decoder = Decoder(layout, run_id=run_id, rank=rank, weights=reduce is not None)
         self.reducer: Reducer | None = None
         if reduce is not None:
             outputs = [o for span in layout.spans for o in span.outputs]

@@ -35,6 +35,7 @@ class Decoded:
 
     def __init__(self) -> None:
         #: per record: value name -> what its MEAN averages over, where that is not the samples
+        #: (empty when the decoder was asked for no weights)
         self.weights: list[dict[str, float]] = []
         self.records: list[Record] = []
         self.events: list[Event] = []
@@ -54,11 +55,18 @@ class _Columns:
 class Decoder:
     """Turns :class:`BlockData` into validated :class:`Record` objects for one run and rank.
 
+    Args:
+        layout: the run's metric layout.
+        run_id: the run the records belong to.
+        rank: the process rank they come from.
+        weights: also give each record's MEAN weights (``Decoded.weights``); only a reducer
+            averaging over ranks reads them.
+
     Attributes:
         anomaly_counts: anomalies seen so far per value name.
     """
 
-    def __init__(self, layout: Layout, *, run_id: str, rank: int) -> None:
+    def __init__(self, layout: Layout, *, run_id: str, rank: int, weights: bool = True) -> None:
         self.layout = layout
         self.run_id = run_id
         self.rank = rank
@@ -76,7 +84,8 @@ class Decoder:
         # Only metrics that override the optional hooks are asked.
         self._skips = [_overrides(span.metric, "skipped") for span in layout.spans]
         self._warns = [_overrides(span.metric, "warning") for span in layout.spans]
-        self._weighs = [_overrides(span.metric, "weight") for span in layout.spans]
+        # weights only matter to a reducer averaging over ranks (``weights=False``: none is made)
+        self._weighs = [weights and _overrides(span.metric, "weight") for span in layout.spans]
         self._checks_inputs = [_overrides(span.metric, "input_error") for span in layout.spans]
         self._names = [o.name for span in layout.spans for o in span.outputs]
         self._warned: set[int] = set()  # metrics whose warning was reported (once per run)
@@ -190,10 +199,11 @@ class Decoder:
         input_errors.sort(key=lambda keyed: keyed[0])
         out.input_errors = [message for _, message in input_errors]
         out.records = self._records(data, block_values, present, steps, walls)
-        out.weights = [
-            {name: w for names, row_weights in weights if (w := row_weights[i]) is not None for name in names}
-            for i in range(n)
-        ]
+        if weights:
+            out.weights = [
+                {name: w for names, row_weights in weights if (w := row_weights[i]) is not None for name in names}
+                for i in range(n)
+            ]
         return out
 
     def _finalize(
