@@ -194,6 +194,26 @@ def test_guard_reports_the_first_non_finite_loss_once() -> None:
     guard.track(_write(ring, flusher, 3, math.nan), 3)
     step, value = guard.poll()  # type: ignore[misc]
     assert step == 3 and math.isnan(value)
+    assert not guard.pending, "on the CPU each row is checked in place when tracked: nothing is queued"
+
+
+def test_guard_queues_and_reports_the_same_on_a_device_ring() -> None:
+    ring = _device_ring(capacity=4)
+    flusher = Flusher(ring, HostClock(4), flush_every=100, flush_seconds=None)
+    guard = LossGuard(ring, flusher.clock)
+    for step, loss in enumerate([0.5, 0.4, math.inf]):
+        guard.track(_write(ring, flusher, step, loss), step)
+    assert len(guard.pending) == 3
+    assert guard.poll() == (2, math.inf)
+    assert guard.poll() is None and not guard.pending
+
+
+def _device_ring(capacity: int) -> MetricRing:
+    """A ring whose loss reaches the host through the guard's queue, as on a device (on the CPU
+    the guard checks each row in place when it is tracked, and nothing can lag)."""
+    ring = _ring(capacity=capacity)
+    ring.loss_in_place = False
+    return ring
 
 
 class _LaggingClock(HostClock):
@@ -205,7 +225,7 @@ class _LaggingClock(HostClock):
 
 
 def test_guard_checks_a_slots_old_row_before_a_lagging_device_gets_it_overwritten() -> None:
-    ring = _ring(capacity=4)
+    ring = _device_ring(capacity=4)
     clock = _LaggingClock(4)
     flusher = Flusher(ring, clock, flush_every=2, flush_seconds=None)
     guard = LossGuard(ring, clock)
@@ -264,7 +284,7 @@ def test_guard_settles_a_wrapped_row_only_once_a_whole_ring_has_passed_it() -> N
     # After the ring wrapped, a row's slot number is smaller than the row: the guard must compare
     # rows, not slots. Step 6 (slot 2 of 4) holds a NaN; its copy is final once row 10 takes the
     # slot again, not before (on a device, an earlier read could see a copy still in flight).
-    ring = _ring(capacity=4)
+    ring = _device_ring(capacity=4)
     clock = _LaggingClock(4)
     flusher = Flusher(ring, clock, flush_every=2, flush_seconds=None)
     guard = LossGuard(ring, clock)
@@ -305,7 +325,7 @@ class _PerSlotClock(HostClock):
 
 
 def test_guard_polls_the_end_mark_of_a_rows_slot_after_the_ring_wrapped() -> None:
-    ring = _ring(capacity=4)
+    ring = _device_ring(capacity=4)
     clock = _PerSlotClock(4)
     flusher = Flusher(ring, clock, flush_every=2, flush_seconds=None)
     guard = LossGuard(ring, clock)

@@ -54,10 +54,14 @@ class StepClock(abc.ABC):
     def take_elapsed(self, slots: Sequence[int]) -> list[float]:
         """:meth:`elapsed` of each of ``slots`` (a flushed block's), then :meth:`disarm` them: the
         slots' next rows must record start marks of their own."""
-        seconds = [self.elapsed(slot) for slot in slots]
+        seconds = self._elapsed_of(slots)
         for slot in slots:
             self._armed[slot] = False
         return seconds
+
+    def _elapsed_of(self, slots: Sequence[int]) -> list[float]:
+        """:meth:`elapsed` of each of ``slots`` (a clock may read a whole block at once)."""
+        return [self.elapsed(slot) for slot in slots]
 
     @abc.abstractmethod
     def _elapsed(self, slot: int) -> float: ...
@@ -93,14 +97,10 @@ class HostClock(StepClock):
     def _elapsed(self, slot: int) -> float:
         return self._end[slot] - self._start[slot]
 
-    def take_elapsed(self, slots: Sequence[int]) -> list[float]:
-        # the base class's, in one comprehension: a block's rows pay no call each (the pipeline
-        # reads them on the training process's GIL)
+    def _elapsed_of(self, slots: Sequence[int]) -> list[float]:
+        # one comprehension, no call per row (the pipeline reads a block on the training process's GIL)
         armed, start, end, nan = self._armed, self._start, self._end, math.nan
-        seconds = [end[slot] - start[slot] if armed[slot] else nan for slot in slots]
-        for slot in slots:
-            armed[slot] = False
-        return seconds
+        return [end[slot] - start[slot] if armed[slot] else nan for slot in slots]
 
     def end_done(self, slot: int) -> bool:
         return True  # work on the CPU is done when the call that queued it returns

@@ -3,7 +3,8 @@
 Each captured step copies its loss into a pinned slot (see :class:`MetricRing`) right after writing
 its row, and the step's end mark follows that copy. :meth:`LossGuard.poll` reads the slots whose end
 mark the device has passed (a non-blocking query), oldest first. On the CPU the copy is done by the
-time ``step()`` returns, so a NaN is seen at the step that produced it.
+time ``step()`` returns: where the ring's own loss column is the guard's (``loss_in_place``), each
+row is checked when it is tracked, with no queue, so a NaN is seen at the step that produced it.
 
 A host far ahead of the device can come back to a slot before any poll saw the device pass its
 previous row; the slot's pinned float and end mark then belong to the new row. So the training
@@ -30,13 +31,20 @@ class LossGuard:
         self.ring = ring
         self.capacity = ring.capacity  # read at every settle()
         self.clock = clock
-        # (slot, row) of the rows not yet checked, oldest first (the short step path appends to it directly)
+        self.in_place = ring.loss_in_place  # a row's loss is readable as soon as it was written
+        # (slot, row) of the rows not yet checked, oldest first (empty where the loss is in place)
         self.pending: collections.deque[tuple[int, int]] = collections.deque()
-        self._settled_hit: tuple[int, float] | None = None  # found by settle(), reported by the next poll()
+        self._found: tuple[int, float] | None = None  # found before a poll(), reported by the next one
 
     def track(self, slot: int, row: int) -> None:
-        """Watch ``slot``, where the step that was just captured wrote row ``row``."""
-        self.pending.append((slot, row))
+        """Watch ``slot``, where the step that was just captured wrote row ``row`` (checked at once
+        where the loss is in place)."""
+        if not self.in_place:
+            self.pending.append((slot, row))
+            return
+        value = self.ring.guard_np[slot]  # sync: none — host memory the step's own write just filled
+        if self._found is None and not math.isfinite(value):
+            self._found = (self.ring.step_of(slot), float(value))
 
     def settle(self, row: int) -> None:
         """Check every watched row at least a ring older than ``row`` before ``row`` reuses a slot.
@@ -50,13 +58,13 @@ class LossGuard:
         while pending and pending[0][1] <= oldest:
             slot, _ = pending.popleft()
             value = float(self.ring.guard_np[slot])  # complete: its row was harvested
-            if self._settled_hit is None and not math.isfinite(value):
-                self._settled_hit = (self.ring.step_of(slot), value)
+            if self._found is None and not math.isfinite(value):
+                self._found = (self.ring.step_of(slot), value)
 
     def poll(self) -> tuple[int, float] | None:
         """(step, loss) of the first non-finite loss the device has delivered, else None."""
-        if self._settled_hit is not None:
-            hit, self._settled_hit = self._settled_hit, None
+        if self._found is not None:
+            hit, self._found = self._found, None
             return hit
         pending, clock, guard = self.pending, self.clock, self.ring.guard_np
         while pending and clock.end_done(pending[0][0]):

@@ -126,10 +126,6 @@ def short_step(
         fixed_host = [v for read in host_readers for v in read(example)]
     device, cuda, autocast_device = capture.device, capture.cuda, capture.autocast_device
     facts, host_rows, write_with = ring.facts, ring.host_rows, ring.write_with
-    # Where the guard reads the ring's loss column in place (the CPU), the step checks its own loss
-    # right after writing it, with no queue of slots to poll.
-    losses_in_place = ring.guard_np if guard is not None and ring.loss_in_place else None
-    isfinite = math.isfinite
     claim, due, mark_start, mark_end = flusher.claim, flusher.due, clock.mark_start, clock.mark_end
     get_ident, wall_clock, nan = threading.get_ident, time.time, math.nan
     grad_enabled, is_autocast = torch.is_grad_enabled, torch.is_autocast_enabled
@@ -194,7 +190,7 @@ def short_step(
             # slot's old row, the device write, host facts, end mark, guard entry
             row = flusher.rows
             slot = claim(row)
-            if guard is not None and losses_in_place is None:
+            if guard is not None:
                 guard.settle(row)
             write_with(slot, writers, inputs)
         finally:
@@ -209,16 +205,12 @@ def short_step(
         else:
             facts[slot] = (run.step, epoch, run.step if batch is None else batch, wall, samples, nan, step_tokens)
         mark_end(slot)
-        if guard is not None and losses_in_place is None:
+        if guard is not None:
             guard.track(slot, row)
         flusher.rows = row + 1
         run.step += 1
         # after the step, as Tap._after_step: NaN guard, flush, next start mark
-        if losses_in_place is not None:
-            loss_value = losses_in_place[slot]  # sync: none — host memory the step's own op just wrote
-            if not isfinite(loss_value):
-                on_nan((facts[slot][0], float(loss_value)))
-        elif guard is not None:
+        if guard is not None:
             hit = guard.poll()
             if hit is not None:
                 on_nan(hit)
