@@ -13,7 +13,7 @@ side by side in one process:
   loss's copy into its ring cell, the argmax, the eq that marks hits and padding), into
   preallocated buffers, in one function, with none of the bookkeeping (slot, timing, NaN check,
   host facts, flush). No capture that writes exact per-step values with device ops costs less;
-  on the CPU it is about what the recipe costs, because there ``.item()`` waits for nothing;
+  on the CPU it costs a little less than the recipe, where ``.item()`` waits for nothing;
 * the model's step itself (forward, backward, optimizer), for scale.
 
 The calls take turns, one per training step (each follows a model step, none follows another
