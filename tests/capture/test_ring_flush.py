@@ -183,29 +183,21 @@ def test_a_step_without_a_start_mark_has_no_step_time() -> None:
     assert math.isnan(times[0]) and times[1] >= 0
 
 
-def test_guard_reports_the_first_non_finite_loss_once() -> None:
-    ring = _ring(capacity=4)
+@pytest.mark.parametrize("queued", [False, True], ids=["cpu_in_place", "device_queue"])
+def test_guard_reports_the_first_non_finite_loss_once(queued: bool) -> None:
+    ring = _device_ring(capacity=4) if queued else _ring(capacity=4)
     flusher = Flusher(ring, HostClock(4), flush_every=100, flush_seconds=None)
     guard = LossGuard(ring, flusher.clock)
     for step, loss in enumerate([0.5, 0.4, math.inf]):
         guard.track(_write(ring, flusher, step, loss), step)
+    # on the CPU each row is checked in place when it is tracked: nothing is queued
+    assert len(guard.pending) == (3 if queued else 0)
     assert guard.poll() == (2, math.inf)
     assert guard.poll() is None, "a reported slot is not reported again"
     guard.track(_write(ring, flusher, 3, math.nan), 3)
     step, value = guard.poll()  # type: ignore[misc]
     assert step == 3 and math.isnan(value)
-    assert not guard.pending, "on the CPU each row is checked in place when tracked: nothing is queued"
-
-
-def test_guard_queues_and_reports_the_same_on_a_device_ring() -> None:
-    ring = _device_ring(capacity=4)
-    flusher = Flusher(ring, HostClock(4), flush_every=100, flush_seconds=None)
-    guard = LossGuard(ring, flusher.clock)
-    for step, loss in enumerate([0.5, 0.4, math.inf]):
-        guard.track(_write(ring, flusher, step, loss), step)
-    assert len(guard.pending) == 3
-    assert guard.poll() == (2, math.inf)
-    assert guard.poll() is None and not guard.pending
+    assert not guard.pending
 
 
 def _device_ring(capacity: int) -> MetricRing:
