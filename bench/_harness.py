@@ -37,10 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _hostreads import HostReadCounter
 from torch import nn
 from torch.nn import functional as F
-
-from _hostreads import HostReadCounter
 
 __all__ = [
     "Workload",
@@ -138,8 +137,11 @@ class CNN32(nn.Module):
             return [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
 
         self.net = nn.Sequential(
-            *block(3, width), *block(width, 2 * width), *block(2 * width, 4 * width),
-            nn.Flatten(), nn.Linear(4 * width * 4 * 4, 10),
+            *block(3, width),
+            *block(width, 2 * width),
+            *block(2 * width, 4 * width),
+            nn.Flatten(),
+            nn.Linear(4 * width * 4 * 4, 10),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +151,10 @@ class CNN32(nn.Module):
 def _random_batches(shape: Sequence[int], n: int, batch_size: int, device: torch.device) -> list[Batch]:
     g = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(batch_size, *shape, generator=g).to(device), torch.randint(0, 10, (batch_size,), generator=g).to(device))
+        (
+            torch.randn(batch_size, *shape, generator=g).to(device),
+            torch.randint(0, 10, (batch_size,), generator=g).to(device),
+        )
         for _ in range(n)
     ]
 
@@ -779,7 +784,15 @@ def format_table(rows: Sequence[Row], *, nan_at: int, extra: Sequence[str] = ())
 
     ``extra`` adds columns: ``"step_us"`` (host time of tap.step(): median / p90 / mean).
     """
-    head = ["workload", "variant", "ms/step (median)", "min–max", "× bare", "host reads/step", f"NaN stop latency (NaN at step {nan_at})"]
+    head = [
+        "workload",
+        "variant",
+        "ms/step (median)",
+        "min–max",
+        "× bare",
+        "host reads/step",
+        f"NaN stop latency (NaN at step {nan_at})",
+    ]
     if "step_us" in extra:
         head += ["tap.step() host µs median / p90 / mean"]
     if "sync_debug" in extra:

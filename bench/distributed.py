@@ -44,9 +44,14 @@ from batchtap.pipeline.reduce import Reducer
 
 def _model() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 8 * 8, 10),
     )
 
 
@@ -67,8 +72,16 @@ class _Timer:
         return timed
 
 
-def _run(variant: str, model: nn.Module, opt: torch.optim.Optimizer, data: list, steps: int, flush_every: int,
-         agree: _Timer, exchange: _Timer) -> float:
+def _run(
+    variant: str,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    data: list,
+    steps: int,
+    flush_every: int,
+    agree: _Timer,
+    exchange: _Timer,
+) -> float:
     tap = None
     if variant == "batchtap":
         tap = bt.Tap(sinks=[], flush_every=flush_every)
@@ -123,18 +136,22 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             results[variant].append(_run(variant, model, opt, data, args.steps, args.flush_every, agree, exchange))
     if rank == 0:
         ratios = [b / a for a, b in zip(results["bare"], results["batchtap"])]
-        Path(out).write_text(json.dumps({
-            "bare_ms": statistics.median(results["bare"]) * 1e3,
-            "batchtap_ms": statistics.median(results["batchtap"]) * 1e3,
-            "ratio": statistics.median(ratios),
-            "ratios": ratios,
-            "agree_us": statistics.median(agree.times) * 1e6 if agree.times else float("nan"),
-            "agree_n": len(agree.times),
-            "agree_spread_us": _spread(agree.times),
-            "issue_us": statistics.median(issue.times) * 1e6 if issue.times else float("nan"),
-            "exchange_us": statistics.median(exchange.times) * 1e6 if exchange.times else float("nan"),
-            "flush_every": args.flush_every,
-        }))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "bare_ms": statistics.median(results["bare"]) * 1e3,
+                    "batchtap_ms": statistics.median(results["batchtap"]) * 1e3,
+                    "ratio": statistics.median(ratios),
+                    "ratios": ratios,
+                    "agree_us": statistics.median(agree.times) * 1e6 if agree.times else float("nan"),
+                    "agree_n": len(agree.times),
+                    "agree_spread_us": _spread(agree.times),
+                    "issue_us": statistics.median(issue.times) * 1e6 if issue.times else float("nan"),
+                    "exchange_us": statistics.median(exchange.times) * 1e6 if exchange.times else float("nan"),
+                    "flush_every": args.flush_every,
+                }
+            )
+        )
     dist.destroy_process_group()
 
 
@@ -158,21 +175,29 @@ def main() -> None:
     out = os.path.join(tempfile.mkdtemp(), "dist.json")
     mp.spawn(_worker, args=(2, port, args, out), nprocs=2, join=True)
     r = json.loads(Path(out).read_text())
-    print(f"bench/distributed.py: 2 gloo ranks, DDP CNN on 32x32, {args.reps} reps x {args.steps} steps, "
-          f"flush every {r['flush_every']} steps; torch {torch.__version__}, {os.cpu_count()} CPUs")
-    print(f"| variant | ms/step (median) | ratio to bare |")
-    print(f"|---|---|---|")
+    print(
+        f"bench/distributed.py: 2 gloo ranks, DDP CNN on 32x32, {args.reps} reps x {args.steps} steps, "
+        f"flush every {r['flush_every']} steps; torch {torch.__version__}, {os.cpu_count()} CPUs"
+    )
+    print("| variant | ms/step (median) | ratio to bare |")
+    print("|---|---|---|")
     print(f"| DDP bare | {r['bare_ms']:.2f} | 1.000 |")
     print(f"| DDP + batchtap (default metrics) | {r['batchtap_ms']:.2f} | {r['ratio']:.3f} |")
     print()
-    print(f"| per flush | median |")
-    print(f"|---|---|")
-    print(f"| stop agreement (complete previous + issue next all-reduce), training thread | {r['agree_us']:.0f} µs "
-          f"({r['agree_us'] / r['flush_every']:.1f} µs/step amortised; {r['agree_n']} flushes) |")
+    print("| per flush | median |")
+    print("|---|---|")
+    print(
+        f"| stop agreement (complete previous + issue next all-reduce), training thread | {r['agree_us']:.0f} µs "
+        f"({r['agree_us'] / r['flush_every']:.1f} µs/step amortised; {r['agree_n']} flushes) |"
+    )
     print(f"| of which issuing the next all-reduce (`async_op=True`) | {r['issue_us']:.0f} µs |")
-    print(f"| block exchange + reduction, pipeline thread (includes waiting for the other rank) | {r['exchange_us']:.0f} µs (beside training) |")
-    print("agreement call per flush, µs: min / p10 / median / p90 / max = "
-          + " / ".join(f"{x:.0f}" for x in r["agree_spread_us"]))
+    print(
+        f"| block exchange + reduction, pipeline thread (includes waiting for the other rank) | {r['exchange_us']:.0f} µs (beside training) |"
+    )
+    print(
+        "agreement call per flush, µs: min / p10 / median / p90 / max = "
+        + " / ".join(f"{x:.0f}" for x in r["agree_spread_us"])
+    )
     print(f"per-rep ratios: {', '.join(f'{x:.3f}' for x in r['ratios'])}")
 
 

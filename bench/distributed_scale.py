@@ -90,14 +90,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, exchange
         reducer = tap._last_pipeline_reducer() if hasattr(tap, "_last_pipeline_reducer") else None
     traffic = _traffic(tap)
     flushes = max(traffic.get("flushes", 0), 1)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({
-        "sent_per_flush": sent / flushes,
-        "payload_per_flush": traffic.get("payload_bytes", 0) / flushes,
-        "collectives_per_flush": traffic.get("collectives", 0) / flushes,
-        "flushes": flushes,
-        "pipeline_ms": statistics.median(reduce_times) * 1e3 if reduce_times else float("nan"),
-        "step_us": statistics.median(step_times[10:]) * 1e6,
-    }))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "sent_per_flush": sent / flushes,
+                "payload_per_flush": traffic.get("payload_bytes", 0) / flushes,
+                "collectives_per_flush": traffic.get("collectives", 0) / flushes,
+                "flushes": flushes,
+                "pipeline_ms": statistics.median(reduce_times) * 1e3 if reduce_times else float("nan"),
+                "step_us": statistics.median(step_times[10:]) * 1e6,
+            }
+        )
+    )
     del reducer
     dist.destroy_process_group()
 
@@ -142,18 +146,27 @@ def main() -> None:
             ranks = _one(world, exchange, args)
             med = {k: statistics.median(r[k] for r in ranks) for k in ranks[0]}
             rows.append({"world": world, "exchange": exchange, "rank0": ranks[0], "median": med})
-            print(f"world {world:2d} {exchange:7s}: sent {ranks[0]['sent_per_flush']:9.0f} B/flush (rank 0), "
-                  f"{med['sent_per_flush']:9.0f} (median); payload {med['payload_per_flush']:8.0f} B; "
-                  f"pipeline {med['pipeline_ms']:7.2f} ms/flush; step {med['step_us']:6.1f} us", flush=True)
+            print(
+                f"world {world:2d} {exchange:7s}: sent {ranks[0]['sent_per_flush']:9.0f} B/flush (rank 0), "
+                f"{med['sent_per_flush']:9.0f} (median); payload {med['payload_per_flush']:8.0f} B; "
+                f"pipeline {med['pipeline_ms']:7.2f} ms/flush; step {med['step_us']:6.1f} us",
+                flush=True,
+            )
     print()
-    print(f"bench/distributed_scale.py: gloo on loopback, {args.steps} steps, flush every {args.flush_every}, "
-          f"default metrics + lr + grad norm, sinks=[]; torch {torch.__version__}, {os.cpu_count()} CPUs")
-    print("| ranks | exchange | sent B/flush rank 0 | sent B/flush median rank | payload B/flush | collectives/flush | pipeline ms/flush (median rank) | tap.step µs (median rank) |")
+    print(
+        f"bench/distributed_scale.py: gloo on loopback, {args.steps} steps, flush every {args.flush_every}, "
+        f"default metrics + lr + grad norm, sinks=[]; torch {torch.__version__}, {os.cpu_count()} CPUs"
+    )
+    print(
+        "| ranks | exchange | sent B/flush rank 0 | sent B/flush median rank | payload B/flush | collectives/flush | pipeline ms/flush (median rank) | tap.step µs (median rank) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         r0, med = row["rank0"], row["median"]
-        print(f"| {row['world']} | {row['exchange']} | {r0['sent_per_flush']:.0f} | {med['sent_per_flush']:.0f} | "
-              f"{med['payload_per_flush']:.0f} | {med['collectives_per_flush']:.1f} | {med['pipeline_ms']:.2f} | {med['step_us']:.1f} |")
+        print(
+            f"| {row['world']} | {row['exchange']} | {r0['sent_per_flush']:.0f} | {med['sent_per_flush']:.0f} | "
+            f"{med['payload_per_flush']:.0f} | {med['collectives_per_flush']:.1f} | {med['pipeline_ms']:.2f} | {med['step_us']:.1f} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

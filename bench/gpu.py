@@ -23,11 +23,12 @@ import sys
 import time
 from pathlib import Path
 
+import _harness as H
 import torch
 
-import _harness as H
-
-_SMI_QUERY = "name,driver_version,memory.total,memory.used,utilization.gpu,temperature.gpu,clocks.sm,clocks.max.sm,power.draw"
+_SMI_QUERY = (
+    "name,driver_version,memory.total,memory.used,utilization.gpu,temperature.gpu,clocks.sm,clocks.max.sm,power.draw"
+)
 
 
 def nvidia_smi() -> str:
@@ -57,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench/gpu.py: CUDA is not available here; run `bench/gpu.py --device cpu --quick` for the "
-              "CPU smoke run, or run this on a machine with a GPU", file=sys.stderr)
+        print(
+            "bench/gpu.py: CUDA is not available here; run `bench/gpu.py --device cpu --quick` for the "
+            "CPU smoke run, or run this on a machine with a GPU",
+            file=sys.stderr,
+        )
         return 2
     nan_epoch = None
     if args.quick:
@@ -71,8 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     steps = {wl.name: args.steps for wl in workloads}
     variants = H.peer_variants()
     rows = H.run_suite(
-        workloads, variants, reps=args.reps, steps=steps, warmup=args.warmup,
-        count_steps=min(args.steps, 100), nan_at=5, nan_epoch_len=nan_epoch,
+        workloads,
+        variants,
+        reps=args.reps,
+        steps=steps,
+        warmup=args.warmup,
+        count_steps=min(args.steps, 100),
+        nan_at=5,
+        nan_epoch_len=nan_epoch,
         sync_debug_for=lambda v: isinstance(v, H.Batchtap),
     )
     smi = nvidia_smi() if device.type == "cuda" else "nvidia-smi: not queried (CPU run)"
@@ -85,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     print(smi)
     for wl in workloads:
         epoch = nan_epoch or wl.epoch_len
-        print(f"{wl.name}: {wl.description}; {steps[wl.name]} timed steps (+{args.warmup} warm-up); "
-              f"NaN runs: epochs of {epoch} batches")
+        print(
+            f"{wl.name}: {wl.description}; {steps[wl.name]} timed steps (+{args.warmup} warm-up); "
+            f"NaN runs: epochs of {epoch} batches"
+        )
     print(f"{args.reps} interleaved reps; medians")
     print()
     print(H.format_table(rows, nan_at=5, extra=("sync_debug",)))

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from _hostreads import HostReadCounter
 
 VARIANTS = ("filter on", "filter off", "batchtap")
@@ -58,16 +57,26 @@ def _run(variant: str, steps: int, warmup: int, count_reads: bool, tmp: Path) ->
     from batchtap.integrations.transformers import BatchtapTrainer
 
     torch.manual_seed(0)
-    config = tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)
+    config = tf.GPT2Config(
+        vocab_size=256, n_embd=64, n_layer=2, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
     model = tf.GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(0, 256, (8 * 2 * (steps + warmup), 64), generator=g)
     data = [{"input_ids": r, "labels": r} for r in rows]
     args = tf.TrainingArguments(
-        output_dir=str(tmp / "out"), per_device_train_batch_size=8, gradient_accumulation_steps=2,
-        max_steps=steps + warmup, logging_steps=10**6, report_to=[], save_strategy="no", use_cpu=True,
-        disable_tqdm=True, logging_nan_inf_filter=variant == "filter on", dataloader_num_workers=0,
+        output_dir=str(tmp / "out"),
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        max_steps=steps + warmup,
+        logging_steps=10**6,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_nan_inf_filter=variant == "filter on",
+        dataloader_num_workers=0,
     )
     clock = _Clock(tf)
     tap = None
@@ -84,7 +93,7 @@ def _run(variant: str, steps: int, warmup: int, count_reads: bool, tmp: Path) ->
         trainer.train()
     if tap is not None:
         tap.close()
-    gaps = [b - a for a, b in zip(clock.ends[warmup:], clock.ends[warmup + 1:])]
+    gaps = [b - a for a, b in zip(clock.ends[warmup:], clock.ends[warmup + 1 :])]
     return statistics.median(gaps), reads.count / (steps + warmup)
 
 
@@ -102,7 +111,7 @@ def main() -> None:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(opts.reps):
-            order = VARIANTS[rep % 3:] + VARIANTS[:rep % 3]
+            order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]
             for variant in order:
                 times[variant].append(_run(variant, opts.steps, opts.warmup, False, Path(tmp))[0])
         reads = {v: _run(v, 8, 2, True, Path(tmp))[1] for v in VARIANTS}
@@ -111,8 +120,10 @@ def main() -> None:
     print(f"{'variant':<12} {'ms/step':>8} {'min-max':>15} {'vs off':>7} {'host reads/step':>16}")
     for v in VARIANTS:
         ms = [t * 1e3 for t in times[v]]
-        print(f"{v:<12} {statistics.median(ms):8.2f} {min(ms):7.2f}-{max(ms):<7.2f} "
-              f"{statistics.median(times[v]) / off:7.3f} {reads[v]:16.1f}")
+        print(
+            f"{v:<12} {statistics.median(ms):8.2f} {min(ms):7.2f}-{max(ms):<7.2f} "
+            f"{statistics.median(times[v]) / off:7.3f} {reads[v]:16.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -39,10 +39,10 @@ import sys
 import time
 from collections.abc import Callable
 
+import _harness as H
 import torch
 import torch.nn.functional as F
 
-import _harness as H
 import batchtap as bt
 
 

@@ -25,17 +25,15 @@ import argparse
 import collections
 import cProfile
 import io
-import math
 import pstats
 import statistics
 import sys
 import time
 from typing import Any
 
+import _harness as H
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-import _harness as H
 
 GOAL_RATIO, GOAL_US, GOAL_READS = 1.01, 10.0, 0.0
 
@@ -60,11 +58,7 @@ def step_path(device: torch.device, calls: int, metrics: str, profile: bool) -> 
     outputs = torch.randn(32, 10, generator=g).to(device)
     targets = torch.randint(0, 10, (32,), generator=g).to(device)
     loss = torch.nn.functional.cross_entropy(outputs, targets)
-    chosen = (
-        None
-        if metrics == "default"
-        else [bt.metrics.Loss(), bt.metrics.Accuracy(), bt.metrics.StepTime()]
-    )
+    chosen = None if metrics == "default" else [bt.metrics.Loss(), bt.metrics.Accuracy(), bt.metrics.StepTime()]
     result: dict[str, Any] = {"metrics": metrics}
     with bt.Tap(metrics=chosen, sinks=[]) as tap, tap.run(name="step-path"):
         for _ in range(200):  # warm-up: first-step setup, allocator
@@ -76,9 +70,7 @@ def step_path(device: torch.device, calls: int, metrics: str, profile: bool) -> 
             tap.step(loss=loss, outputs=outputs, targets=targets)
             times.append(perf() - t0)
         us = [1e6 * t for t in times]
-        result.update(
-            median=statistics.median(us), p90=H.percentile(us, 0.9), mean=statistics.fmean(us), max=max(us)
-        )
+        result.update(median=statistics.median(us), p90=H.percentile(us, 0.9), mean=statistics.fmean(us), max=max(us))
         with _OpCounter() as ops:
             for _ in range(100):
                 tap.step(loss=loss, outputs=outputs, targets=targets)
@@ -112,9 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps per run (default 10)")
     parser.add_argument("--width", type=int, default=16, help="CNN width (default 16: a 10-20 ms CPU step)")
     parser.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1: the other core is left to batchtap's "
-                             "pipeline thread, as on a GPU host; 0 keeps torch's default)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: the other core is left to batchtap's "
+        "pipeline thread, as on a GPU host; 0 keeps torch's default)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 reps of 20 steps")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of 2000 tap.step() calls")
@@ -130,8 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     variants = [H.Bare(), H.ItemRecipe(), H.Batchtap("batchtap (default metrics, sinks=[])"), H.jsonl_variant()]
     print(f"batchtap overhead bench: {wl.description}; {args.reps} reps x {args.steps} steps", file=sys.stderr)
     rows = H.run_suite(
-        [wl], variants, reps=args.reps, steps={wl.name: args.steps}, warmup=args.warmup,
-        count_steps=min(args.steps, 60), nan_at=5,
+        [wl],
+        variants,
+        reps=args.reps,
+        steps={wl.name: args.steps},
+        warmup=args.warmup,
+        count_steps=min(args.steps, 60),
+        nan_at=5,
     )
     calls = 500 if args.quick else 5000
     paths = [step_path(device, calls, m, args.profile) for m in ("default", "loss+accuracy+timing")]
@@ -141,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in H.machine_lines(device):
         print(line)
-    print(f"workload: {wl.description}; {args.reps} interleaved reps x {args.steps} timed steps "
-          f"(+{args.warmup} warm-up); medians")
+    print(
+        f"workload: {wl.description}; {args.reps} interleaved reps x {args.steps} timed steps "
+        f"(+{args.warmup} warm-up); medians"
+    )
     print()
     print(H.format_table(rows, nan_at=5, extra=("step_us",)))
     print()
@@ -156,28 +159,36 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r.variant}: ratio estimated from mean tap.step() host time {est:.4f} (measured {r.ratio:.3f})")
     for r in rows:
         if r.exit_ms:
-            print(f"{r.variant}: leaving tap.run() (final flush + drain) median {statistics.median(r.exit_ms):.2f} ms; "
-                  f"max tap.step() {max(r.step_host_us):.0f} us; ring-slot waits {r.flusher_waits}; "
-                  f"reads by kind {r.reads_by_op or '{}'}")
+            print(
+                f"{r.variant}: leaving tap.run() (final flush + drain) median {statistics.median(r.exit_ms):.2f} ms; "
+                f"max tap.step() {max(r.step_host_us):.0f} us; ring-slot waits {r.flusher_waits}; "
+                f"reads by kind {r.reads_by_op or '{}'}"
+            )
     print()
     print("tap.step() alone on fixed tensors (batch 32 x 10 classes), no training around it:")
     print()
     print("| metrics | host µs median / p90 / mean / max | tensor ops per step() | one tiny op µs | should_stop µs |")
     print("|---|---|---|---|---|")
     for p in paths:
-        print(f"| {p['metrics']} | {p['median']:.1f} / {p['p90']:.1f} / {p['mean']:.1f} / {p['max']:.0f} | "
-              f"{p['ops_per_step']:.0f} | {p['tiny_op_us']:.1f} | {p['should_stop_us']:.2f} |")
+        print(
+            f"| {p['metrics']} | {p['median']:.1f} / {p['p90']:.1f} / {p['mean']:.1f} / {p['max']:.0f} | "
+            f"{p['ops_per_step']:.0f} | {p['tiny_op_us']:.1f} | {p['should_stop_us']:.2f} |"
+        )
     print()
     print("ops per step() (default metrics): " + ", ".join(f"{k} {v:g}" for k, v in paths[0]["ops"].items()))
     print()
     tap_rows = [r for r in rows if r.variant.startswith("batchtap")]
     verdicts = []
     for r in tap_rows:
-        verdicts.append(f"{r.variant}: ratio {r.ratio:.3f} ({'met' if r.ratio <= GOAL_RATIO else 'MISSED'} <= {GOAL_RATIO}), "
-                        f"reads/step {r.reads_per_step} ({'met' if r.reads_per_step == GOAL_READS else 'MISSED'} = 0)")
+        verdicts.append(
+            f"{r.variant}: ratio {r.ratio:.3f} ({'met' if r.ratio <= GOAL_RATIO else 'MISSED'} <= {GOAL_RATIO}), "
+            f"reads/step {r.reads_per_step} ({'met' if r.reads_per_step == GOAL_READS else 'MISSED'} = 0)"
+        )
     lat = paths[1]["median"]
-    verdicts.append(f"tap.step() host time, loss+accuracy+timing: median {lat:.1f} us "
-                    f"({'met' if lat <= GOAL_US else 'MISSED'} <= {GOAL_US} us)")
+    verdicts.append(
+        f"tap.step() host time, loss+accuracy+timing: median {lat:.1f} us "
+        f"({'met' if lat <= GOAL_US else 'MISSED'} <= {GOAL_US} us)"
+    )
     print("goals: " + "; ".join(verdicts))
     if args.profile:
         for p in paths:

@@ -28,9 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 import _harness as H
+import torch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--digits-steps", type=int, default=300, help="timed steps per digits run (default 300)")
     parser.add_argument("--cnn-steps", type=int, default=60, help="timed steps per CNN run (default 60)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps per run (default 10)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1; 0 keeps torch's default)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (default 1; 0 keeps torch's default)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 reps, few steps")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -55,8 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     steps = {workloads[0].name: args.digits_steps, workloads[1].name: args.cnn_steps}
     variants = H.peer_variants()
     rows = H.run_suite(
-        workloads, variants, reps=args.reps, steps=steps, warmup=args.warmup,
-        count_steps=min(50, max(steps.values())), nan_at=5,
+        workloads,
+        variants,
+        reps=args.reps,
+        steps=steps,
+        warmup=args.warmup,
+        count_steps=min(50, max(steps.values())),
+        nan_at=5,
     )
     print()
     print("## batchtap and its peers on the CPU (bench/peers.py)")
@@ -64,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in H.machine_lines(device):
         print(line)
     for wl in workloads:
-        print(f"{wl.name}: {wl.description}; {steps[wl.name]} timed steps (+{args.warmup} warm-up) per run; "
-              f"NaN runs: epochs of {wl.epoch_len} batches")
+        print(
+            f"{wl.name}: {wl.description}; {steps[wl.name]} timed steps (+{args.warmup} warm-up) per run; "
+            f"NaN runs: epochs of {wl.epoch_len} batches"
+        )
     print(f"{args.reps} interleaved reps; medians")
     print()
     print(H.format_table(rows, nan_at=5))

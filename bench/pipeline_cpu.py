@@ -27,7 +27,13 @@ from batchtap.pipeline import thread as thread_pipeline
 def _metrics(kind: str) -> list[bt.metrics.Metric]:
     if kind == "loss only":
         return [bt.metrics.Loss()]
-    return [bt.metrics.Loss(), bt.metrics.Accuracy(), bt.metrics.StepTime(), bt.metrics.DataTime(), bt.metrics.Throughput()]
+    return [
+        bt.metrics.Loss(),
+        bt.metrics.Accuracy(),
+        bt.metrics.StepTime(),
+        bt.metrics.DataTime(),
+        bt.metrics.Throughput(),
+    ]
 
 
 def measure(kind: str, flush_every: int, steps: int) -> tuple[float, float]:

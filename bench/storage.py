@@ -42,7 +42,9 @@ from batchtap.sinks.base import Sink
 SinkFactory = Callable[[Path], Sink]
 
 
-def make_blocks(n_blocks: int, records_per_block: int, n_metrics: int, seed: int = 0) -> tuple[RunInfo, list[list[Record]]]:
+def make_blocks(
+    n_blocks: int, records_per_block: int, n_metrics: int, seed: int = 0
+) -> tuple[RunInfo, list[list[Record]]]:
     """Blocks as the pipeline hands them to sinks: consecutive steps, every metric per record."""
     rng = random.Random(seed)
     run = RunInfo(id=uuid.uuid4().hex, name="bench", config={}, started_at=time.time())
@@ -78,7 +80,9 @@ def time_sink(make: Callable[[], Sink], run: RunInfo, blocks: list[list[Record]]
     return time.perf_counter() - t0
 
 
-def bench_training_thread_cost(pg_dsn: str, reps: int = 5, steps: int = 300, batches: tuple[int, ...] = (32, 64)) -> None:
+def bench_training_thread_cost(
+    pg_dsn: str, reps: int = 5, steps: int = 300, batches: tuple[int, ...] = (32, 64)
+) -> None:
     """Per-step cost on the training thread: no sinks vs every sink attached, with the pipeline in a
     thread and in its own process, all four interleaved in one run.
 
@@ -104,8 +108,11 @@ def bench_training_thread_cost(pg_dsn: str, reps: int = 5, steps: int = 300, bat
     def all_sinks() -> list[Sink]:
         nonlocal made
         made += 1
-        sinks: list[Sink] = [bt.sinks.SQLite(tmp / f"s{made}.db"), bt.sinks.CSV(tmp / f"c{made}" / "m.csv"),
-                             bt.sinks.JSONL(tmp / f"j{made}.jsonl")]
+        sinks: list[Sink] = [
+            bt.sinks.SQLite(tmp / f"s{made}.db"),
+            bt.sinks.CSV(tmp / f"c{made}" / "m.csv"),
+            bt.sinks.JSONL(tmp / f"j{made}.jsonl"),
+        ]
         try:
             sinks.append(bt.sinks.TensorBoard(tmp / f"tb{made}"))
         except ImportError:
@@ -125,7 +132,9 @@ def bench_training_thread_cost(pg_dsn: str, reps: int = 5, steps: int = 300, bat
                 t0 = time.perf_counter()
                 out = model(x)
                 loss = F.cross_entropy(out, y)
-                opt.zero_grad(); loss.backward(); opt.step()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
                 t1 = time.perf_counter()
                 tap.step(loss=loss, outputs=out, targets=y)
                 t2 = time.perf_counter()
@@ -139,22 +148,30 @@ def bench_training_thread_cost(pg_dsn: str, reps: int = 5, steps: int = 300, bat
         data = [(torch.randn(batch, 1, 8, 8), torch.randint(0, 10, (batch,))) for _ in range(16)]
         results: dict[tuple[str, str], list[tuple[float, float]]] = {v: [] for v in variants}
         for rep in range(reps):
-            order = variants[rep % len(variants):] + variants[: rep % len(variants)]
+            order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
             for pipeline, sinks in order:
                 results[(pipeline, sinks)].append(one([] if sinks == "no sinks" else all_sinks(), pipeline, data))
-        print(f"\ntraining-thread cost, {reps} interleaved reps x {steps} steps (DigitsCNN width 32, batch {batch}, "
-              f"{torch.get_num_threads()} torch threads):")
+        print(
+            f"\ntraining-thread cost, {reps} interleaved reps x {steps} steps (DigitsCNN width 32, batch {batch}, "
+            f"{torch.get_num_threads()} torch threads):"
+        )
         print(f"{'pipeline':<10}{'sinks':<12}{'ms/step':>10}{'tap.step() us':>16}")
         for (pipeline, sinks), rows in results.items():
-            print(f"{pipeline:<10}{sinks:<12}{statistics.median(r[0] for r in rows) * 1e3:>10.3f}"
-                  f"{statistics.median(r[1] for r in rows) * 1e6:>16.1f}")
+            print(
+                f"{pipeline:<10}{sinks:<12}{statistics.median(r[0] for r in rows) * 1e3:>10.3f}"
+                f"{statistics.median(r[1] for r in rows) * 1e6:>16.1f}"
+            )
         for pipeline in ("thread", "process"):
             ratios = [b[0] / a[0] for a, b in zip(results[(pipeline, "no sinks")], results[(pipeline, "all sinks")])]
-            print(f"{pipeline}: all sinks / no sinks (median of per-rep ratios): {statistics.median(ratios):.3f} "
-                  f"[{', '.join(f'{r:.3f}' for r in ratios)}]")
+            print(
+                f"{pipeline}: all sinks / no sinks (median of per-rep ratios): {statistics.median(ratios):.3f} "
+                f"[{', '.join(f'{r:.3f}' for r in ratios)}]"
+            )
         ratios = [b[0] / a[0] for a, b in zip(results[("thread", "no sinks")], results[("process", "all sinks")])]
-        print(f"process + all sinks / thread + no sinks: {statistics.median(ratios):.3f} "
-              f"[{', '.join(f'{r:.3f}' for r in ratios)}]")
+        print(
+            f"process + all sinks / thread + no sinks: {statistics.median(ratios):.3f} "
+            f"[{', '.join(f'{r:.3f}' for r in ratios)}]"
+        )
     if pg_dsn:
         try:
             import psycopg
@@ -175,14 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated row-name prefixes to run (default: all)")
     p.add_argument("--step-reps", type=int, default=5, help="training-thread cost: interleaved repetitions")
     p.add_argument("--step-count", type=int, default=300, help="training-thread cost: timed steps per run")
-    p.add_argument("--torch-threads", type=int, default=0,
-                   help="training-thread cost: torch.set_num_threads (0: torch's default)")
+    p.add_argument(
+        "--torch-threads", type=int, default=0, help="training-thread cost: torch.set_num_threads (0: torch's default)"
+    )
     args = p.parse_args(argv)
     if args.runs < 5:
         p.error(f"--runs must be >= 5 for a meaningful median, got {args.runs}")
 
-    from batchtap.sinks.resilient import ResilientSink
     from batchtap.sinks.csv import CSV
+    from batchtap.sinks.resilient import ResilientSink
     from batchtap.sinks.sqlite import SQLite
 
     tmp = Path(tempfile.mkdtemp(prefix="bt-bench-"))

@@ -50,8 +50,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if _gpu_expected():
         report.outcome = "failed"
         report.longrepr = (
-            f"GPU test skipped where a GPU is expected (torch.cuda.is_available() or "
-            f"BATCHTAP_REQUIRE_GPU=1): {reason}"
+            f"GPU test skipped where a GPU is expected (torch.cuda.is_available() or BATCHTAP_REQUIRE_GPU=1): {reason}"
         )
     elif report.nodeid not in _SKIPPED:
         _SKIPPED.append(report.nodeid)

@@ -25,7 +25,9 @@ def main(db: str, resume: str | None) -> None:
             x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
             out = model(x)
             loss = F.cross_entropy(out, y)
-            opt.zero_grad(); loss.backward(); opt.step()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
             tap.step(loss=loss, outputs=out, targets=y)
             print(f"step {step}", flush=True)
             if resume and step >= 40:

@@ -127,8 +127,14 @@ def test_nan_in_one_micro_batch_stops_training(sink: ListSink) -> None:
 
 def test_no_host_read_in_accumulated_steps(sink: ListSink) -> None:
     model, opt = classifier()
-    metrics = [bt.metrics.Loss(), bt.metrics.Accuracy(topk=(1, 3)), bt.metrics.LearningRate(opt),
-               bt.metrics.GradNorm(model), bt.metrics.StepTime(), bt.metrics.Throughput()]
+    metrics = [
+        bt.metrics.Loss(),
+        bt.metrics.Accuracy(topk=(1, 3)),
+        bt.metrics.LearningRate(opt),
+        bt.metrics.GradNorm(model),
+        bt.metrics.StepTime(),
+        bt.metrics.Throughput(),
+    ]
     with bt.Tap(metrics, [sink], flush_every=5, flush_seconds=1e-3) as tap, tap.run():
         for step in range(40):
             batches = _micro_batches(step)

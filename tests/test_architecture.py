@@ -90,7 +90,10 @@ def test_every_package_has_an_entry() -> None:
         f"entries without a package: {sorted(set(FORBIDDEN) - PACKAGES)}. Say what the new package may not import."
     )
     for package, names in FORBIDDEN.items():
-        assert package not in names and names <= PACKAGES | TOP_MODULES, (package, sorted(names - PACKAGES - TOP_MODULES))
+        assert package not in names and names <= PACKAGES | TOP_MODULES, (
+            package,
+            sorted(names - PACKAGES - TOP_MODULES),
+        )
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))

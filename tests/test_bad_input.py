@@ -21,23 +21,55 @@ def _good(tap: bt.Tap, n: int = 3) -> None:
 
 
 BAD_STEPS = [
-    pytest.param(dict(loss=torch.ones(4)), r"loss must be a 0-dim tensor, got shape \(4,\); reduce it first", id="loss-not-scalar"),
-    pytest.param(dict(loss=0.5), r"loss must be a 0-dim floating-point tensor, got float; pass the loss tensor itself", id="loss-python-float"),
-    pytest.param(dict(loss=torch.tensor(1)), r"loss must be a floating-point tensor, got dtype torch.int64", id="loss-int"),
+    pytest.param(
+        dict(loss=torch.ones(4)),
+        r"loss must be a 0-dim tensor, got shape \(4,\); reduce it first",
+        id="loss-not-scalar",
+    ),
+    pytest.param(
+        dict(loss=0.5),
+        r"loss must be a 0-dim floating-point tensor, got float; pass the loss tensor itself",
+        id="loss-python-float",
+    ),
+    pytest.param(
+        dict(loss=torch.tensor(1)), r"loss must be a floating-point tensor, got dtype torch.int64", id="loss-int"
+    ),
     pytest.param(dict(loss=torch.tensor(True)), r"floating-point tensor, got dtype torch.bool", id="loss-bool"),
-    pytest.param(dict(outputs=torch.randn(8, 4), targets=torch.zeros(6, dtype=torch.long)),
-                 r"outputs and targets disagree on batch size: 8 vs 6", id="batch-mismatch"),
-    pytest.param(dict(outputs=torch.randn(8, 4), targets=torch.zeros(8, 4)),
-                 r"integer class indices as targets, got float32 targets: for regression leave Accuracy out",
-                 id="float-targets"),
-    pytest.param(dict(outputs=torch.randn(8), targets=torch.zeros(8, dtype=torch.long)),
-                 r"class scores of shape \[N, C\].*got shape \(8,\)", id="outputs-1d"),
-    pytest.param(dict(outputs=torch.randn(8, 1), targets=torch.zeros(8, dtype=torch.long)),
-                 r"needs at least 2 classes, outputs have 1", id="topk-too-large"),
-    pytest.param(dict(outputs=None, targets=None), r"Accuracy needs outputs, targets, but step\(\) got none", id="targets-missing"),
-    pytest.param(dict(outputs=torch.randn(8, 4, device="meta"), targets=torch.zeros(8, dtype=torch.long, device="meta")),
-                 r"outputs is on meta but this run captures on cpu; move it", id="other-device"),
-    pytest.param(dict(extra={"loss": torch.tensor(1.0)}), r"extra 'loss' was not present at the run's first step", id="extra-new-name"),
+    pytest.param(
+        dict(outputs=torch.randn(8, 4), targets=torch.zeros(6, dtype=torch.long)),
+        r"outputs and targets disagree on batch size: 8 vs 6",
+        id="batch-mismatch",
+    ),
+    pytest.param(
+        dict(outputs=torch.randn(8, 4), targets=torch.zeros(8, 4)),
+        r"integer class indices as targets, got float32 targets: for regression leave Accuracy out",
+        id="float-targets",
+    ),
+    pytest.param(
+        dict(outputs=torch.randn(8), targets=torch.zeros(8, dtype=torch.long)),
+        r"class scores of shape \[N, C\].*got shape \(8,\)",
+        id="outputs-1d",
+    ),
+    pytest.param(
+        dict(outputs=torch.randn(8, 1), targets=torch.zeros(8, dtype=torch.long)),
+        r"needs at least 2 classes, outputs have 1",
+        id="topk-too-large",
+    ),
+    pytest.param(
+        dict(outputs=None, targets=None),
+        r"Accuracy needs outputs, targets, but step\(\) got none",
+        id="targets-missing",
+    ),
+    pytest.param(
+        dict(outputs=torch.randn(8, 4, device="meta"), targets=torch.zeros(8, dtype=torch.long, device="meta")),
+        r"outputs is on meta but this run captures on cpu; move it",
+        id="other-device",
+    ),
+    pytest.param(
+        dict(extra={"loss": torch.tensor(1.0)}),
+        r"extra 'loss' was not present at the run's first step",
+        id="extra-new-name",
+    ),
     pytest.param(dict(batch_size=0), r"batch_size must be a positive integer, got 0", id="bad-batch-size"),
 ]
 
@@ -61,7 +93,9 @@ def test_bad_step_input_raises_clearly_and_keeps_earlier_steps(change, message) 
 def test_extra_clashing_with_a_builtin_at_the_first_step() -> None:
     with bt.Tap(METRICS(), [ListSink()]) as tap, tap.run():
         out = torch.randn(8, 4)
-        with pytest.raises(bt.InputError, match=r"extra 'accuracy' clashes with a built-in .* rename it, e.g. 'extra_accuracy'"):
+        with pytest.raises(
+            bt.InputError, match=r"extra 'accuracy' clashes with a built-in .* rename it, e.g. 'extra_accuracy'"
+        ):
             tap.step(loss=torch.tensor(1.0), outputs=out, targets=out.argmax(1), extra={"accuracy": 0.3})
         with pytest.raises(bt.InputError, match="clashes"):
             tap.step(loss=torch.tensor(1.0), outputs=out, targets=out.argmax(1), extra={"step": 1.0})
@@ -80,7 +114,10 @@ def test_class_indices_out_of_range_raise_at_a_following_step_and_store_nan() ->
     sink = ListSink()
     metrics = [bt.metrics.Loss(), bt.metrics.Accuracy(topk=(1, 2), check_targets_every=1)]
     with bt.Tap(metrics, [sink], flush_every=1) as tap:
-        with pytest.raises(bt.InputError, match=r"step 3: targets hold class indices outside \[0, 4\) \(smallest -1, largest 4\) for outputs with 4 classes"):
+        with pytest.raises(
+            bt.InputError,
+            match=r"step 3: targets hold class indices outside \[0, 4\) \(smallest -1, largest 4\) for outputs with 4 classes",
+        ):
             with tap.run():
                 _good(tap)
                 out = torch.randn(8, 4)
@@ -106,8 +143,10 @@ def test_each_target_boundary_alone_raises_through_the_tap(bad: int, smallest: i
     # behind the other (a batch holding -1 and C at once lets a weakened upper check pass).
     sink = ListSink()
     metrics = [bt.metrics.Loss(), bt.metrics.Accuracy(check_targets_every=1)]
-    expected = (rf"step 3: targets hold class indices outside \[0, 4\) \(smallest {smallest}, largest {largest}\) "
-                "for outputs with 4 classes")
+    expected = (
+        rf"step 3: targets hold class indices outside \[0, 4\) \(smallest {smallest}, largest {largest}\) "
+        "for outputs with 4 classes"
+    )
     with bt.Tap(metrics, [sink], flush_every=1) as tap:
         with pytest.raises(bt.InputError, match=expected):
             with tap.run():
@@ -128,15 +167,37 @@ def test_each_target_boundary_alone_raises_through_the_tap(bad: int, smallest: i
     ("kwargs", "message"),
     [
         pytest.param(dict(flush_every=0), r"flush_every must be an integer >= 1, got 0", id="flush-every-0"),
-        pytest.param(dict(flush_every=10, capacity=15), r"capacity must be >= 2 \* flush_every = 20 .* got 15; raise capacity", id="ring-too-small"),
+        pytest.param(
+            dict(flush_every=10, capacity=15),
+            r"capacity must be >= 2 \* flush_every = 20 .* got 15; raise capacity",
+            id="ring-too-small",
+        ),
         pytest.param(dict(sample_every=0), r"sample_every must be an integer >= 1, got 0", id="sample-every-0"),
         pytest.param(dict(flush_seconds=0), r"flush_seconds must be > 0, got 0", id="flush-seconds-0"),
-        pytest.param(dict(metrics=[bt.metrics.Loss(), bt.metrics.Loss()]), r"'loss' is used twice or reserved", id="duplicate-metric"),
-        pytest.param(dict(metrics=["loss"]), r"metrics must be batchtap.metrics.Metric objects, got str", id="metric-not-object"),
-        pytest.param(dict(extras={"lr": "tensor"}, metrics=[bt.metrics.LearningRate(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0))]),
-                     r"extra 'lr' clashes", id="extra-clash-declared"),
-        pytest.param(dict(extras={"kl": "vector"}), r"extras kind for 'kl' must be 'tensor' or 'number', got 'vector'", id="extra-kind"),
-        pytest.param(dict(backpressure="wait"), r"backpressure must be 'block' or 'drop_oldest', got 'wait'", id="backpressure"),
+        pytest.param(
+            dict(metrics=[bt.metrics.Loss(), bt.metrics.Loss()]),
+            r"'loss' is used twice or reserved",
+            id="duplicate-metric",
+        ),
+        pytest.param(
+            dict(metrics=["loss"]), r"metrics must be batchtap.metrics.Metric objects, got str", id="metric-not-object"
+        ),
+        pytest.param(
+            dict(
+                extras={"lr": "tensor"},
+                metrics=[bt.metrics.LearningRate(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0))],
+            ),
+            r"extra 'lr' clashes",
+            id="extra-clash-declared",
+        ),
+        pytest.param(
+            dict(extras={"kl": "vector"}),
+            r"extras kind for 'kl' must be 'tensor' or 'number', got 'vector'",
+            id="extra-kind",
+        ),
+        pytest.param(
+            dict(backpressure="wait"), r"backpressure must be 'block' or 'drop_oldest', got 'wait'", id="backpressure"
+        ),
     ],
 )
 def test_bad_configuration_fails_at_construction(kwargs, message) -> None:

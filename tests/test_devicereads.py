@@ -38,7 +38,10 @@ def test_parameters_and_everything_computed_from_them_are_device_tensors() -> No
         out.tolist()
         x.tolist()
     assert _ops(tracker) == [
-        ("item/float/bool", False), ("item/float/bool", True), ("Tensor.tolist", True), ("Tensor.tolist", False),
+        ("item/float/bool", False),
+        ("item/float/bool", True),
+        ("Tensor.tolist", True),
+        ("Tensor.tolist", False),
     ]
 
 
@@ -71,7 +74,7 @@ def test_copies_to_the_host_are_reads_and_their_results_host_tensors() -> None:
         y = layer(torch.randn(3, 2)).detach()
         a = y.cpu()
         b = y.to("cpu")
-        c = y.to(torch.device('cpu'))
+        c = y.to(torch.device("cpu"))
         d = y.to("cpu", non_blocking=True)  # queued, not waited for
         assert not any(tracker.is_device(t) for t in (a, b, c, d))
         assert tracker.is_device(y)  # the source is still on the device
@@ -101,7 +104,11 @@ def test_data_dependent_shapes_are_reads() -> None:
         torch.masked_select(y, y > 1)
         torch.equal(y, y)
     assert _ops(tracker) == [
-        ("boolean-mask index", True), ("nonzero", True), ("unique", True), ("masked_select", True), ("equal", True),
+        ("boolean-mask index", True),
+        ("nonzero", True),
+        ("unique", True),
+        ("masked_select", True),
+        ("equal", True),
     ]
 
 

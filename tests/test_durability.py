@@ -23,7 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def _start(db: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.durability_worker", str(db), *extra],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -42,8 +45,12 @@ def _read_until_step(proc: subprocess.Popen[str], step: int) -> tuple[str, int]:
 
 def _stored_steps(db: Path, run_id: str) -> list[int]:
     with sqlite3.connect(db) as conn:
-        return [s for (s,) in conn.execute(
-            "SELECT DISTINCT step FROM metrics WHERE run_id = ? AND metric = 'loss' ORDER BY step", (run_id,))]
+        return [
+            s
+            for (s,) in conn.execute(
+                "SELECT DISTINCT step FROM metrics WHERE run_id = ? AND metric = 'loss' ORDER BY step", (run_id,)
+            )
+        ]
 
 
 def test_sigterm_stores_every_captured_step_and_marks_the_run_stopped(tmp_path: Path) -> None:
@@ -79,7 +86,8 @@ def test_sigkill_mid_write_leaves_a_consistent_db_and_resume_continues(tmp_path:
     with sqlite3.connect(db) as conn:
         dupes = conn.execute(
             "SELECT COUNT(*) FROM (SELECT run_id, metric, step, rank, COUNT(*) c FROM metrics "
-            "GROUP BY run_id, metric, step, rank HAVING c > 1)").fetchone()[0]
+            "GROUP BY run_id, metric, step, rank HAVING c > 1)"
+        ).fetchone()[0]
         assert dupes == 0
     with store.open(db) as s:
         assert s.run(run_id).status is bt.RunStatus.FINISHED

@@ -138,8 +138,11 @@ def test_accumulate_on_cuda_no_host_read_no_upload(fake_cuda: None) -> None:
             assert reads.count == 0, reads.reads
             assert uploads.copies == [], uploads.copies
     assert len(sink.records) == 101
-    assert all(math.isclose(r.values["throughput"] * r.values["step_time"], 38, rel_tol=1e-6)
-               for r in sink.records[1:] if "throughput" in r.values)
+    assert all(
+        math.isclose(r.values["throughput"] * r.values["step_time"], 38, rel_tol=1e-6)
+        for r in sink.records[1:]
+        if "throughput" in r.values
+    )
 
 
 def test_the_upload_counter_sees_a_tensor_built_from_python_data() -> None:

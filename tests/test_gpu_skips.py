@@ -34,7 +34,11 @@ def _pytest(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     environ.update(env, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "tests._gpu_skips", "-p", "no:cacheprovider", str(tmp_path)],
-        cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

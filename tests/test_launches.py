@@ -26,9 +26,23 @@ aten = torch.ops.aten
 CUDA = torch.device("cuda", 0)
 #: ops that make a view or read metadata: no kernel, no copy
 _NO_LAUNCH = {
-    aten.select, aten.narrow, aten.view, aten.alias, aten.detach, aten.unsqueeze, aten._unsafe_view,
-    aten.as_strided, aten.expand, aten.t, aten.squeeze, aten.unbind, aten.slice, aten.permute,
-    aten.transpose, aten.reshape, aten.flatten,
+    aten.select,
+    aten.narrow,
+    aten.view,
+    aten.alias,
+    aten.detach,
+    aten.unsqueeze,
+    aten._unsafe_view,
+    aten.as_strided,
+    aten.expand,
+    aten.t,
+    aten.squeeze,
+    aten.unbind,
+    aten.slice,
+    aten.permute,
+    aten.transpose,
+    aten.reshape,
+    aten.flatten,
 }
 
 
@@ -71,7 +85,11 @@ def _per_step(
 
 
 DEFAULTS = lambda: [  # noqa: E731 - the metrics a Tap picks for loss/outputs/targets without an optimizer
-    bt.metrics.Loss(), bt.metrics.Accuracy(), bt.metrics.StepTime(), bt.metrics.DataTime(), bt.metrics.Throughput(),
+    bt.metrics.Loss(),
+    bt.metrics.Accuracy(),
+    bt.metrics.StepTime(),
+    bt.metrics.DataTime(),
+    bt.metrics.Throughput(),
 ]
 
 

@@ -2,7 +2,6 @@
 configs, torch.compile."""
 
 from __future__ import annotations
-import warnings
 
 import argparse
 import dataclasses
@@ -13,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -34,7 +34,11 @@ def test_start_and_finish_without_a_with_block(sink: ListSink) -> None:
     info2 = tap.start(name="second")
     tap.step(loss=torch.tensor(1.0))
     tap.finish("failed", reason="eval crashed")
-    assert (sink.ended[-1].id, sink.ended[-1].status, sink.ended[-1].stop_reason) == (info2.id, bt.RunStatus.FAILED, "eval crashed")
+    assert (sink.ended[-1].id, sink.ended[-1].status, sink.ended[-1].stop_reason) == (
+        info2.id,
+        bt.RunStatus.FAILED,
+        "eval crashed",
+    )
     tap.close()
     with pytest.raises(bt.RunStateError, match="outside a run"):
         tap.finish()
@@ -58,7 +62,9 @@ def _run_script(body: str, tmp_path: pathlib.Path, timeout: float = 60) -> subpr
 
 
 @pytest.mark.parametrize("form", ["start", "entered-run-context"])
-def test_a_run_left_open_at_interpreter_exit_is_stored_as_failed_without_hanging(tmp_path: pathlib.Path, form: str) -> None:
+def test_a_run_left_open_at_interpreter_exit_is_stored_as_failed_without_hanging(
+    tmp_path: pathlib.Path, form: str
+) -> None:
     opening = (
         "tap.start(name='open')"
         if form == "start"
@@ -121,7 +127,9 @@ def test_resume_keeps_the_stored_name(tmp_path: pathlib.Path) -> None:
         assert conn.execute("SELECT max(step) FROM metrics WHERE run_id = ?", (first.id,)).fetchone() == (5,)
 
 
-def test_a_tap_without_sinks_stores_to_sqlite_and_batchtap_runs_shows_it(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tap_without_sinks_stores_to_sqlite_and_batchtap_runs_shows_it(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("BATCHTAP_DB")
     model = torch.nn.Linear(4, 3)
@@ -138,7 +146,12 @@ def test_a_tap_without_sinks_stores_to_sqlite_and_batchtap_runs_shows_it(tmp_pat
     assert (tmp_path / "runs" / "batchtap.db").exists()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHTAP_DB")}
     shown = subprocess.run(
-        [sys.executable, "-m", "batchtap.cli.main", "runs"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=60
+        [sys.executable, "-m", "batchtap.cli.main", "runs"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert shown.returncode == 0, shown.stderr
     assert info.id[:8] in shown.stdout and "defaults" in shown.stdout
@@ -157,16 +170,26 @@ class TrainConfig:
 
 
 def test_everyday_config_objects_are_stored_as_json(sink: ListSink) -> None:
-    args = argparse.Namespace(batch_size=64, device=torch.device("cpu"), data=pathlib.Path("/data/shakespeare"),
-                              betas=(0.9, 0.95), train=TrainConfig(), decay=float("inf"))
+    args = argparse.Namespace(
+        batch_size=64,
+        device=torch.device("cpu"),
+        data=pathlib.Path("/data/shakespeare"),
+        betas=(0.9, 0.95),
+        train=TrainConfig(),
+        decay=float("inf"),
+    )
     with bt.Tap([bt.metrics.Loss()], [sink]) as tap:
         with tap.run(config=args) as info:
             pass
         with tap.run(config=TrainConfig()) as info2:
             pass
     assert info.config == {
-        "batch_size": 64, "device": "cpu", "data": "/data/shakespeare", "betas": [0.9, 0.95],
-        "train": {"lr": 3e-4, "out_dir": "out", "dtype": "torch.bfloat16", "optim": "adamw"}, "decay": "inf",
+        "batch_size": 64,
+        "device": "cpu",
+        "data": "/data/shakespeare",
+        "betas": [0.9, 0.95],
+        "train": {"lr": 3e-4, "out_dir": "out", "dtype": "torch.bfloat16", "optim": "adamw"},
+        "decay": "inf",
     }
     assert info2.config["dtype"] == "torch.bfloat16"
     assert not sink.events  # nothing had to fall back to repr

@@ -59,11 +59,15 @@ def test_logged_values_are_written_with_the_rows_of_the_steps_before_them(tmp_pa
             if step in (5, 6):
                 tap.log({f"val_{step}": torch.tensor(0.5)})
     writes = [json.loads(line) for line in path.read_text().splitlines()]
-    where = {(step, sparse): i for i, w in enumerate(writes) for step, sparse in w}  # (the sink worker may merge blocks)
+    where = {
+        (step, sparse): i for i, w in enumerate(writes) for step, sparse in w
+    }  # (the sink worker may merge blocks)
     assert where[(5, True)] == where[(5, False)] == where[(7, False)], writes  # with the block of steps 4..7
     assert where[(6, True)] == where[(6, False)], writes
     w = writes[where[(5, True)]]
-    assert w.index([5, True]) > w.index([7, False]) and w.index([6, True]) > w.index([5, True])  # after its rows, in order
+    assert w.index([5, True]) > w.index([7, False]) and w.index([6, True]) > w.index(
+        [5, True]
+    )  # after its rows, in order
     assert sorted(s for w in writes for s, sparse in w if not sparse) == list(range(12))
 
 

@@ -65,7 +65,9 @@ def test_accuracy_is_exactly_correct_over_n(dtype: torch.dtype, topk: tuple[int,
             targets = torch.randint(0, 6, (n,), generator=g)
             tap.step(outputs=outputs, targets=targets)
             top = outputs.topk(3, dim=1).indices
-            expected.append(((top[:, 0] == targets).sum().item() / n, (top == targets[:, None]).any(1).sum().item() / n))
+            expected.append(
+                ((top[:, 0] == targets).sum().item() / n, (top == targets[:, None]).any(1).sum().item() / n)
+            )
     assert len(sink.records) == 40
     assert [r.values["accuracy"] for r in sink.records] == [e[0] for e in expected]
     if topk == (1, 3):

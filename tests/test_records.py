@@ -35,8 +35,25 @@ _EDGES = [0.0, -0.0, 5e-324, -5e-324, 2.2250738585072014e-308, 1.797693134862315
 _floats = st.one_of(st.sampled_from(_EDGES), st.floats(allow_nan=True, allow_infinity=True, width=64))
 # Names a record must keep whatever they are: its own keys, the escape prefix, text that looks like a float.
 _names = st.one_of(
-    st.sampled_from(["type", "run_id", "step", "epoch", "batch", "rank", "wall_time", "sparse", "values",
-                     "metric:", "metric:step", "metric:metric:x", "nan", "inf", "loss/train ✓"]),  # fmt: skip
+    st.sampled_from(
+        [
+            "type",
+            "run_id",
+            "step",
+            "epoch",
+            "batch",
+            "rank",
+            "wall_time",
+            "sparse",
+            "values",
+            "metric:",
+            "metric:step",
+            "metric:metric:x",
+            "nan",
+            "inf",
+            "loss/train ✓",
+        ]
+    ),  # fmt: skip
     st.text(min_size=1, max_size=12),
 )
 _text = st.one_of(st.sampled_from(["nan", "inf", "-inf", "1.5", ""]), st.text(max_size=20))
@@ -104,14 +121,28 @@ def _same_floats(a: object, b: object) -> bool:
 
 
 def _assert_same_record(a: Record, b: Record) -> None:
-    assert (a.run_id, a.step, a.epoch, a.batch, a.rank, a.sparse) == (b.run_id, b.step, b.epoch, b.batch, b.rank, b.sparse)
+    assert (a.run_id, a.step, a.epoch, a.batch, a.rank, a.sparse) == (
+        b.run_id,
+        b.step,
+        b.epoch,
+        b.batch,
+        b.rank,
+        b.sparse,
+    )
     assert _same_floats(a.wall_time, b.wall_time)
     assert list(a.values) == list(b.values)  # names and their order
     assert all(_same_floats(a.values[k], b.values[k]) for k in a.values), (a.values, b.values)
 
 
 def _assert_same_event(a: Event, b: Event) -> None:
-    assert (a.run_id, a.step, a.kind, a.message, a.metric, a.rank) == (b.run_id, b.step, b.kind, b.message, b.metric, b.rank)
+    assert (a.run_id, a.step, a.kind, a.message, a.metric, a.rank) == (
+        b.run_id,
+        b.step,
+        b.kind,
+        b.message,
+        b.metric,
+        b.rank,
+    )
     assert _same_floats(a.wall_time, b.wall_time)
     assert (a.raw_value is None and b.raw_value is None) or _same_floats(a.raw_value, b.raw_value)
 

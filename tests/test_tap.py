@@ -77,7 +77,9 @@ def test_sample_every_records_every_nth_and_last_batch_of_epoch(sink: ListSink) 
                 for x, y in tap.watch(data, epoch=epoch):
                     out = model(x)
                     loss = F.cross_entropy(out, y)
-                    opt.zero_grad(); loss.backward(); opt.step()
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
                     tap.step(loss=loss, outputs=out, targets=y)
                     reference[step] = {"loss": loss.item(), "accuracy": (out.argmax(1) == y).float().mean().item()}
                     step += 1
@@ -104,7 +106,9 @@ def test_watch_times_the_data_wait_and_counts_batches(sink: ListSink) -> None:
             time.sleep(0.02)
             yield _batch()
 
-    with bt.Tap([bt.metrics.Loss(), bt.metrics.DataTime(), bt.metrics.StepTime(), bt.metrics.Throughput()], [sink]) as tap:
+    with bt.Tap(
+        [bt.metrics.Loss(), bt.metrics.DataTime(), bt.metrics.StepTime(), bt.metrics.Throughput()], [sink]
+    ) as tap:
         with tap.run():
             for epoch in range(2):
                 for x, _ in tap.watch(slow_loader()):
@@ -153,11 +157,21 @@ def test_nan_guard_off_keeps_training(sink: ListSink) -> None:
 @pytest.mark.parametrize(
     ("metric", "value", "why"),
     [
-        pytest.param(bt.metrics.Custom("frac", lambda loss: loss, requires=("loss",), domain=bt.metrics.UNIT_INTERVAL),
-                     1.25, "above its maximum 1", id="accuracy-like-above-1"),
-        pytest.param(bt.metrics.Custom("frac", lambda loss: loss, requires=("loss",), domain=bt.metrics.UNIT_INTERVAL),
-                     -0.5, "below its minimum 0", id="below-0"),
-        pytest.param(bt.metrics.Custom("frac", lambda loss: loss, requires=("loss",)), math.inf, "not finite", id="inf"),
+        pytest.param(
+            bt.metrics.Custom("frac", lambda loss: loss, requires=("loss",), domain=bt.metrics.UNIT_INTERVAL),
+            1.25,
+            "above its maximum 1",
+            id="accuracy-like-above-1",
+        ),
+        pytest.param(
+            bt.metrics.Custom("frac", lambda loss: loss, requires=("loss",), domain=bt.metrics.UNIT_INTERVAL),
+            -0.5,
+            "below its minimum 0",
+            id="below-0",
+        ),
+        pytest.param(
+            bt.metrics.Custom("frac", lambda loss: loss, requires=("loss",)), math.inf, "not finite", id="inf"
+        ),
     ],
 )
 def test_out_of_domain_values_become_nan_with_raw_value_in_event(sink, metric, value, why) -> None:
@@ -198,7 +212,9 @@ def test_extras_tensor_and_number_and_absent_steps(sink: ListSink) -> None:
 
 def test_user_defined_metric_with_domain_and_reduction(sink: ListSink) -> None:
     mae = bt.metrics.Custom(
-        "mae", lambda outputs, targets: (outputs - targets).abs().mean(), domain=bt.metrics.NONNEGATIVE,
+        "mae",
+        lambda outputs, targets: (outputs - targets).abs().mean(),
+        domain=bt.metrics.NONNEGATIVE,
         reduce=bt.metrics.Reduce.MEAN,
     )
     x, y = torch.randn(10, 3), torch.randn(10, 3)
@@ -274,7 +290,9 @@ def test_cpu_autocast_bf16_matches_fp32_reference(sink: ListSink) -> None:
                 loss = F.cross_entropy(out, y)
                 assert out.dtype == torch.bfloat16
                 tap.step(loss=loss, outputs=out, targets=y)  # called under autocast on purpose
-            opt.zero_grad(); loss.backward(); opt.step()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
             top = out.float().topk(5, dim=1).indices
             reference[step] = {
                 "loss": loss.float().item(),
@@ -293,7 +311,9 @@ def test_metrics_callback_keeps_recipe_interface(capsys) -> None:
             x, y = _batch()
             out = model(x)
             loss = F.cross_entropy(out, y)
-            opt.zero_grad(); loss.backward(); opt.step()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
             callback(0, batch, loss, out, y)
         rows = callback.batch_metrics
     assert [(m["epoch"], m["batch"]) for m in rows] == [(0, b) for b in range(5)]

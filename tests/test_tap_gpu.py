@@ -43,11 +43,17 @@ def test_1000_steps_without_sync_and_exact_values(monkeypatch: pytest.MonkeyPatc
     data = [(torch.randn(64, 32, device=device), torch.randint(0, 10, (64,), device=device)) for _ in range(20)]
     keep = []
     metrics = [
-        bt.metrics.Loss(), bt.metrics.Accuracy(topk=(1, 5)), bt.metrics.GradNorm(model), bt.metrics.StepTime(),
-        bt.metrics.LearningRate(opt), bt.metrics.Memory(), bt.metrics.Throughput(),
+        bt.metrics.Loss(),
+        bt.metrics.Accuracy(topk=(1, 5)),
+        bt.metrics.GradNorm(model),
+        bt.metrics.StepTime(),
+        bt.metrics.LearningRate(opt),
+        bt.metrics.Memory(),
+        bt.metrics.Throughput(),
     ]
     syncs = _ExplicitSyncs(monkeypatch)
     with bt.Tap(metrics, [sink], flush_every=50) as tap, tap.run():
+
         def train(step: int) -> None:
             x, y = data[step % len(data)]
             out = model(x)

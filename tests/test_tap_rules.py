@@ -80,18 +80,25 @@ def test_scripted_divergence_rolls_back_skips_batches_and_finishes_finite() -> N
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     rollback = bt.Rollback(model, opt, every=4, keep=2, lr_factor=0.5, skip_batches=3, max_retries=2)
-    rules = [Spike("loss", ratio=5.0, window=10, patience=1, warmup=10, action="rollback"), NonFinite("loss", action="stop")]
+    rules = [
+        Spike("loss", ratio=5.0, window=10, patience=1, warmup=10, action="rollback"),
+        NonFinite("loss", action="stop"),
+    ]
     sink = ListSink()
     yielded: list[tuple[int, int]] = []
     corrupt_at = 25
-    with bt.Tap([bt.metrics.Loss(), bt.metrics.LearningRate(opt)], [sink], rules=rules, rollback=rollback, flush_every=2) as tap:
+    with bt.Tap(
+        [bt.metrics.Loss(), bt.metrics.LearningRate(opt)], [sink], rules=rules, rollback=rollback, flush_every=2
+    ) as tap:
         with tap.run():
             step = 0
             for epoch in range(3):
                 for xb, yb in tap.watch(loader, epoch=epoch):
                     yielded.append((epoch, len([1 for e, _ in yielded if e == epoch])))
                     loss = F.mse_loss(model(xb), yb)
-                    opt.zero_grad(); loss.backward(); opt.step()
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
                     if step == corrupt_at:
                         with torch.no_grad():
                             model.weight.mul_(1e3)  # what a bad update looks like

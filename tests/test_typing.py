@@ -15,6 +15,9 @@ def test_mypy_is_clean_on_src() -> None:
     pytest.importorskip("mypy")
     done = subprocess.run(
         [sys.executable, "-m", "mypy", str(SRC), "--ignore-missing-imports", "--no-incremental"],
-        capture_output=True, text=True, timeout=600, check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:]

@@ -53,19 +53,32 @@ _DIST = "tests/pipeline/test_distributed.py::"
 TESTS: dict[str, list[str]] = {
     "capture/clock.py": ["tests/capture", "tests/pipeline/test_harvest.py"],
     "capture/flush.py": ["tests/capture", "tests/pipeline/test_harvest.py"],
-    "capture/ring.py": ["tests/capture", "tests/pipeline/test_harvest.py", "tests/test_tap.py", "tests/test_launches.py"],
+    "capture/ring.py": [
+        "tests/capture",
+        "tests/pipeline/test_harvest.py",
+        "tests/test_tap.py",
+        "tests/test_launches.py",
+    ],
     "capture/guard.py": ["tests/capture", "tests/test_tap.py"],
     "capture/accumulate.py": ["tests/test_accumulate.py"],
     "metrics/builtin.py": ["tests/metrics", "tests/test_properties.py", "tests/test_bad_input.py"],
     "metrics/functional.py": ["tests/metrics", "tests/test_properties.py"],
     "metrics/domain.py": ["tests/metrics", "tests/test_bad_input.py"],
-    "pipeline/decode.py": ["tests/pipeline/test_decode.py", "tests/metrics/test_domains.py", "tests/test_bad_input.py",
-                           "tests/test_tap.py", "tests/metrics/test_builtin.py"],
+    "pipeline/decode.py": [
+        "tests/pipeline/test_decode.py",
+        "tests/metrics/test_domains.py",
+        "tests/test_bad_input.py",
+        "tests/test_tap.py",
+        "tests/metrics/test_builtin.py",
+    ],
     # the fast arithmetic first (-x stops there); the real gloo runs only for what survives it
-    "pipeline/reduce.py": ["tests/pipeline/test_reduce.py", "tests/pipeline/test_reduce_packing.py",
-                           _DIST + "test_every_reduction_kind_over_real_ranks",
-                           _DIST + "test_reduced_loss_and_accuracy_equal_the_union_reference",
-                           _DIST + "test_straggler_fields_name_the_slow_rank"],
+    "pipeline/reduce.py": [
+        "tests/pipeline/test_reduce.py",
+        "tests/pipeline/test_reduce_packing.py",
+        _DIST + "test_every_reduction_kind_over_real_ranks",
+        _DIST + "test_reduced_loss_and_accuracy_equal_the_union_reference",
+        _DIST + "test_straggler_fields_name_the_slow_rank",
+    ],
     "pipeline/dispatch.py": ["tests/pipeline/test_dispatch.py"],
     "sinks/resilient.py": ["tests/sinks/test_resilient.py"],
     "rules/engine.py": ["tests/rules/test_engine.py", "tests/test_tap_rules.py"],
@@ -74,19 +87,42 @@ TESTS: dict[str, list[str]] = {
 
 #: the modules the issue names (issue 16): the default run
 MODULES = [
-    "capture/clock.py", "capture/flush.py", "capture/ring.py", "capture/guard.py", "capture/accumulate.py",
-    "metrics/builtin.py", "metrics/functional.py", "metrics/domain.py",
-    "pipeline/decode.py", "pipeline/reduce.py", "pipeline/dispatch.py", "sinks/resilient.py",
-    "rules/engine.py", "store/schema.py",
+    "capture/clock.py",
+    "capture/flush.py",
+    "capture/ring.py",
+    "capture/guard.py",
+    "capture/accumulate.py",
+    "metrics/builtin.py",
+    "metrics/functional.py",
+    "metrics/domain.py",
+    "pipeline/decode.py",
+    "pipeline/reduce.py",
+    "pipeline/dispatch.py",
+    "sinks/resilient.py",
+    "rules/engine.py",
+    "store/schema.py",
 ]
 
 _CMP_SWAP: dict[type, type] = {
-    ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
-    ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
 }
 _BIN_SWAP: dict[type, type] = {
-    ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,
-    ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult,
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.Div,
+    ast.Div: ast.Mult,
+    ast.FloorDiv: ast.Mult,
+    ast.Mod: ast.FloorDiv,
+    ast.Pow: ast.Mult,
 }
 
 
@@ -250,8 +286,9 @@ def _run_tests(work: Path, tests: list[str], timeout: float) -> tuple[str, float
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "--no-header", *tests]
     started = time.monotonic()
     # its own session, so a timeout ends the test run with every process it started (gloo ranks)
-    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -284,7 +321,10 @@ def main() -> None:
     work = _scratch()
     env_check = subprocess.run(
         [sys.executable, "-c", "import batchtap; print(batchtap.__file__)"],
-        env=dict(os.environ, PYTHONPATH=str(work / "src")), capture_output=True, text=True, check=True,
+        env=dict(os.environ, PYTHONPATH=str(work / "src")),
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     if not env_check.startswith(str(work)):
         sys.exit(f"mutate: the scratch tree is not the one imported ({env_check}); refusing to run")
@@ -312,8 +352,11 @@ def main() -> None:
                     target.write_text(ast.unparse(tree) + "\n")
                     mutant.status, mutant.seconds = _run_tests(work, tests, args.timeout)
                     results.append(mutant)
-                    print(f"  {mutant.status:8} {mutant.id:32} line {mutant.line:4} {mutant.kind:8} "
-                          f"{mutant.before!r} -> {mutant.after!r} ({mutant.seconds:.0f} s)", flush=True)
+                    print(
+                        f"  {mutant.status:8} {mutant.id:32} line {mutant.line:4} {mutant.kind:8} "
+                        f"{mutant.before!r} -> {mutant.after!r} ({mutant.seconds:.0f} s)",
+                        flush=True,
+                    )
             finally:
                 target.write_text(original)
     finally:
@@ -323,8 +366,10 @@ def main() -> None:
     killed = sum(m.status in ("killed", "timeout") for m in results)
     survived = sum(m.status == "survived" for m in results)
     errors = len(results) - killed - survived
-    print(f"\nmutants run: {len(results)}, killed: {killed}, survived: {survived}, run errors: {errors}"
-          + (f", score {100 * killed / (killed + survived):.1f} %" if killed + survived else ""))
+    print(
+        f"\nmutants run: {len(results)}, killed: {killed}, survived: {survived}, run errors: {errors}"
+        + (f", score {100 * killed / (killed + survived):.1f} %" if killed + survived else "")
+    )
     args.out.write_text(json.dumps([dataclasses.asdict(m) for m in results], indent=1))
 
 

@@ -15,6 +15,7 @@ __all__ = ["wait_for_sinks"]
 class _Drains(Protocol):
     def drain(self, timeout: float | None = None) -> bool: ...
 
+
 log = logging.getLogger("batchtap")
 
 

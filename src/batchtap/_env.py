@@ -81,7 +81,11 @@ def scrub_secrets(value: Any) -> Any:
     """
     if isinstance(value, dict):
         return {
-            k: (REDACTED if isinstance(k, str) and is_secret_name(k) and value[k] not in (None, "", False) else scrub_secrets(v))
+            k: (
+                REDACTED
+                if isinstance(k, str) and is_secret_name(k) and value[k] not in (None, "", False)
+                else scrub_secrets(v)
+            )
             for k, v in value.items()
         }
     if isinstance(value, list):

@@ -95,7 +95,16 @@ class FrameClassifier:
         self._torch_plumbing: tuple[str, ...] = ()
         if torch_dir:
             self._torch_plumbing = tuple(
-                os.path.join(torch_dir, p) for p in ("_tensor.py", "_tensor_str.py", "_compile.py", "_ops.py", "overrides.py", "_dynamo", os.path.join("utils", "_python_dispatch.py"))
+                os.path.join(torch_dir, p)
+                for p in (
+                    "_tensor.py",
+                    "_tensor_str.py",
+                    "_compile.py",
+                    "_ops.py",
+                    "overrides.py",
+                    "_dynamo",
+                    os.path.join("utils", "_python_dispatch.py"),
+                )
             )
         libs = {_dir(p) for p in sysconfig.get_paths().values() if p}
         libs |= {_dir(p) for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix)}

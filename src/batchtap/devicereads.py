@@ -164,7 +164,9 @@ class DeviceReadTracker(TorchDispatchMode):
 
     # -- the dispatcher -------------------------------------------------------------------------
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         if self._depth == 0:
@@ -187,7 +189,9 @@ class DeviceReadTracker(TorchDispatchMode):
         where = self._writes.get(func)
         if where is None:
             where = self._writes[func] = [
-                (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+                (i, a.name)
+                for i, a in enumerate(func._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
             ]
         return [args[i] if i < len(args) else kwargs.get(name) for i, name in where]
 

@@ -6,7 +6,15 @@ misconfigured ``Tap`` keeps working.
 
 from __future__ import annotations
 
-__all__ = ["BatchtapError", "ConfigError", "InputError", "RunStateError", "TrainingDiverged", "SinkError", "DistributedError"]
+__all__ = [
+    "BatchtapError",
+    "ConfigError",
+    "InputError",
+    "RunStateError",
+    "TrainingDiverged",
+    "SinkError",
+    "DistributedError",
+]
 
 
 class BatchtapError(Exception):

@@ -96,7 +96,9 @@ class HostReadCounter(TorchDispatchMode):
                 return
         self.reads.append(HostRead(op))
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if self._depth == 0:
             if func is _aten._local_scalar_dense.default:

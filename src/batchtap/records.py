@@ -142,8 +142,13 @@ _new_object = object.__new__
 
 
 def step_records(
-    run_id: str, rank: int, steps: Sequence[int], epochs: Sequence[int], batches: Sequence[int],
-    walls: Sequence[float], values: Sequence[Mapping[str, float]],
+    run_id: str,
+    rank: int,
+    steps: Sequence[int],
+    epochs: Sequence[int],
+    batches: Sequence[int],
+    walls: Sequence[float],
+    values: Sequence[Mapping[str, float]],
 ) -> list[Record]:
     """``Record(run_id, steps[i], epochs[i], batches[i], rank, walls[i], values[i])`` for every i:
     the records of a decoded block, made at half the cost of calling the class.
@@ -492,7 +497,7 @@ def from_wire(d: Mapping[str, Any]) -> Message:
     except (KeyError, TypeError):
         kind = d.get("type") if isinstance(d, Mapping) else None
         raise ValueError(
-            f"expected a record codec object with a \"type\" of {', '.join(_FROM_WIRE)}, got "
+            f'expected a record codec object with a "type" of {", ".join(_FROM_WIRE)}, got '
             f"{'none' if kind is None else repr(kind)} in {str(d)[:80]!r}"
         ) from None
     try:

@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import logging
 import math
+import multiprocessing.util  # noqa: F401  (see _end_open_runs: its exit handler is registered first)
 import os
 import signal
 import threading
@@ -44,8 +45,6 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 
-import multiprocessing.util  # noqa: F401  (see _end_open_runs: its exit handler is registered first)
-
 from batchtap import _env
 from batchtap._config import to_json_config
 from batchtap._defaults import checked_sinks, default_sinks
@@ -54,7 +53,6 @@ from batchtap._owner import ThreadOwner
 from batchtap.capture.accumulate import MicroBatches
 from batchtap.capture.loader import timed_batches
 from batchtap.capture.logged import Logged, check_logged, copy_check
-from batchtap.capture.short import ShortStep, short_step
 from batchtap.capture.session import (
     CaptureConfig,
     RunCapture,
@@ -62,6 +60,7 @@ from batchtap.capture.session import (
     check_device_context,
     compute_values,
 )
+from batchtap.capture.short import ShortStep, short_step
 from batchtap.errors import ConfigError, DistributedError, InputError, RunStateError
 from batchtap.metrics.base import Metric, StepInputs
 from batchtap.metrics.builtin import default_metrics
@@ -80,8 +79,8 @@ from batchtap.pipeline import ranks
 from batchtap.pipeline.agreement import ProcessGroups, RankAgreement
 from batchtap.pipeline.chain import ReduceSpec
 from batchtap.pipeline.control import Control
-from batchtap.pipeline.dispatch import Backpressure
 from batchtap.pipeline.core import PipelineSettings
+from batchtap.pipeline.dispatch import Backpressure
 from batchtap.pipeline.host import PipelineHost, PipelineKind, make_pipeline
 from batchtap.records import Event, EventKind, RunInfo, RunStatus
 from batchtap.recovery.actions import ActionRunner
@@ -324,9 +323,7 @@ class Tap:
     # ------------------------------------------------------------------ life cycle
 
     @contextlib.contextmanager
-    def run(
-        self, name: str | None = None, *, config: Any = None, resume: str | None = None
-    ) -> Iterator[RunInfo]:
+    def run(self, name: str | None = None, *, config: Any = None, resume: str | None = None) -> Iterator[RunInfo]:
         """Context of one training run. Leaving it, however it is left, stores every captured step.
 
         Args:
@@ -663,7 +660,18 @@ class Tap:
         if sampled:
             try:
                 self._capture_step(
-                    state, loss, outputs, targets, extra or {}, batch_size, tokens, grad_norm, ep, index, data_time, micro
+                    state,
+                    loss,
+                    outputs,
+                    targets,
+                    extra or {},
+                    batch_size,
+                    tokens,
+                    grad_norm,
+                    ep,
+                    index,
+                    data_time,
+                    micro,
                 )
             except OverflowError:  # nothing was recorded yet: a number too large for a float
                 raise InputError(overflow_message(extra or {}, tokens)) from None
@@ -716,8 +724,13 @@ class Tap:
             if self._short_candidate == (key, state.step - 1):
                 self._short_key = key
                 self._short = short_step(
-                    capture, state, inputs, owner_thread=state.owner.ident or 0, errors=self._control,
-                    on_nan=lambda hit: self._on_nan(state, hit), on_due=lambda: self._flush(state),
+                    capture,
+                    state,
+                    inputs,
+                    owner_thread=state.owner.ident or 0,
+                    errors=self._control,
+                    on_nan=lambda hit: self._on_nan(state, hit),
+                    on_due=lambda: self._flush(state),
                 )
             self._short_candidate = (key, state.step)
 
@@ -790,7 +803,9 @@ class Tap:
         if capture is None or key != capture.checked_micro:
             check_step_inputs(inputs, micro.metrics, micro.device, "accumulate()")
             if not micro.metrics and loss is None:
-                raise InputError("accumulate() got nothing to measure; pass the micro-batch's loss (and outputs/targets)")
+                raise InputError(
+                    "accumulate() got nothing to measure; pass the micro-batch's loss (and outputs/targets)"
+                )
             if capture is not None:
                 capture.checked_micro = key
         if state.watching:
@@ -932,7 +947,9 @@ class Tap:
         step = step if step is not None else (state.step - 1 if state else 0)
         if not self._control.request_stop(reason, step) or state is None:
             return
-        event = Event(state.info.id, step, EventKind.ACTION, f"stop: {reason}", time.time(), metric=metric, rank=state.rank)
+        event = Event(
+            state.info.id, step, EventKind.ACTION, f"stop: {reason}", time.time(), metric=metric, rank=state.rank
+        )
         self._send(state, [event])
         if state.agreement is None:
             self._control.agree_stop(reason)  # one process: nobody to agree with
@@ -941,9 +958,7 @@ class Tap:
 
     def _require_run(self, what: str) -> _RunState:
         if self._state is None:
-            raise RunStateError(
-                f"{what} was called outside a run; wrap the training loop in `with tap.run(name=...):`"
-            )
+            raise RunStateError(f"{what} was called outside a run; wrap the training loop in `with tap.run(name=...):`")
         return self._state
 
     def _raise_pipeline_error(self) -> None:
@@ -979,7 +994,11 @@ class Tap:
         if state.agreement is not None and self._groups is not None:
             reduce = ReduceSpec(self._groups.reduce, state.rank, state.agreement.world_size, self.per_rank_rows)
         state.chain = self._pipeline.open_chain(
-            capture.layout, run_id=state.info.id, rank=state.rank, writes=state.writes, reduce=reduce,
+            capture.layout,
+            run_id=state.info.id,
+            rank=state.rank,
+            writes=state.writes,
+            reduce=reduce,
             max_rows=self.capacity,  # a block never holds more than a ring
         )
         state.capture = self._last_capture = capture

@@ -15,7 +15,11 @@ def run_quick(script: str, *args: str) -> str:
     checking it exited 0."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args, "--quick"],
-        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=240,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
         check=False,
     )
     assert done.returncode == 0, f"bench/{script} failed ({done.returncode}):\n{done.stdout}\n{done.stderr[-4000:]}"

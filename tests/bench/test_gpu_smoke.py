@@ -33,7 +33,12 @@ def test_gpu_bench_quick_on_cpu_prints_its_table() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--quick"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
     assert done.returncode == 0, f"bench/gpu.py failed ({done.returncode}):\n{done.stdout}\n{done.stderr[-4000:]}"
     out = done.stdout

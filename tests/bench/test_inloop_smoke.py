@@ -11,7 +11,9 @@ import re
 from tests.bench._quick import run_quick
 
 CALLS = (
-    "tap.step, default metrics", "tap.step, loss only", "per-step .item() recipe",
+    "tap.step, default metrics",
+    "tap.step, loss only",
+    "per-step .item() recipe",
     "floor: the default metrics' 3 device ops alone",
 )
 

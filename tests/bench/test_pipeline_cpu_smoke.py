@@ -15,6 +15,11 @@ def test_pipeline_cpu_bench_quick_prints_its_rows() -> None:
         for line in stdout.splitlines()
         if line.startswith("| default") or line.startswith("| loss only")
     ]
-    assert [(r[0], r[1]) for r in rows] == [("default", "50"), ("default", "200"), ("loss only", "50"), ("loss only", "200")]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("default", "50"),
+        ("default", "200"),
+        ("loss only", "50"),
+        ("loss only", "200"),
+    ]
     for row in rows:
         assert re.fullmatch(r"\d+\.\d", row[2]) and re.fullmatch(r"\d+\.\d", row[3]), row

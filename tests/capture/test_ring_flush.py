@@ -11,18 +11,20 @@ import pytest
 import torch
 
 from batchtap.capture.clock import HostClock, clock_for
-from batchtap.pipeline.harvest import read_block
 from batchtap.capture.flush import Flusher
 from batchtap.capture.guard import LossGuard
 from batchtap.capture.loader import timed_batches
 from batchtap.capture.ring import MetricRing
 from batchtap.metrics.base import with_settle
+from batchtap.pipeline.harvest import read_block
 
 CPU = torch.device("cpu")
 
 
 def _ring(capacity: int = 4, device_width: int = 2, host_width: int = 1, guard: int | None = 0) -> MetricRing:
-    return MetricRing(capacity=capacity, device_width=device_width, host_width=host_width, device=CPU, guard_column=guard)
+    return MetricRing(
+        capacity=capacity, device_width=device_width, host_width=host_width, device=CPU, guard_column=guard
+    )
 
 
 def _write(ring: MetricRing, flusher: Flusher, step: int, loss: float) -> int:
@@ -30,8 +32,15 @@ def _write(ring: MetricRing, flusher: Flusher, step: int, loss: float) -> int:
     slot = flusher.claim(flusher.rows)
     flusher.clock.mark_start(slot)
     ring.write(
-        slot, [torch.tensor(loss), torch.tensor(float(step))], [step * 10.0],
-        step=step, epoch=0, batch=step, wall_time=1000.0 + step, samples=8.0, data_time=0.001,
+        slot,
+        [torch.tensor(loss), torch.tensor(float(step))],
+        [step * 10.0],
+        step=step,
+        epoch=0,
+        batch=step,
+        wall_time=1000.0 + step,
+        samples=8.0,
+        data_time=0.001,
     )
     flusher.clock.mark_end(slot)
     flusher.rows += 1
@@ -61,7 +70,11 @@ def test_the_flush_lets_writers_settle_each_run_of_slots_they_wrote_last_before_
 
         return [with_settle(write, settle)] if settles else [write]
 
-    a, b, plain = ring.slot_writers(writers("a", True)), ring.slot_writers(writers("b", True)), ring.slot_writers(writers("plain", False))
+    a, b, plain = (
+        ring.slot_writers(writers("a", True)),
+        ring.slot_writers(writers("b", True)),
+        ring.slot_writers(writers("plain", False)),
+    )
     assert ring.settling
     owner_of = {0: a, 1: a, 2: None, 3: a, 4: b, 5: b, 6: plain, 7: a}  # None: the general path's row
     for slot, owner in owner_of.items():
@@ -172,8 +185,17 @@ def test_a_step_without_a_start_mark_has_no_step_time() -> None:
     clock = HostClock(4)
     flusher = Flusher(ring, clock, flush_every=2, flush_seconds=None)
     slot = flusher.claim(0)
-    ring.write(slot, [torch.tensor(1.0), torch.tensor(0.0)], [0.0], step=0, epoch=0, batch=0,
-               wall_time=0.0, samples=1.0, data_time=math.nan)
+    ring.write(
+        slot,
+        [torch.tensor(1.0), torch.tensor(0.0)],
+        [0.0],
+        step=0,
+        epoch=0,
+        batch=0,
+        wall_time=0.0,
+        samples=1.0,
+        data_time=math.nan,
+    )
     clock.mark_end(slot)
     flusher.rows += 1
     _write(ring, flusher, 1, 1.0)
@@ -225,8 +247,17 @@ def test_guard_checks_a_slots_old_row_before_a_lagging_device_gets_it_overwritte
     for row, loss in enumerate([0.5, math.nan, 0.4, 0.3, 0.2, 0.1, 0.05, 0.01]):
         slot = flusher.claim(row)
         guard.settle(row)  # what Tap.step does between claim and write
-        ring.write(slot, [torch.tensor(loss), torch.tensor(0.0)], [0.0], step=row, epoch=0, batch=row,
-                   wall_time=0.0, samples=1.0, data_time=math.nan)
+        ring.write(
+            slot,
+            [torch.tensor(loss), torch.tensor(0.0)],
+            [0.0],
+            step=row,
+            epoch=0,
+            batch=row,
+            wall_time=0.0,
+            samples=1.0,
+            data_time=math.nan,
+        )
         clock.mark_end(slot)
         guard.track(slot, row)
         flusher.rows += 1
@@ -244,8 +275,17 @@ def test_guard_checks_a_slots_old_row_before_a_lagging_device_gets_it_overwritte
 
 def test_cpu_guard_reads_the_loss_column_in_place() -> None:
     ring = _ring(capacity=4, guard=1)
-    ring.write(2, [torch.tensor(0.25), torch.tensor(7.5)], [0.0], step=5, epoch=0, batch=5,
-               wall_time=0.0, samples=1.0, data_time=0.0)
+    ring.write(
+        2,
+        [torch.tensor(0.25), torch.tensor(7.5)],
+        [0.0],
+        step=5,
+        epoch=0,
+        batch=5,
+        wall_time=0.0,
+        samples=1.0,
+        data_time=0.0,
+    )
     assert ring.guard_np[2] == 7.5
     assert np.shares_memory(ring.guard_np, ring.device_rows.numpy())
 
@@ -285,8 +325,17 @@ def test_guard_settles_a_wrapped_row_only_once_a_whole_ring_has_passed_it() -> N
         slot = flusher.claim(row)
         guard.settle(row)
         loss = math.nan if row == 6 else 1.0 / (row + 1)
-        ring.write(slot, [torch.tensor(loss), torch.tensor(0.0)], [0.0], step=row, epoch=0, batch=row,
-                   wall_time=0.0, samples=1.0, data_time=math.nan)
+        ring.write(
+            slot,
+            [torch.tensor(loss), torch.tensor(0.0)],
+            [0.0],
+            step=row,
+            epoch=0,
+            batch=row,
+            wall_time=0.0,
+            samples=1.0,
+            data_time=math.nan,
+        )
         clock.mark_end(slot)
         guard.track(slot, row)
         flusher.rows += 1

@@ -67,7 +67,9 @@ def _run(monkeypatch: pytest.MonkeyPatch, *, short: bool, nan_at: int | None = N
         sink = ListSink()
         tap = bt.Tap(
             [bt.metrics.Loss(), bt.metrics.Accuracy(), bt.metrics.StepTime(), bt.metrics.Throughput()],
-            [sink], flush_every=8, capacity=16,
+            [sink],
+            flush_every=8,
+            capacity=16,
         )
         with tap, tap.run(name="short"):
             for step, kwargs in enumerate(_steps()):
@@ -101,7 +103,10 @@ def _comparable(sink: ListSink) -> list[tuple[Any, ...]]:
     """Each record without its timing values, but with what throughput counted (samples or tokens)."""
     return [
         (
-            r.step, r.epoch, r.batch, {k: v for k, v in r.values.items() if k not in TIMING},
+            r.step,
+            r.epoch,
+            r.batch,
+            {k: v for k, v in r.values.items() if k not in TIMING},
             round(r.values["throughput"] * r.values["step_time"], 3) if "throughput" in r.values else None,
         )
         for r in sink.records
@@ -250,8 +255,15 @@ def _lm_run(monkeypatch: pytest.MonkeyPatch, *, short: bool) -> tuple[ListSink, 
         general = _count_general_steps(patch, short=short)
         sink = ListSink()
         tap = bt.Tap(
-            [bt.metrics.Loss(), bt.metrics.Accuracy(check_targets_every=3), bt.metrics.StepTime(), bt.metrics.Throughput()],
-            [sink], flush_every=8, capacity=16,
+            [
+                bt.metrics.Loss(),
+                bt.metrics.Accuracy(check_targets_every=3),
+                bt.metrics.StepTime(),
+                bt.metrics.Throughput(),
+            ],
+            [sink],
+            flush_every=8,
+            capacity=16,
         )
         try:
             with tap, tap.run(name="lm"):

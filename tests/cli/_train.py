@@ -22,13 +22,17 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--name", default="cli-test")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batches", type=int, default=12)
-    p.add_argument("--nan-at", type=int, default=None, help="record a NaN loss at this step (an anomaly; training goes on)")
+    p.add_argument(
+        "--nan-at", type=int, default=None, help="record a NaN loss at this step (an anomaly; training goes on)"
+    )
     p.add_argument("--nan-action", default="alert", choices=("alert", "stop"), help="what the NonFinite rule does")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--go-file", default=None, help="after the first epoch, wait until this file exists")
     p.add_argument("--flush-every", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-eval", action="store_true", help="tap.log() val_loss/val_acc after each epoch, test_acc at the end")
+    p.add_argument(
+        "--log-eval", action="store_true", help="tap.log() val_loss/val_acc after each epoch, test_acc at the end"
+    )
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -79,7 +83,12 @@ def main(argv: list[str] | None = None) -> str:
                 x, y = batches[0]
                 with torch.no_grad():
                     out = model(x)
-                    tap.log({"val_loss": torch.nn.functional.cross_entropy(out, y), "val_acc": (out.argmax(1) == y).float().mean()})
+                    tap.log(
+                        {
+                            "val_loss": torch.nn.functional.cross_entropy(out, y),
+                            "val_acc": (out.argmax(1) == y).float().mean(),
+                        }
+                    )
         if args.log_eval:
             tap.log({"test_acc": 0.5})
     return info.id

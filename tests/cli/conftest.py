@@ -31,7 +31,9 @@ class Runs:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     db = tmp_path_factory.mktemp("store") / "batchtap.db"
     base = _train.main(["--db", str(db), "--name", "cli-base", "--nan-at", "7"])
-    stopped = _train.main(["--db", str(db), "--name", "cli-stop", "--nan-at", "20", "--nan-action", "stop", "--seed", "1"])
+    stopped = _train.main(
+        ["--db", str(db), "--name", "cli-stop", "--nan-at", "20", "--nan-action", "stop", "--seed", "1"]
+    )
     clean = _train.main(["--db", str(db), "--name", "cli-clean", "--seed", "2"])
     return Runs(db, base, stopped, clean)
 
@@ -43,11 +45,18 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     """Run ``batchtap ARGS`` as a user would: a fresh process."""
     return subprocess.run(
         [sys.executable, "-m", "batchtap.cli.main", *args],
-        capture_output=True, text=True, timeout=timeout, check=False, cwd=cwd, env=env or cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=cwd,
+        env=env or cli_env(),
     )
 
 

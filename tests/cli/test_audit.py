@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -107,7 +106,10 @@ def test_only_reads_of_device_tensors_are_listed_each_with_its_op(tmp_path: Path
     assert done.returncode == 1, done.stdout + done.stderr
     assert "4 host reads of device tensors (no Tap.step calls seen, so totals only)" in done.stdout
     rows = _rows(done.stdout, "plain.py")
-    at = {m: f"plain.py:{_line_of(script, f'# {m}')}" for m in ("TOLIST", "CPU", "FLOAT", "MASK", "HOST-TOLIST", "HOST-INT", "HOST-AGAIN")}
+    at = {
+        m: f"plain.py:{_line_of(script, f'# {m}')}"
+        for m in ("TOLIST", "CPU", "FLOAT", "MASK", "HOST-TOLIST", "HOST-INT", "HOST-AGAIN")
+    }
     assert "Tensor.tolist" in rows[at["TOLIST"]] and "to(cpu)" in rows[at["CPU"]]
     assert "item/float/bool" in rows[at["FLOAT"]] and " - " in rows[at["FLOAT"]]  # no per-step figure
     assert "boolean-mask index" in rows[at["MASK"]]
@@ -132,7 +134,12 @@ def test_a_script_that_crashes_at_import_reports_the_crash_first_and_exits_1(tmp
     assert done.returncode == 1
     assert "ModuleNotFoundError" in done.stderr  # the traceback
     report = done.stdout.strip().splitlines()
-    assert report[0] == "batchtap audit: " + str(script) + " CRASHED: ModuleNotFoundError: No module named 'no_such_module_xyz' at boom.py:2 (traceback above)"
+    assert (
+        report[0]
+        == "batchtap audit: "
+        + str(script)
+        + " CRASHED: ModuleNotFoundError: No module named 'no_such_module_xyz' at boom.py:2 (traceback above)"
+    )
     assert "nothing in this script makes the CPU wait" not in done.stdout
     assert "no host reads of device tensors before it stopped" in done.stdout
 
@@ -157,7 +164,10 @@ def test_a_script_exiting_nonzero_says_so_and_exits_1(tmp_path: Path) -> None:
     script.write_text("import sys\nsys.exit(3)\n")
     done = cli("audit", str(script), cwd=tmp_path)
     assert done.returncode == 1
-    assert done.stdout.strip().splitlines()[0] == f"batchtap audit: {script} exited with status 3; the counts below cover what ran"
+    assert (
+        done.stdout.strip().splitlines()[0]
+        == f"batchtap audit: {script} exited with status 3; the counts below cover what ran"
+    )
 
 
 LIBRARY = """\
@@ -175,7 +185,9 @@ for _ in range(4):
 """
 
 
-def test_reads_inside_code_outside_the_script_folder_go_to_the_calling_line_unless_it_is_a_source(tmp_path: Path) -> None:
+def test_reads_inside_code_outside_the_script_folder_go_to_the_calling_line_unless_it_is_a_source(
+    tmp_path: Path,
+) -> None:
     lib = tmp_path / "lib"
     lib.mkdir()
     (lib / "helperlib.py").write_text(LIBRARY)
@@ -218,7 +230,9 @@ LOOPS = Path(__file__).parent / "audit_loops"
         pytest.param("lightning_planted.py", 50, id="lightning-trainer"),
     ],
 )
-def test_planted_loops_every_real_sync_found_by_line_and_most_reads_real(tmp_path: Path, name: str, min_host_only: int) -> None:
+def test_planted_loops_every_real_sync_found_by_line_and_most_reads_real(
+    tmp_path: Path, name: str, min_host_only: int
+) -> None:
     """Each ``# SYNC`` line of the loop syncs on a GPU: all must be listed, and >= 90 % of the
     reads listed must be on them; the host-only reads (memmap indexing, AdamW step counters,
     DataLoader seeds) are counted apart."""

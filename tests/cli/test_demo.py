@@ -23,7 +23,9 @@ def test_demo_trains_and_stores_metrics(tmp_path) -> None:
     logged = [r for r in rows if r["type"] == "record" and r.get("sparse")]
     assert [set(r) & {"test_accuracy", "loss"} for r in logged] == [{"test_accuracy"}] * 2, logged
     assert records[-1]["accuracy"] > 0.5 and rows[-1]["status"] == "finished"
-    assert {"loss", "accuracy", "accuracy_top5", "lr", "grad_norm", "step_time", "data_time", "throughput"} <= set(records[-1])
+    assert {"loss", "accuracy", "accuracy_top5", "lr", "grad_norm", "step_time", "data_time", "throughput"} <= set(
+        records[-1]
+    )
 
 
 def test_demo_inject_nan_stops_at_once(tmp_path) -> None:

@@ -48,11 +48,23 @@ def _run(db: Path, name: str, run_id: str, seed: int) -> tuple[list[Record], lis
         for s in range(30)
     ]  # fmt: skip
     sparse = [
-        Record(run_id, s, s // 10, -1, 0, T0 + s + 0.5, {"val_loss": float(rng.uniform(0.2, 1)), "val_acc": float(rng.uniform(0.5, 1))}, sparse=True)
+        Record(
+            run_id,
+            s,
+            s // 10,
+            -1,
+            0,
+            T0 + s + 0.5,
+            {"val_loss": float(rng.uniform(0.2, 1)), "val_acc": float(rng.uniform(0.5, 1))},
+            sparse=True,
+        )
         for s in (9, 19, 29)
     ]
     sparse.append(Record(run_id, 29, 2, -1, 0, T0 + 40.0, {"test_acc": 0.875}, sparse=True))
-    skips = [Event(run_id, s, EventKind.SKIP, f"step {s}: the AMP GradScaler skipped the optimizer step", T0 + s) for s in (1, 2)]
+    skips = [
+        Event(run_id, s, EventKind.SKIP, f"step {s}: the AMP GradScaler skipped the optimizer step", T0 + s)
+        for s in (1, 2)
+    ]
     sink = SQLite(db)
     sink.start_run(info)
     sink.write([*steps[:10], sparse[0]], skips)
@@ -134,9 +146,14 @@ def test_csv_export_puts_logged_values_in_a_long_form_sidecar(logged: Logged, tm
     out = tmp_path / "evals.csv"
     done = cli("export", "evals", "--db", str(logged.db), "-f", "csv", "-o", str(out))
     assert done.returncode == 0, done.stderr
-    assert f"wrote 30 records and 2 events to {out} (4 records of tap.log() values in {tmp_path / 'evals.sparse.csv'})" in done.stderr
+    assert (
+        f"wrote 30 records and 2 events to {out} (4 records of tap.log() values in {tmp_path / 'evals.sparse.csv'})"
+        in done.stderr
+    )
     assert [p.name for p in part_paths(out)] == ["evals.csv"]
-    assert out.read_text().splitlines()[0] == "run_id,step,epoch,batch,rank,wall_time,loss,accuracy,loss_scale,amp_skipped"
+    assert (
+        out.read_text().splitlines()[0] == "run_id,step,epoch,batch,rank,wall_time,loss,accuracy,loss_scale,amp_skipped"
+    )
     assert read_records(out) == logged.steps
     assert read_sparse_records(out) == logged.sparse  # exact, one record per log() call
     assert [(e.step, e.kind) for e in read_events(out)] == [(1, EventKind.SKIP), (2, EventKind.SKIP)]
@@ -180,7 +197,9 @@ def test_tensorboard_writes_logged_values_under_their_own_names(logged: Logged, 
     acc = ea_mod.EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     assert {"val_loss", "val_acc", "test_acc", "train/loss"} <= set(acc.Tags()["scalars"])
-    assert [(e.step, e.wall_time) for e in acc.Scalars("val_loss")] == [(r.step, r.wall_time) for r in logged.sparse[:3]]
+    assert [(e.step, e.wall_time) for e in acc.Scalars("val_loss")] == [
+        (r.step, r.wall_time) for r in logged.sparse[:3]
+    ]
     assert [e.value for e in acc.Scalars("test_acc")] == [0.875]
     assert [t.step for t in acc.Tensors("events/skip/text_summary")] == [1, 2]
 
@@ -195,7 +214,9 @@ def test_tail_of_an_ended_run_prints_logged_values_after_their_step(logged: Logg
     lines = done.stdout.splitlines()
     evals = [i for i, line in enumerate(lines) if line.startswith("eval ")]
     assert [lines[i].split()[:3] for i in evals] == [
-        ["eval", "step=19", "epoch=1"], ["eval", "step=29", "epoch=2"], ["eval", "step=29", "epoch=2"],
+        ["eval", "step=19", "epoch=1"],
+        ["eval", "step=29", "epoch=2"],
+        ["eval", "step=29", "epoch=2"],
     ]  # fmt: skip (step 9 is before the last 12 steps)
     assert lines[evals[0] - 1].startswith("step=19 ") and lines[evals[0] + 1].startswith("step=20 ")
     assert lines[evals[2]].endswith(" test_acc=0.875")
@@ -214,7 +235,11 @@ def test_tail_live_table_shows_the_latest_logged_values_and_skips(logged: Logged
     from tests.cli.conftest import popen
 
     master, slave = pty.openpty()
-    proc = popen([sys.executable, "-m", "batchtap.cli.main", "tail", "evals", "--db", str(logged.db), "-n", "5"], stdout=slave, stderr=subprocess.PIPE)
+    proc = popen(
+        [sys.executable, "-m", "batchtap.cli.main", "tail", "evals", "--db", str(logged.db), "-n", "5"],
+        stdout=slave,
+        stderr=subprocess.PIPE,
+    )
     os.close(slave)
     chunks = []
     while True:
@@ -229,11 +254,15 @@ def test_tail_live_table_shows_the_latest_logged_values_and_skips(logged: Logged
     os.close(master)
     screen = b"".join(chunks).decode()
     assert re.search(r"step\s+epoch\s+batch\s+loss\s+accuracy\s*\x1b", screen)  # no logged column
-    assert re.search(r"logged  val_acc \S+ \(step 29\)  val_loss \S+ \(step 29\)  test_acc 0\.875 \(step 29\)", screen), screen
+    assert re.search(
+        r"logged  val_acc \S+ \(step 29\)  val_loss \S+ \(step 29\)  test_acc 0\.875 \(step 29\)", screen
+    ), screen
     assert "anomalies 0  actions 0  warnings 0  skipped steps 2" in screen
 
 
-def test_tail_shows_logged_values_as_a_training_process_logs_them(tmp_path: Path, procs: list[subprocess.Popen[str]]) -> None:
+def test_tail_shows_logged_values_as_a_training_process_logs_them(
+    tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
     db = tmp_path / "live.db"
     name = f"tail-{uuid.uuid4().hex[:8]}"
     tail = tail_proc(db, name, "--wait", str(TIMEOUT))

@@ -24,7 +24,10 @@ def test_parquet_export_of_a_run_with_logged_values_round_trips(tmp_path: Path) 
     out = tmp_path / "evals.parquet"
     done = cli("export", "evals", "--db", str(db), "-f", "parquet", "-o", str(out))
     assert done.returncode == 0, done.stderr
-    assert f"wrote 30 records and 2 events to {out} (4 records of tap.log() values as rows with sparse=true)" in done.stderr
+    assert (
+        f"wrote 30 records and 2 events to {out} (4 records of tap.log() values as rows with sparse=true)"
+        in done.stderr
+    )
     # batchtap's reader: exactly the records the sink was given, each logged record after its step
     got = read_records(out)
     assert [r for r in got if not r.sparse] == steps

@@ -26,7 +26,22 @@ def _red_pixels(img: np.ndarray) -> int:
 
 def test_plot_writes_a_png_of_the_requested_size_with_anomalies_marked(runs: Runs, tmp_path: Path) -> None:
     out = tmp_path / "loss.png"
-    done = cli("plot", "cli-stop", "--db", str(runs.db), "-m", "loss", "-m", "accuracy", "--smooth", "0.9", "-o", str(out), "--size", "900x600")
+    done = cli(
+        "plot",
+        "cli-stop",
+        "--db",
+        str(runs.db),
+        "-m",
+        "loss",
+        "-m",
+        "accuracy",
+        "--smooth",
+        "0.9",
+        "-o",
+        str(out),
+        "--size",
+        "900x600",
+    )
     assert done.returncode == 0, done.stderr
     img = _png(out)
     assert img.shape[:2] == (600, 900)
@@ -63,7 +78,22 @@ def test_plot_unknown_metric_exits_1_naming_the_metrics_there_are(runs: Runs, tm
 
 def test_compare_overlays_runs(runs: Runs, tmp_path: Path) -> None:
     out = tmp_path / "cmp.png"
-    done = cli("compare", "cli-base", "cli-clean", runs.stopped[:10], "--db", str(runs.db), "-m", "loss", "-m", "accuracy", "-o", str(out), "--size", "1000x500")
+    done = cli(
+        "compare",
+        "cli-base",
+        "cli-clean",
+        runs.stopped[:10],
+        "--db",
+        str(runs.db),
+        "-m",
+        "loss",
+        "-m",
+        "accuracy",
+        "-o",
+        str(out),
+        "--size",
+        "1000x500",
+    )
     assert done.returncode == 0, done.stderr
     assert "3 runs, 2 panels (loss, accuracy), 2 anomalies marked" in done.stdout
     img = _png(out)

@@ -66,12 +66,17 @@ def _steps(lines: list[str]) -> list[int]:
 def tail_proc(db: Path | str, run: str, *extra: str) -> subprocess.Popen[str]:
     return popen(
         [sys.executable, "-m", "batchtap.cli.main", "tail", run, "--db", str(db), "--interval", "0.1", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
 
 
 def writer_proc(db: Path | str, name: str, *extra: str) -> subprocess.Popen[str]:
-    return popen([sys.executable, str(TRAIN), "--db", str(db), "--name", name, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return popen(
+        [sys.executable, str(TRAIN), "--db", str(db), "--name", name, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def follow_from_before_the_run(
@@ -97,11 +102,15 @@ def follow_from_before_the_run(
     assert "loss=" in first and "accuracy=" in first and "lr=0.1" in first
 
 
-def test_tail_follows_a_run_started_after_it_and_exits_when_it_ends(tmp_path: Path, procs: list[subprocess.Popen[str]]) -> None:
+def test_tail_follows_a_run_started_after_it_and_exits_when_it_ends(
+    tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
     follow_from_before_the_run(tmp_path / "live.db", procs)
 
 
-def test_tail_prints_the_last_stored_steps_then_the_new_ones(tmp_path: Path, procs: list[subprocess.Popen[str]]) -> None:
+def test_tail_prints_the_last_stored_steps_then_the_new_ones(
+    tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
     db, go = tmp_path / "live.db", tmp_path / "go"
     writer = writer_proc(db, "paused", "--go-file", str(go))
     procs.append(writer)
@@ -136,7 +145,8 @@ def test_tail_on_a_terminal_draws_a_live_table(runs: Runs) -> None:
     master, slave = pty.openpty()
     proc = popen(
         [sys.executable, "-m", "batchtap.cli.main", "tail", "cli-base", "--db", str(runs.db), "-n", "5"],
-        stdout=slave, stderr=subprocess.PIPE,
+        stdout=slave,
+        stderr=subprocess.PIPE,
     )
     os.close(slave)
     chunks = []
@@ -157,12 +167,16 @@ def test_tail_on_a_terminal_draws_a_live_table(runs: Runs) -> None:
     assert "step=" not in screen
 
 
-def test_tail_exits_1_when_the_writer_died_and_the_run_never_ends(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tail_exits_1_when_the_writer_died_and_the_run_never_ends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     db = tmp_path / "orphan.db"
     sink = SQLite(db)
-    sink.start_run(RunInfo("0rphan", "orphan", {}, started_at=1.0, environment={"host": socket.gethostname(), "pid": dead.pid}))
+    sink.start_run(
+        RunInfo("0rphan", "orphan", {}, started_at=1.0, environment={"host": socket.gethostname(), "pid": dead.pid})
+    )
     sink.close()
     assert main(["tail", "orphan", "--db", str(db), "--stale", "0", "--interval", "0.05"]) == 1
     assert "its process" in capsys.readouterr().err

@@ -26,7 +26,10 @@ def main(scenario: str, out: Path) -> None:
     result: dict = {"rank": rank}
     sinks = [bt.sinks.SQLite(out / "bt.db")] if rank == 0 else []
     tap = bt.Tap(
-        [bt.metrics.Loss()], sinks, flush_every=5, per_rank_rows=scenario == "per_rank",
+        [bt.metrics.Loss()],
+        sinks,
+        flush_every=5,
+        per_rank_rows=scenario == "per_rank",
         collective_timeout=10.0 if scenario == "kill" else 60.0,
     )
     try:

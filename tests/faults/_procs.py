@@ -14,7 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 def env(**extra: str) -> dict[str, str]:
     """The environment of a child process: this checkout importable (after any PYTHONPATH given)."""
     out = {k: v for k, v in os.environ.items() if not k.startswith("BATCHTAP_DB")}
-    out["PYTHONPATH"] = os.pathsep.join(p for p in [os.environ.get("PYTHONPATH", ""), str(REPO / "src"), str(REPO)] if p)
+    out["PYTHONPATH"] = os.pathsep.join(
+        p for p in [os.environ.get("PYTHONPATH", ""), str(REPO / "src"), str(REPO)] if p
+    )
     out.update(extra)
     return out
 
@@ -23,7 +25,11 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``batchtap ARGS`` in a fresh process."""
     return subprocess.run(
         [sys.executable, "-m", "batchtap.cli.main", *args],
-        capture_output=True, text=True, timeout=timeout, check=False, env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env(),
     )
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import threading
 import time
 import urllib.parse
 import uuid
@@ -35,7 +34,9 @@ def _via(port: int) -> str:
 def _count(schema: str, run_id: str) -> int:
     with psycopg.connect(PG_DSN, autocommit=True) as conn:
         conn.execute(f'SET search_path TO "{schema}"')
-        return int(conn.execute("SELECT COUNT(*) FROM metrics WHERE run_id = %s AND metric = 'loss'", (run_id,)).fetchone()[0])
+        return int(
+            conn.execute("SELECT COUNT(*) FROM metrics WHERE run_id = %s AND metric = 'loss'", (run_id,)).fetchone()[0]
+        )
 
 
 def trial(spool: bool, default_timeouts: bool) -> dict[str, float]:
@@ -45,8 +46,13 @@ def trial(spool: bool, default_timeouts: bool) -> dict[str, float]:
     pg_kw = {} if default_timeouts else {"timeout_s": 2.0, "connect_timeout_s": 2.0}
     tap_kw = {} if default_timeouts else {"end_timeout": 20.0}
     tmp = Path(tempfile.mkdtemp())
-    tap = bt.Tap(sinks=[bt.sinks.Postgres(_via(proxy.port), schema=schema, **pg_kw)], queue_size=2, flush_every=10,
-                 spool_dir=tmp / "spool" if spool else None, **tap_kw)
+    tap = bt.Tap(
+        sinks=[bt.sinks.Postgres(_via(proxy.port), schema=schema, **pg_kw)],
+        queue_size=2,
+        flush_every=10,
+        spool_dir=tmp / "spool" if spool else None,
+        **tap_kw,
+    )
     out: dict[str, float] = {}
     t_hole = 0.0
     with tap, tap.run(name="measure") as info:
@@ -77,8 +83,11 @@ def main() -> None:
         rows = [trial(spool, args.default_timeouts) for _ in range(args.trials)]
         for r in rows:
             print(f"spool={spool} " + " ".join(f"{k}={v:.1f}" for k, v in r.items()), flush=True)
-        print(f"spool={spool} max run_return_s={max(r['run_return_s'] for r in rows):.1f} "
-              f"median={statistics.median(r['run_return_s'] for r in rows):.1f}", flush=True)
+        print(
+            f"spool={spool} max run_return_s={max(r['run_return_s'] for r in rows):.1f} "
+            f"median={statistics.median(r['run_return_s'] for r in rows):.1f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -55,7 +53,9 @@ conn.execute("ROLLBACK")
 def test_a_locked_store_names_the_holder_and_what_helps(tmp_path: Path) -> None:
     db = tmp_path / "bt.db"
     sink = bt.sinks.SQLite(db, busy_timeout_s=0.2)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env()
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         with pytest.raises(SinkError) as err:
@@ -94,7 +94,9 @@ sink.close()
 
 def test_a_full_disk_never_leaves_half_a_jsonl_record(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
-    done = subprocess.run([sys.executable, "-c", FILL, str(path)], capture_output=True, text=True, env=env(), timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", FILL, str(path)], capture_output=True, text=True, env=env(), timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.strip()) > 0  # the limit was hit
     text = path.read_text(encoding="utf-8")
@@ -119,11 +121,16 @@ class _Gated(ListSink):
         super().write(records, events)
 
 
-def test_drops_under_drop_oldest_are_counted_exactly_in_the_dropping_sink_itself(caplog: pytest.LogCaptureFixture) -> None:
+def test_drops_under_drop_oldest_are_counted_exactly_in_the_dropping_sink_itself(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     slow = _Gated()
     steps = 200
     with caplog.at_level(logging.WARNING, logger="batchtap"):
-        with bt.Tap(sinks=[slow], flush_every=1, queue_size=1, backpressure="drop_oldest") as tap, tap.run(name="drops"):
+        with (
+            bt.Tap(sinks=[slow], flush_every=1, queue_size=1, backpressure="drop_oldest") as tap,
+            tap.run(name="drops"),
+        ):
             for i in range(steps):
                 tap.step(loss=torch.tensor(float(i)))
             assert slow.entered.wait(60)

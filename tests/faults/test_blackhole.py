@@ -94,7 +94,9 @@ def _postgres(dsn: str, schema: str) -> bt.sinks.Postgres:
     return bt.sinks.Postgres(dsn, schema=schema, connect_timeout_s=1, **_kw(bt.sinks.Postgres, timeout_s=1.0))
 
 
-def test_black_hole_with_spool_hangs_nothing_and_loses_nothing(schema: str, proxy: BlackHoleProxy, tmp_path: Path) -> None:
+def test_black_hole_with_spool_hangs_nothing_and_loses_nothing(
+    schema: str, proxy: BlackHoleProxy, tmp_path: Path
+) -> None:
     spool = tmp_path / "spool"
     tap = bt.Tap(
         sinks=[_postgres(_via(proxy), schema)],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sqlite3
 import subprocess
@@ -24,8 +23,11 @@ def _launch(scenario: str, world: int, out: Path) -> list[dict]:
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.faults._dist_worker", scenario, str(out)],
-            cwd=REPO, env=env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world)),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=REPO,
+            env=env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for r in range(world)
     ]
@@ -44,7 +46,9 @@ def test_per_rank_rows_belong_to_the_one_run(tmp_path: Path) -> None:
     with sqlite3.connect(tmp_path / "bt.db") as conn:
         runs = conn.execute("SELECT id, name, status, world_size FROM runs").fetchall()
         keys = conn.execute("SELECT DISTINCT run_id, rank FROM metrics ORDER BY rank").fetchall()
-        per_rank = conn.execute("SELECT rank, COUNT(*) FROM metrics WHERE metric = 'loss' GROUP BY rank ORDER BY rank").fetchall()
+        per_rank = conn.execute(
+            "SELECT rank, COUNT(*) FROM metrics WHERE metric = 'loss' GROUP BY rank ORDER BY rank"
+        ).fetchall()
     conn.close()
     run_id = results[0]["run_id"]
     assert runs == [(run_id, "per_rank", "finished", 2)]  # no phantom run for rank 1

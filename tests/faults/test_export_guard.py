@@ -44,7 +44,9 @@ def test_export_onto_another_database_needs_an_explicit_flag(store: Path, tmp_pa
     done = cli("export", "keep", "--format", "csv", "-o", str(other), "--force", "--db", str(store))
     assert done.returncode != 0 and "--overwrite-database" in done.stderr
     assert other.read_bytes() == before
-    done = cli("export", "keep", "--format", "csv", "-o", str(other), "--force", "--overwrite-database", "--db", str(store))
+    done = cli(
+        "export", "keep", "--format", "csv", "-o", str(other), "--force", "--overwrite-database", "--db", str(store)
+    )
     assert done.returncode == 0, done.stderr
     assert other.read_text().startswith("run_id,")
 

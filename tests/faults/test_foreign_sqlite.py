@@ -76,7 +76,12 @@ def read_only_dir(tmp_path: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
         yield where
         return
-    if shutil.which("mount") is None or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)], capture_output=True).returncode:
+    if (
+        shutil.which("mount") is None
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)], capture_output=True
+        ).returncode
+    ):
         pytest.skip("cannot mount a tmpfs here (root without CAP_SYS_ADMIN)")
     try:
         yield where

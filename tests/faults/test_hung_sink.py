@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 import batchtap as bt
-from batchtap.sinks.resilient import ResilientSink
 from batchtap.records import Event, Record
+from batchtap.sinks.resilient import ResilientSink
 from tests.conftest import ListSink
 
 

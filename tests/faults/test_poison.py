@@ -10,9 +10,9 @@ import torch
 
 import batchtap as bt
 from batchtap.errors import InputError
-from batchtap.sinks.resilient import ResilientSink, encode_entry
 from batchtap.records import Event, Record, RunInfo
 from batchtap.sinks.base import Sink
+from batchtap.sinks.resilient import ResilientSink, encode_entry
 from tests.conftest import ListSink
 from tests.store._helpers import PG_DSN, make_records, make_run, pg_schema_fixture
 
@@ -67,7 +67,9 @@ def test_postgres_stores_the_rest_of_a_block_and_reports_the_refused_rows(schema
     sink.write(records, events)  # must not raise: the connection is fine, a name is not
     reports = sink.take_events()
     sink.close()
-    stored = _pg(schema, "SELECT step, value FROM metrics WHERE run_id = %s AND metric = 'loss' ORDER BY step", (run.id,))
+    stored = _pg(
+        schema, "SELECT step, value FROM metrics WHERE run_id = %s AND metric = 'loss' ORDER BY step", (run.id,)
+    )
     assert [s for s, _ in stored] == list(range(20))
     assert [v for _, v in stored] == [r.values["loss"] for r in records]
     assert _pg(schema, "SELECT message FROM events") == [("message with a \\x00 inside",)]
@@ -78,7 +80,9 @@ def _spool_with(path: Path, ops: Sequence[tuple[str, object]]) -> None:
     path.write_text("".join(encode_entry(op) + "\n" for op in ops), encoding="utf-8")  # type: ignore[arg-type]
 
 
-def test_a_poisoned_spool_left_behind_is_replayed_into_postgres_not_retried_forever(schema: str, tmp_path: Path) -> None:
+def test_a_poisoned_spool_left_behind_is_replayed_into_postgres_not_retried_forever(
+    schema: str, tmp_path: Path
+) -> None:
     import random
 
     spool = tmp_path / "pg.spool.jsonl"

@@ -31,13 +31,17 @@ with bt.Tap(sinks=[bt.sinks.SQLite(db)]) as tap, tap.run(name="secrets", config=
 def test_secrets_on_the_command_line_and_in_the_config_are_never_stored_or_shown(tmp_path: Path) -> None:
     db = tmp_path / "bt.db"
     argv = [
-        "--store", str(db),
-        "--dsn", f"postgresql://bob:{SECRET}@db.example/x",
-        "--password", f"{SECRET}-pw",
+        "--store",
+        str(db),
+        "--dsn",
+        f"postgresql://bob:{SECRET}@db.example/x",
+        "--password",
+        f"{SECRET}-pw",
         f"--token={SECRET}-tok",
         f"db.password={SECRET}-hydra",
         f"host=db password={SECRET}-kv user=bob",
-        "--lr", "0.1",
+        "--lr",
+        "0.1",
     ]
     done = python(TRAIN, argv)
     assert done.returncode == 0, done.stderr
@@ -83,7 +87,9 @@ def test_dsn_redaction_keeps_the_socket_form_whole() -> None:
     assert redact_dsn("postgresql:///x?host=/var/run/postgresql") == "postgresql:///x?host=/var/run/postgresql"
 
 
-@pytest.mark.parametrize("password", [p for p in PASSWORDS if p.id in ("char-47", "char-35", "char-63", "char-64", "char-39")])
+@pytest.mark.parametrize(
+    "password", [p for p in PASSWORDS if p.id in ("char-47", "char-35", "char-63", "char-64", "char-39")]
+)
 def test_connection_errors_never_show_the_password(password: object) -> None:
     pytest.importorskip("psycopg")
     from batchtap.sinks.postgres import Postgres

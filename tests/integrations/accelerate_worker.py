@@ -20,8 +20,9 @@ from batchtap.integrations.accelerate import BatchtapTracker
 
 
 def main(out: Path) -> None:
-    tracker = BatchtapTracker(bt.Tap([bt.metrics.Loss()], [bt.sinks.JSONL(out / "metrics.jsonl")], flush_every=3),
-                              run_name="ddp")
+    tracker = BatchtapTracker(
+        bt.Tap([bt.metrics.Loss()], [bt.sinks.JSONL(out / "metrics.jsonl")], flush_every=3), run_name="ddp"
+    )
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, log_with=tracker)
     accelerator.init_trackers("ddp", config={"ranks": accelerator.num_processes})
     torch.manual_seed(0)  # the same weights on every rank (DDP also broadcasts them)

@@ -32,7 +32,9 @@ def _setup(tracker: BatchtapTracker, accum: int, n: int = 48, batch_size: int = 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    model, opt, loader, sched = accelerator.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=batch_size), sched)
+    model, opt, loader, sched = accelerator.prepare(
+        model, opt, torch.utils.data.DataLoader(data, batch_size=batch_size), sched
+    )
     return accelerator, model, opt, loader, sched
 
 
@@ -60,8 +62,9 @@ def test_the_accumulate_loop_records_one_step_per_optimizer_step_equal_to_the_it
             if accelerator.sync_gradients:
                 lr = opt.param_groups[0]["lr"]
                 tap.step(grad_norm=norm, extra={"lr": lr}, epoch=epoch)
-                reference.append((sum(m[0] for m in micro) / len(micro), sum(m[1] for m in micro) / len(micro),
-                                  norm.item(), lr))
+                reference.append(
+                    (sum(m[0] for m in micro) / len(micro), sum(m[1] for m in micro) / len(micro), norm.item(), lr)
+                )
                 micro.clear()
         sched.step()
         accelerator.log({"epoch_lr": opt.param_groups[0]["lr"], "note": "strings are not metrics"}, step=None)
@@ -133,10 +136,25 @@ def test_two_gloo_ranks_each_drive_their_tap_and_rank_0_stores_the_reduced_steps
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE="2", PYTHONPATH=str(ROOT))
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.integrations.accelerate_worker", str(tmp_path)],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            PYTHONPATH=str(ROOT),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.integrations.accelerate_worker", str(tmp_path)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     logs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())["steps"] for r in range(2)]

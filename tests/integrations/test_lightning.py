@@ -51,8 +51,14 @@ def _loader(n: int = 96, batch_size: int = 16) -> DataLoader:
 
 def _trainer(callback: BatchtapCallback, epochs: int = 2) -> pl.Trainer:
     return pl.Trainer(
-        max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
     )
 
 
@@ -133,9 +139,16 @@ def test_accumulate_grad_batches_records_one_step_per_optimizer_step_with_lr_gra
     tap = bt.Tap([bt.metrics.Loss(), bt.metrics.Accuracy()], [sink], flush_every=4)
     module = _Accumulating()
     trainer = pl.Trainer(
-        max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
-        callbacks=[BatchtapCallback(tap)], num_sanity_val_steps=0,
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=2,
+        callbacks=[BatchtapCallback(tap)],
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, _loader(), _loader(n=32))
     tap.close()
@@ -173,8 +186,14 @@ class _Logging(_Classifier):
 
 def _fit_reads(module: pl.LightningModule, callbacks: list[Any]) -> Counter[str]:
     trainer = pl.Trainer(
-        max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
     )
     with HostReadCounter() as reads:
         trainer.fit(module, _loader())
@@ -192,11 +211,14 @@ def test_self_log_values_are_stored_per_optimizer_step_and_epoch_without_a_host_
     per_step = [r for r in logged if "margin" in r.values]
     assert [r.step for r in per_step] == list(range(12))
     for record, (margin, double, _) in zip(per_step, module.step_logged, strict=True):
-        assert record.values == {"margin": pytest.approx(margin, rel=1e-6), "logged_loss": pytest.approx(double, rel=1e-6)}
+        assert record.values == {
+            "margin": pytest.approx(margin, rel=1e-6),
+            "logged_loss": pytest.approx(double, rel=1e-6),
+        }
     per_epoch = [r for r in logged if "mean_loss" in r.values]
     assert [r.step for r in per_epoch] == [5, 11]
     for record, epoch in zip(per_epoch, range(2), strict=True):
-        losses = [loss for _, _, loss in module.step_logged[6 * epoch:6 * epoch + 6]]
+        losses = [loss for _, _, loss in module.step_logged[6 * epoch : 6 * epoch + 6]]
         assert record.values["mean_loss"] == pytest.approx(sum(losses) / 6, rel=1e-6)
     # All the callback adds (lr, grad norm and self.log values included): the numpy views of the
     # Tap's host buffers, made once at the run's first step; the module's own .item() reads are in both.
@@ -210,8 +232,16 @@ def test_a_failure_in_the_sanity_check_is_stored_as_failed() -> None:
 
     sink = ListSink()
     tap = bt.Tap([bt.metrics.Loss()], [sink])
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[BatchtapCallback(tap)])
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[BatchtapCallback(tap)],
+    )
     with pytest.raises(ValueError, match="bad validation"):
         trainer.fit(BadValidation(), _loader(), _loader(n=16))
     tap.close()
@@ -267,11 +297,19 @@ def test_lightning_cli_with_the_callback_from_the_command_line_stores_lr_grad_no
     cli_module = pytest.importorskip("lightning.pytorch.cli")
     pytest.importorskip("jsonargparse")
     args = [
-        "--model.lr=0.2", "--data.batch_size=16", "--trainer.max_epochs=2", "--trainer.accelerator=cpu",
-        "--trainer.accumulate_grad_batches=3", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
-        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-        "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.callbacks+=batchtap.integrations.lightning.BatchtapCallback", "--trainer.callbacks.name=cli-run",
+        "--model.lr=0.2",
+        "--data.batch_size=16",
+        "--trainer.max_epochs=2",
+        "--trainer.accelerator=cpu",
+        "--trainer.accumulate_grad_batches=3",
+        "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.num_sanity_val_steps=0",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks+=batchtap.integrations.lightning.BatchtapCallback",
+        "--trainer.callbacks.name=cli-run",
     ]
     cli = cli_module.LightningCLI(CliClassifier, CliData, args=args, run=False, save_config_callback=None)
     (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, BatchtapCallback)]

@@ -47,19 +47,27 @@ class _Data(torch.utils.data.Dataset):  # type: ignore[type-arg]
             return {"input_ids": self.ids[i], "labels": self.classes[i]}
         labels = self.ids[i].clone()
         if self.pad[i]:
-            labels[-int(self.pad[i]):] = -100
+            labels[-int(self.pad[i]) :] = -100
         return {"input_ids": self.ids[i], "labels": labels}
 
 
 def _bert() -> Any:
-    config = tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=64, num_labels=3, max_position_embeddings=32)
+    config = tf.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=3,
+        max_position_embeddings=32,
+    )
     return tf.BertForSequenceClassification(config)
 
 
 def _gpt2() -> Any:
-    config = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32,
-                           bos_token_id=0, eos_token_id=0)
+    config = tf.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
     model = tf.GPT2LMHeadModel(config)
     # The class name does not say "ForCausalLM", so without this the Trainer counts unshifted labels
     # for num_items_in_batch and its loss is low by the rows' first labels (docs/integrations.md).
@@ -69,10 +77,20 @@ def _gpt2() -> Any:
 
 def _args(tmp_path: Any, **overrides: Any) -> Any:
     settings: dict[str, Any] = dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        num_train_epochs=2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-        disable_tqdm=True, logging_nan_inf_filter=False, learning_rate=1e-3, lr_scheduler_type="linear",
-        max_grad_norm=0.5, seed=3,
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_train_epochs=2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_nan_inf_filter=False,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        max_grad_norm=0.5,
+        seed=3,
     )
     settings.update(overrides)
     return tf.TrainingArguments(**settings)
@@ -94,8 +112,8 @@ def _steps(micro: list[Any], per_epoch: int, accum: int) -> list[list[Any]]:
     """Group micro-batches into optimizer steps as the Trainer does (a shorter last step per epoch)."""
     steps: list[list[Any]] = []
     for start in range(0, len(micro), per_epoch):
-        epoch = micro[start:start + per_epoch]
-        steps += [epoch[i:i + accum] for i in range(0, len(epoch), accum)]
+        epoch = micro[start : start + per_epoch]
+        steps += [epoch[i : i + accum] for i in range(0, len(epoch), accum)]
     return steps
 
 
@@ -121,7 +139,9 @@ def test_gpt2_with_accumulation_and_padding_records_the_trainers_loss_token_accu
         # by hand: token-mean cross-entropy over every kept (shifted) label of the step's micro-batches
         logits = [lg[:, :-1].reshape(-1, VOCAB) for lg, _ in micro]
         labels = [lb[:, 1:].reshape(-1) for _, lb in micro]
-        total = sum(F.cross_entropy(lg, lb, ignore_index=-100, reduction="sum").item() for lg, lb in zip(logits, labels))
+        total = sum(
+            F.cross_entropy(lg, lb, ignore_index=-100, reduction="sum").item() for lg, lb in zip(logits, labels)
+        )
         kept = sum((lb != -100).sum().item() for lb in labels)
         correct = sum(((lg.argmax(-1) == lb) & (lb != -100)).sum().item() for lg, lb in zip(logits, labels))
         assert record.values["loss"] == pytest.approx(total / kept, rel=1e-5)
@@ -143,8 +163,9 @@ def test_bert_sequence_classification_records_per_example_accuracy_and_the_train
     tap = bt.Tap(sinks=[sink], flush_every=4)
     model = _bert()
     seen = _Seen(model)
-    trainer = BatchtapTrainer(model=model, args=_args(tmp_path, gradient_accumulation_steps=accum),
-                              train_dataset=_Data(18, lm=False), tap=tap)
+    trainer = BatchtapTrainer(
+        model=model, args=_args(tmp_path, gradient_accumulation_steps=accum), train_dataset=_Data(18, lm=False), tap=tap
+    )
     # BERT's forward takes **kwargs but ignores num_items_in_batch: the Trainer would then add up the
     # micro-batch means. Its documented switch makes it average them, as the docs tell users.
     trainer.model_accepts_loss_kwargs = False
@@ -165,8 +186,9 @@ def test_evaluation_metrics_are_stored_as_sparse_values(tmp_path) -> None:
     sink = ListSink()
     tap = bt.Tap(sinks=[sink], flush_every=4)
     args = _args(tmp_path, eval_strategy="epoch", per_device_eval_batch_size=4)
-    trainer = BatchtapTrainer(model=_bert(), args=args, train_dataset=_Data(16, lm=False),
-                              eval_dataset=_Data(8, lm=False), tap=tap)
+    trainer = BatchtapTrainer(
+        model=_bert(), args=args, train_dataset=_Data(16, lm=False), eval_dataset=_Data(8, lm=False), tap=tap
+    )
     trainer.train()
     tap.close()
     evals = [r for r in sink.records if r.sparse]
@@ -184,8 +206,9 @@ class _Boom(tf.TrainerCallback):  # type: ignore[misc]
 def test_a_raise_inside_training_stores_the_run_as_failed_with_every_captured_step(tmp_path) -> None:
     sink = ListSink()
     tap = bt.Tap(sinks=[sink], flush_every=50)  # nothing flushed before the failure
-    trainer = BatchtapTrainer(model=_gpt2(), args=_args(tmp_path), train_dataset=_Data(20, lm=True),
-                              tap=tap, callbacks=[_Boom()])
+    trainer = BatchtapTrainer(
+        model=_gpt2(), args=_args(tmp_path), train_dataset=_Data(20, lm=True), tap=tap, callbacks=[_Boom()]
+    )
     with pytest.raises(RuntimeError, match="boom"):
         trainer.train()
     tap.close()
@@ -215,8 +238,12 @@ def test_a_nan_loss_stops_the_trainer_and_the_run_is_stored_as_stopped(tmp_path)
     sink = ListSink()
     tap = bt.Tap(sinks=[sink], flush_every=50)
     model = _NanAt(_gpt2(), at=5)  # the first micro-batch of step 2
-    trainer = BatchtapTrainer(model=model, args=_args(tmp_path, num_train_epochs=5, remove_unused_columns=False),
-                              train_dataset=_Data(20, lm=True), tap=tap)
+    trainer = BatchtapTrainer(
+        model=model,
+        args=_args(tmp_path, num_train_epochs=5, remove_unused_columns=False),
+        train_dataset=_Data(20, lm=True),
+        tap=tap,
+    )
     trainer.train()
     tap.close()
     assert trainer.state.global_step == 3  # stopped at the step whose loss was NaN (on the CPU: that step)

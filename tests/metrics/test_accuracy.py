@@ -127,10 +127,15 @@ def test_float_targets_message_names_both_fixes() -> None:
 @pytest.mark.parametrize(
     ("outputs", "targets", "message"),
     [
-        pytest.param((2, 5, 7), (2, 6), r"fit neither layout .* \[2, 5\] \(classes last, .*\[2, 7\] \(classes at dim 1",
-                     id="3d-neither"),
-        pytest.param((8, 4), (8, 2), r"targets must have shape \[8\] for outputs of shape \[8, 4\], got \[8, 2\]",
-                     id="2d"),
+        pytest.param(
+            (2, 5, 7),
+            (2, 6),
+            r"fit neither layout .* \[2, 5\] \(classes last, .*\[2, 7\] \(classes at dim 1",
+            id="3d-neither",
+        ),
+        pytest.param(
+            (8, 4), (8, 2), r"targets must have shape \[8\] for outputs of shape \[8, 4\], got \[8, 2\]", id="2d"
+        ),
         pytest.param((8, 4), (6,), r"outputs and targets disagree on batch size: 8 vs 6", id="batch"),
         pytest.param((2, 5, 7), (2, 5, 7), r"for one-hot targets pass targets.argmax\(-1\)", id="one-hot-int"),
     ],
@@ -218,8 +223,9 @@ def test_counts_stay_exact_past_2_pow_24_targets() -> None:
     assert step(metric, StepInputs(None, logits, small, float(n))) == [(n - 1) / n]
 
 
-@pytest.mark.parametrize("count", [0, 5, 2**24 - 1, 2**24, 2**24 + 1, 3 * 2**24 + 12345, 2**40 + 7],
-                         ids=lambda c: f"count={c}")
+@pytest.mark.parametrize(
+    "count", [0, 5, 2**24 - 1, 2**24, 2**24 + 1, 3 * 2**24 + 12345, 2**40 + 7], ids=lambda c: f"count={c}"
+)
 def test_split_count_parts_are_exact_in_float32(count) -> None:
     low, high = F.split_count(torch.tensor(count))
     low32, high32 = low.float(), high.float()
@@ -312,8 +318,11 @@ def test_a_class_index_as_ignore_index_keeps_the_plain_path_and_masks_hits() -> 
     assert forced._facts is not None and forced._facts.counts is None, "the fused path cannot mask hits"
 
 
-@pytest.mark.parametrize(("dtype", "ignore"), [(torch.uint8, 255), (torch.int8, 127), (torch.int8, -128)],
-                         ids=["uint8-max", "int8-max", "int8-min"])
+@pytest.mark.parametrize(
+    ("dtype", "ignore"),
+    [(torch.uint8, 255), (torch.int8, 127), (torch.int8, -128)],
+    ids=["uint8-max", "int8-max", "int8-min"],
+)
 def test_an_ignore_index_at_the_edge_of_the_target_dtype_is_ignored(dtype: torch.dtype, ignore: int) -> None:
     g = torch.Generator().manual_seed(6)
     outputs = torch.randn(10, 4, generator=g)

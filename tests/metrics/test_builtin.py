@@ -36,7 +36,7 @@ def test_learning_rate_one_value_per_group_where_groups_differ(lrs, expected) ->
 
 def test_learning_rate_follows_a_scheduler_and_a_name() -> None:
     opt = _opt(1e-3, 1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0, lambda s: 0.5 ** s])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0, lambda s: 0.5**s])
     metric = bt.metrics.LearningRate(opt, name="lr_g")
     assert [o.name for o in metric.outputs()] == ["lr_g", "lr_g_group1"]
     seen = []
@@ -97,8 +97,21 @@ def test_default_metrics_with_mappings_and_a_scaler() -> None:
     scaler = torch.amp.GradScaler("cpu")
     metrics = bt.metrics.default_metrics(opts, {"g": g, "d": d}, scaler=scaler)
     names = [o.name for m in metrics for o in m.outputs()]
-    assert names == ["loss", "accuracy", "grad_norm_g", "grad_norm_d", "loss_scale", "amp_skipped", "lr_g", "lr_d",
-                     "step_time", "data_time", "throughput", "memory_allocated", "memory_peak"]
+    assert names == [
+        "loss",
+        "accuracy",
+        "grad_norm_g",
+        "grad_norm_d",
+        "loss_scale",
+        "amp_skipped",
+        "lr_g",
+        "lr_d",
+        "step_time",
+        "data_time",
+        "throughput",
+        "memory_allocated",
+        "memory_peak",
+    ]
     norms = [m for m in metrics if isinstance(m, bt.metrics.GradNorm)]
     assert all(m.scaler is scaler for m in norms)
     assert [m.parameters for m in norms] == [list(g.parameters()), list(d.parameters())]
@@ -111,10 +124,18 @@ def test_default_metrics_drop_accuracy_for_regression_and_loss_only_loops() -> N
     regression = StepInputs(torch.tensor(0.3), torch.randn(8, 1), torch.randn(8, 1), 8.0)
     loss_only = StepInputs(torch.tensor(0.3), None, None, math.nan)
     assert [type(m).__name__ for m in metrics if m.applies(regression)] == [
-        "Loss", "StepTime", "DataTime", "Throughput", "Memory"
+        "Loss",
+        "StepTime",
+        "DataTime",
+        "Throughput",
+        "Memory",
     ]
     assert [type(m).__name__ for m in metrics if m.applies(loss_only)] == [
-        "Loss", "StepTime", "DataTime", "Throughput", "Memory"
+        "Loss",
+        "StepTime",
+        "DataTime",
+        "Throughput",
+        "Memory",
     ]
     # and a loss-only loop's throughput is absent rather than NaN
     assert bt.metrics.Throughput().finalize([], StepTiming(math.nan, 0.1, math.nan)) == (None,)

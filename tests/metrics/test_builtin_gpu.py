@@ -81,7 +81,10 @@ def test_loss_scale_before_and_after_update(overflow) -> None:
         opt.zero_grad(set_to_none=True)
     skipped = overflow
     assert before.finalize(raw_before, TIMING) == [scale_used, float(skipped)] and before.skipped(raw_before) is skipped
-    assert after.finalize(raw_after, TIMING) == [scaler.get_scale(), float(skipped)] and after.skipped(raw_after) is skipped
+    assert (
+        after.finalize(raw_after, TIMING) == [scaler.get_scale(), float(skipped)]
+        and after.skipped(raw_after) is skipped
+    )
 
 
 def test_memory_peak_is_the_peak_of_its_flush_interval() -> None:

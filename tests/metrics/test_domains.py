@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import batchtap as bt
-from tests.conftest import ListSink
 from batchtap.metrics import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Reduce
+from tests.conftest import ListSink
 
 INF = math.inf
 
@@ -24,10 +24,17 @@ def _all_builtin_metrics() -> list[bt.metrics.Metric]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     return [
-        bt.metrics.Loss(), bt.metrics.Accuracy(topk=(1, 3)), bt.metrics.LearningRate(optimizer),
-        bt.metrics.GradNorm(model), bt.metrics.GradNorm(model, name="shard_norm", sharded=True),
-        bt.metrics.LossScale(scaler), bt.metrics.StepTime(), bt.metrics.DataTime(), bt.metrics.Throughput(),
-        bt.metrics.Memory(), bt.metrics.Extra("kl", on_device=True),
+        bt.metrics.Loss(),
+        bt.metrics.Accuracy(topk=(1, 3)),
+        bt.metrics.LearningRate(optimizer),
+        bt.metrics.GradNorm(model),
+        bt.metrics.GradNorm(model, name="shard_norm", sharded=True),
+        bt.metrics.LossScale(scaler),
+        bt.metrics.StepTime(),
+        bt.metrics.DataTime(),
+        bt.metrics.Throughput(),
+        bt.metrics.Memory(),
+        bt.metrics.Extra("kl", on_device=True),
     ]
 
 
@@ -53,7 +60,8 @@ STATED = {
 def test_every_builtin_output_has_its_stated_domain_and_reduction() -> None:
     got = {
         o.name: (o.domain.low, o.domain.high, o.domain.finite, o.reduce)
-        for m in _all_builtin_metrics() for o in m.outputs()
+        for m in _all_builtin_metrics()
+        for o in m.outputs()
     }
     assert got == STATED
 
@@ -72,7 +80,9 @@ def test_loss_may_be_declared_signed() -> None:
         pytest.param(Domain(low=0.0, finite=False), [0.0, INF], [-INF, -1.0, math.nan], id="nonnegative-with-inf"),
     ],
 )
-def test_domain_boundaries_are_closed_and_nan_is_never_inside(domain: Domain, inside: list[float], outside: list[float]) -> None:
+def test_domain_boundaries_are_closed_and_nan_is_never_inside(
+    domain: Domain, inside: list[float], outside: list[float]
+) -> None:
     assert [domain.violation(v) for v in inside] == [None] * len(inside)
     assert all(domain.violation(v) is not None for v in outside)
 

@@ -123,8 +123,11 @@ def test_no_host_reads_and_few_ops() -> None:
 def test_declarations() -> None:
     metric = bt.metrics.LossScale(torch.amp.GradScaler("cpu"))
     loss_scale, skipped = metric.outputs()
-    assert (loss_scale.name, loss_scale.reduce, loss_scale.domain) == ("loss_scale", bt.metrics.Reduce.MAX,
-                                                                       bt.metrics.NONNEGATIVE)
+    assert (loss_scale.name, loss_scale.reduce, loss_scale.domain) == (
+        "loss_scale",
+        bt.metrics.Reduce.MAX,
+        bt.metrics.NONNEGATIVE,
+    )
     assert (skipped.name, skipped.reduce) == ("amp_skipped", bt.metrics.Reduce.MAX)
     assert (skipped.domain.low, skipped.domain.high) == (0.0, 1.0)
     assert not metric.per_micro_batch

@@ -53,7 +53,9 @@ def _written_rows(metric: Metric, steps: list[StepInputs], stale: float = 7.0, b
     return rows
 
 
-def _accuracy_steps(shape: tuple[int, ...], classes: int, class_dim: int, pad: int | None, n: int = 11) -> list[StepInputs]:
+def _accuracy_steps(
+    shape: tuple[int, ...], classes: int, class_dim: int, pad: int | None, n: int = 11
+) -> list[StepInputs]:
     gen = torch.Generator().manual_seed(sum(shape) + classes)
     steps = []
     for i in range(n):

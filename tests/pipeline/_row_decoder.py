@@ -46,10 +46,13 @@ class RowDecoder(Decoder):
             if skipped:
                 out.events.append(
                     Event(
-                        self.run_id, step, EventKind.SKIP,
+                        self.run_id,
+                        step,
+                        EventKind.SKIP,
                         f"step {step}: the AMP GradScaler skipped the optimizer step (inf/NaN gradients; "
                         "the loss scale is lowered); gradient values of this step are left out",
-                        wall, rank=self.rank,
+                        wall,
+                        rank=self.rank,
                     )
                 )
             values: dict[str, float] = {}

@@ -59,8 +59,15 @@ def main(scenario: str, out: Path) -> None:
         metrics += [bt.metrics.GradNorm(), bt.metrics.LearningRate(optimizer)]
     rules = [bt.Threshold("loss", above=0.0, patience=12, action="stop")] if scenario == "rule" else []
     pipeline = os.environ.get("BATCHTAP_TEST_PIPELINE", "thread")  # test_distributed runs some scenarios with both
-    tap = bt.Tap(metrics, sinks, flush_every=5, per_rank_rows=per_rank, collective_timeout=timeout, rules=rules,
-                 pipeline=pipeline)  # type: ignore[arg-type]
+    tap = bt.Tap(
+        metrics,
+        sinks,
+        flush_every=5,
+        per_rank_rows=per_rank,
+        collective_timeout=timeout,
+        rules=rules,
+        pipeline=pipeline,
+    )  # type: ignore[arg-type]
     local = []
     try:
         with tap, tap.run(name=scenario):
@@ -92,9 +99,14 @@ def main(scenario: str, out: Path) -> None:
                     # flushed and ran the rule on it: when the decision arrives is then fixed.
                     tap.flush()
                 local.append(
-                    {"step": step, "n": n, "loss": loss.item(), "correct": (outputs.argmax(1) == targets).sum().item(),
-                     "kept": (targets != -100).sum().item(),
-                     **({"grad_norm": 1.5 + rank + step % 4} if scenario == "kinds" else {})}
+                    {
+                        "step": step,
+                        "n": n,
+                        "loss": loss.item(),
+                        "correct": (outputs.argmax(1) == targets).sum().item(),
+                        "kept": (targets != -100).sum().item(),
+                        **({"grad_norm": 1.5 + rank + step % 4} if scenario == "kinds" else {}),
+                    }
                 )
                 if tap.should_stop:
                     result["stopped_at"] = step

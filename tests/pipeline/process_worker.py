@@ -24,7 +24,9 @@ KILL_AFTER = 25  # steps; the flush at step 24 handed rows 0..24 over before the
 
 
 def main(how: str, out: Path) -> None:
-    tap = bt.Tap(sinks=[FileListSink(out / "sink.pkl")], flush_every=FLUSH_EVERY, flush_seconds=3600, pipeline="process")
+    tap = bt.Tap(
+        sinks=[FileListSink(out / "sink.pkl")], flush_every=FLUSH_EVERY, flush_seconds=3600, pipeline="process"
+    )
     if how == "exit_open":
         tap.start(name=how)
         _train(tap, how, out)

@@ -91,7 +91,12 @@ def test_the_block_decoder_decodes_what_the_row_decoder_decoded(seed: int) -> No
 
 
 def test_real_rows_of_the_default_metrics_decode_the_same() -> None:
-    metrics = [bt.metrics.Loss(), bt.metrics.Accuracy(check_targets_every=1), bt.metrics.StepTime(), bt.metrics.Throughput()]
+    metrics = [
+        bt.metrics.Loss(),
+        bt.metrics.Accuracy(check_targets_every=1),
+        bt.metrics.StepTime(),
+        bt.metrics.Throughput(),
+    ]
     layout = Layout(metrics)
     g = torch.Generator().manual_seed(0)
     rows, hosts = [], []
@@ -105,9 +110,16 @@ def test_real_rows_of_the_default_metrics_decode_the_same() -> None:
         hosts.append([v for m in metrics for v in m.read_host(inputs)])
     n = len(rows)
     data = BlockData(
-        device_values=np.array(rows), host_values=np.array(hosts), step=np.arange(n), epoch=np.zeros(n, dtype=np.int64),
-        batch=np.arange(n), wall_time=np.arange(n, dtype=np.float64), samples=np.full(n, 12.0),
-        data_time=np.full(n, math.nan), step_time=np.full(n, 0.01), tokens=np.full(n, math.nan),
+        device_values=np.array(rows),
+        host_values=np.array(hosts),
+        step=np.arange(n),
+        epoch=np.zeros(n, dtype=np.int64),
+        batch=np.arange(n),
+        wall_time=np.arange(n, dtype=np.float64),
+        samples=np.full(n, 12.0),
+        data_time=np.full(n, math.nan),
+        step_time=np.full(n, 0.01),
+        tokens=np.full(n, math.nan),
     )
     block = Decoder(layout, run_id="r", rank=0).decode(data)
     assert _seen(block) == _seen(RowDecoder(layout, run_id="r", rank=0).decode(data))

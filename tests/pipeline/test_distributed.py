@@ -31,11 +31,25 @@ def _launch(
     for rank in range(world):
         # the ranks import batchtap from this checkout's src/, whatever is installed (a mutation run
         # tests a scratch copy of the tree this way)
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
-                   BATCHTAP_TEST_PIPELINE=pipeline)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.pipeline.dist_worker", scenario, str(out)],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+            BATCHTAP_TEST_PIPELINE=pipeline,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.pipeline.dist_worker", scenario, str(out)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
     elapsed = time.monotonic() - started
     results = []

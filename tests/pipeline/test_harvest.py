@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 import threading
 
-import torch
-
 import pytest
+import torch
 
 from batchtap.capture.clock import HostClock
 from batchtap.capture.flush import Block, BlockData, Flusher
@@ -63,8 +62,13 @@ class LoggingClock(HostClock):
 
 def test_every_block_is_read_before_its_slots_are_released(monkeypatch: pytest.MonkeyPatch) -> None:
     layout = Layout([Loss()])
-    ring = MetricRing(capacity=4, device_width=layout.device_width, host_width=layout.host_width,
-                      device=torch.device("cpu"), guard_column=layout.guard_column)
+    ring = MetricRing(
+        capacity=4,
+        device_width=layout.device_width,
+        host_width=layout.host_width,
+        device=torch.device("cpu"),
+        guard_column=layout.guard_column,
+    )
     clock = LoggingClock(4)
     flusher = LoggingFlusher(ring, clock, flush_every=2, flush_seconds=None)
     clock.flusher, clock.blocks = flusher, {}
@@ -81,8 +85,17 @@ def test_every_block_is_read_before_its_slots_are_released(monkeypatch: pytest.M
     try:
         for step in range(12):
             slot = flusher.claim(step)  # waits for a release when the pipeline is a ring behind
-            ring.write(slot, [torch.tensor(step / 4)], [], step=step, epoch=0, batch=step, wall_time=0.0,
-                       samples=1.0, data_time=math.nan)
+            ring.write(
+                slot,
+                [torch.tensor(step / 4)],
+                [],
+                step=step,
+                epoch=0,
+                batch=step,
+                wall_time=0.0,
+                samples=1.0,
+                data_time=math.nan,
+            )
             flusher.commit_row()
             if flusher.due():
                 block = flusher.flush()
@@ -95,6 +108,9 @@ def test_every_block_is_read_before_its_slots_are_released(monkeypatch: pytest.M
         pipeline.close()
     assert [r.values["loss"] for r in sink.records] == [s / 4 for s in range(12)]
     firsts = list(range(0, 12, 2))
-    expected = [entry for first in firsts for entry in
-                (("read", first, first), ("read done", first, first), ("release", first, first))]
+    expected = [
+        entry
+        for first in firsts
+        for entry in (("read", first, first), ("read done", first, first), ("release", first, first))
+    ]
     assert flusher.log == expected  # read, then release; nothing released before its read ended

@@ -18,10 +18,27 @@ def test_two_torchrun_nodes_of_two_processes_reduce_to_the_union_reference(tmp_p
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     launchers = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", f"--node-rank={node}",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=batchtap-multinode",
-             "--max-restarts=0", "-m", "tests.pipeline.dist_worker", "reduce", str(tmp_path)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=2",
+                f"--node-rank={node}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=batchtap-multinode",
+                "--max-restarts=0",
+                "-m",
+                "tests.pipeline.dist_worker",
+                "reduce",
+                str(tmp_path),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for node in (0, 1)
     ]

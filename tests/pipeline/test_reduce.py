@@ -34,16 +34,54 @@ OUTPUTS = (
 
 #: per rank: samples, step time, values, accuracy's kept targets (its MEAN weight)
 RANKS = [
-    (4.0, 0.25, {"loss": 1.0, "accuracy": 0.5, "throughput": 16.0, "step_time": 0.25, "grad_norm": 3.0,
-                 "shard_norm": 3.0, "min_lr": 0.5}, 2.0),
-    (12.0, 1.0, {"loss": 3.0, "accuracy": 0.25, "throughput": 12.0, "step_time": 1.0, "grad_norm": 1.0,
-                 "shard_norm": 4.0, "min_lr": 0.125}, 8.0),
-    (8.0, 0.5, {"loss": 2.0, "accuracy": 1.0, "throughput": 16.0, "step_time": 0.5, "grad_norm": 2.0,
-                "shard_norm": 12.0, "min_lr": 0.25}, 6.0),
+    (
+        4.0,
+        0.25,
+        {
+            "loss": 1.0,
+            "accuracy": 0.5,
+            "throughput": 16.0,
+            "step_time": 0.25,
+            "grad_norm": 3.0,
+            "shard_norm": 3.0,
+            "min_lr": 0.5,
+        },
+        2.0,
+    ),
+    (
+        12.0,
+        1.0,
+        {
+            "loss": 3.0,
+            "accuracy": 0.25,
+            "throughput": 12.0,
+            "step_time": 1.0,
+            "grad_norm": 1.0,
+            "shard_norm": 4.0,
+            "min_lr": 0.125,
+        },
+        8.0,
+    ),
+    (
+        8.0,
+        0.5,
+        {
+            "loss": 2.0,
+            "accuracy": 1.0,
+            "throughput": 16.0,
+            "step_time": 0.5,
+            "grad_norm": 2.0,
+            "shard_norm": 12.0,
+            "min_lr": 0.25,
+        },
+        6.0,
+    ),
 ]
 
 
-def _block(rank: int, steps: list[int], *, per_rank_rows: bool = False, drop: str | None = None) -> tuple[Reducer, Decoded, np.ndarray, np.ndarray]:
+def _block(
+    rank: int, steps: list[int], *, per_rank_rows: bool = False, drop: str | None = None
+) -> tuple[Reducer, Decoded, np.ndarray, np.ndarray]:
     samples, step_time, values, kept = RANKS[rank]
     decoded = Decoded()
     for step in steps:
@@ -140,8 +178,12 @@ def test_every_reduction_kind_matches_its_reference_over_three_uneven_ranks() ->
         for record in out.records:
             assert record.values == pytest.approx(expected, rel=1e-12)
             assert set(record.values) == set(expected)
-            assert (record.run_id, record.epoch, record.batch, record.wall_time) == ("run", 0, record.step,
-                                                                                      100.0 + record.step)
+            assert (record.run_id, record.epoch, record.batch, record.wall_time) == (
+                "run",
+                0,
+                record.step,
+                100.0 + record.step,
+            )
     # events travel to rank 0 alone (it writes); the other ranks keep their own
     assert sorted(e.message for e in outs[0].events) == ["from rank 0", "from rank 1", "from rank 2"]
     assert [[e.message for e in out.events] for out in outs[1:]] == [["from rank 1"], ["from rank 2"]]

@@ -17,6 +17,7 @@ from batchtap.pipeline.reduce import Reducer
 from batchtap.records import Record
 from tests.pipeline.test_reduce import OUTPUTS  # one of each reduction kind
 
+
 def _rank_block(rank: int, rows: list[dict], world: int) -> tuple[Reducer, Decoded, np.ndarray, np.ndarray]:
     reducer = Reducer(OUTPUTS, group=None, rank=rank, world_size=world, per_rank_rows=False)
     decoded = Decoded()
@@ -43,7 +44,9 @@ def _reference(ranks: list[list[dict]], i: int) -> dict[str, float]:
     rows = [rows[i] for rows in ranks]
     out: dict[str, float] = {}
     for o in OUTPUTS:
-        have = [(r["values"][o.name], r.get("weights", {}).get(o.name, r["samples"])) for r in rows if o.name in r["values"]]
+        have = [
+            (r["values"][o.name], r.get("weights", {}).get(o.name, r["samples"])) for r in rows if o.name in r["values"]
+        ]
         if not have:
             continue
         vals = [v for v, _ in have]
@@ -91,7 +94,9 @@ def test_every_reduction_kind_equals_the_plain_reference(world: int) -> None:
             got = record.values[name]
             if math.isnan(value):
                 assert math.isnan(got), (i, name)
-            elif name == "accuracy" and not sum(r[i].get("weights", {}).get("accuracy", 0) for r in ranks if "accuracy" in r[i]["values"]):
+            elif name == "accuracy" and not sum(
+                r[i].get("weights", {}).get("accuracy", 0) for r in ranks if "accuracy" in r[i]["values"]
+            ):
                 assert math.isnan(got)
             else:
                 assert got == pytest.approx(value, rel=1e-12, abs=1e-12), (i, name)

@@ -28,7 +28,11 @@ def test_two_jobs_write_one_store_at_once_without_loss(tmp_path: Path, pg_schema
     jobs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.pipeline.pg_job_worker", PG_DSN, pg_schema, name, str(mine), str(other)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for name, mine, other in (("job-a", flags[0], flags[1]), ("job-b", flags[1], flags[0]))
     ]

@@ -72,9 +72,7 @@ def main(out: Path) -> None:
                 dist.broadcast(p.data, src=o)
             tap.step(loss=loss, outputs=outputs, targets=y)
             stats: list = [None] * world
-            dist.all_gather_object(
-                stats, (loss.item(), n, (outputs.argmax(1) == y).sum().item(), local_norm)
-            )
+            dist.all_gather_object(stats, (loss.item(), n, (outputs.argmax(1) == y).sum().item(), local_norm))
             refs.append(
                 {
                     "step": step,

@@ -112,7 +112,9 @@ def test_gan_two_optimizers_every_value_equals_item(sink: ListSink, objective: s
     assert_all_finite(rows)
     assert len({e["lr_d"] for e in expected}) == 4 and len({e["lr_g"] for e in expected}) == 1
     if objective == "wgan":
-        assert any(e["loss"] < 0 for e in expected), [e["loss"] for e in expected]  # negative losses occurred and are not anomalies
+        assert any(e["loss"] < 0 for e in expected), [
+            e["loss"] for e in expected
+        ]  # negative losses occurred and are not anomalies
     for record, ref in zip(rows, expected):
         values = record.values
         assert values["loss"] == ref["loss"], record.step  # float32 loss tensors, copied

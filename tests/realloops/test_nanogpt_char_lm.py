@@ -68,7 +68,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -202,7 +204,13 @@ def test_nanogpt_char_lm_every_value_equals_item(sink: ListSink) -> None:
             with counted(it):
                 tap.step(grad_norm=norm)
             expected.append(
-                {"loss": weighted / samples, "accuracy": correct / kept, "lr": lr, "grad_norm": norm.item(), "tokens": tokens}
+                {
+                    "loss": weighted / samples,
+                    "accuracy": correct / kept,
+                    "lr": lr,
+                    "grad_norm": norm.item(),
+                    "tokens": tokens,
+                }
             )
             if abs(weighted / samples - sum(micro_losses) / len(micro_losses)) > 1e-4 * (weighted / samples):
                 discriminating += 1

@@ -51,7 +51,9 @@ def test_regression_mlp_default_metrics(sink: ListSink) -> None:
                 opt.step()
                 tap.step(loss=loss, outputs=out, targets=y)
                 grad_norm = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters()))
-                expected.append({"loss": loss.item(), "lr": opt.param_groups[0]["lr"], "grad_norm": grad_norm, "n": len(x)})
+                expected.append(
+                    {"loss": loss.item(), "lr": opt.param_groups[0]["lr"], "grad_norm": grad_norm, "n": len(x)}
+                )
                 sched.step()
 
     rows = assert_one_record_per_step(sink.records, STEPS)

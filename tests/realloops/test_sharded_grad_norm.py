@@ -32,10 +32,25 @@ def _launch(out: Path, timeout: float = 120) -> list[dict]:
     port = _free_port()
     procs = []
     for rank in range(WORLD):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(WORLD), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.realloops.sharded_worker", str(out)],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(WORLD),
+            PYTHONPATH=str(ROOT),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.realloops.sharded_worker", str(out)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         logs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:

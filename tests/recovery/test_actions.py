@@ -11,7 +11,6 @@ from batchtap.errors import ConfigError, TrainingDiverged
 from batchtap.records import EventKind, Record
 from batchtap.recovery import ActionRunner, Rollback
 from batchtap.rules import Action, Decision, NonFinite, RuleEngine, Spike, Threshold
-
 from tests.rules._helpers import records
 
 NAN = math.nan

@@ -14,7 +14,9 @@ from batchtap.rules import Action, Decision
 
 
 def _decision(step: int) -> Decision:
-    return Decision(step=step, rule="spike(loss)", metric="loss", actions=(Action.ROLLBACK,), message="loss 9 > 3 x EMA 1")
+    return Decision(
+        step=step, rule="spike(loss)", metric="loss", actions=(Action.ROLLBACK,), message="loss 9 > 3 x EMA 1"
+    )
 
 
 def _setup(seed: int, optim: str = "adam", scheduler: str | None = "step"):

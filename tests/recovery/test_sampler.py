@@ -13,7 +13,6 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 from batchtap.errors import ConfigError
 from batchtap.recovery import ActionRunner, AdaptiveBatchSampler, BatchSizeRule
 from batchtap.rules import RuleEngine
-
 from tests.rules._helpers import records
 
 PROPERTY = settings(derandomize=True, deadline=None, max_examples=150)
@@ -164,7 +163,11 @@ def test_batch_size_rule_grows_shrinks_with_cooldown_and_bounds():
     assert applied == [(1, 64), (6, 32), (9, 16)]
     assert s.batch_size == 16
     events = runner.take_events()
-    assert [e.message.split(" (")[0] for e in events] == ["batch size 32 -> 64", "batch size 64 -> 32", "batch size 32 -> 16"]
+    assert [e.message.split(" (")[0] for e in events] == [
+        "batch size 32 -> 64",
+        "batch size 64 -> 32",
+        "batch size 32 -> 16",
+    ]
 
 
 def test_batch_size_rule_patience():

@@ -78,9 +78,7 @@ def _noise(seed: int, n: int, *, center: float, amplitude: float) -> list[float]
             id="spike-zscore",
         ),
         pytest.param(Plateau(window=5), [1.0] * 10, [9], id="plateau-flat"),
-        pytest.param(
-            Plateau(window=5), [10.0 - i for i in range(20)] + [-9.0] * 10, [28], id="plateau-after-progress"
-        ),
+        pytest.param(Plateau(window=5), [10.0 - i for i in range(20)] + [-9.0] * 10, [28], id="plateau-after-progress"),
         pytest.param(
             Plateau("accuracy", window=3, mode="max", min_delta=0.05),
             [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.62, 0.63, 0.64, 0.64, 0.64],

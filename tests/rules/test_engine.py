@@ -51,7 +51,10 @@ def test_one_anomaly_event_per_decision():
     engine = RuleEngine([NonFinite()])
     engine.process(records("loss", [NAN, 0.5, NAN]))
     events = engine.take_events()
-    assert [(e.kind, e.step, e.metric) for e in events] == [(EventKind.ANOMALY, 0, "loss"), (EventKind.ANOMALY, 2, "loss")]
+    assert [(e.kind, e.step, e.metric) for e in events] == [
+        (EventKind.ANOMALY, 0, "loss"),
+        (EventKind.ANOMALY, 2, "loss"),
+    ]
     assert "nonfinite(loss)" in events[0].message and "stop" in events[0].message
     assert engine.take_events() == []
 

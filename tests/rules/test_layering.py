@@ -7,7 +7,14 @@ from pathlib import Path
 
 import batchtap.rules
 
-FORBIDDEN = ("batchtap.capture", "batchtap.pipeline", "batchtap.sinks", "batchtap.tap", "batchtap.store", "batchtap.cli")
+FORBIDDEN = (
+    "batchtap.capture",
+    "batchtap.pipeline",
+    "batchtap.sinks",
+    "batchtap.tap",
+    "batchtap.store",
+    "batchtap.cli",
+)
 
 
 def _imports(path: Path) -> set[str]:

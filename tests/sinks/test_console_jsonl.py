@@ -82,7 +82,10 @@ def test_console_prints_sparse_records_as_their_own_lines_and_skips_apart_from_a
     run = RunInfo("abc123", "exp1", {}, 0.0)
     sink.start_run(run)
     steps = [Record("abc123", b, 0, b, 0, 0.0, {"loss": 0.5, "loss_scale": 65536.0}) for b in range(11)]
-    skips = [Event("abc123", s, EventKind.SKIP, f"step {s}: the AMP GradScaler skipped the optimizer step", 0.0) for s in (1, 2, 3)]
+    skips = [
+        Event("abc123", s, EventKind.SKIP, f"step {s}: the AMP GradScaler skipped the optimizer step", 0.0)
+        for s in (1, 2, 3)
+    ]
     sink.write([*steps[:6], _eval(5, val_loss=0.31, val_acc=0.9), *steps[6:]], skips)
     sink.write([_eval(10, val_loss=math.nan, bleu=27.25)])
     run.status = RunStatus.FINISHED
@@ -125,7 +128,16 @@ def test_jsonl_sparse_records_are_record_lines_marked_sparse(tmp_path) -> None:
     )
     sink.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert rows[0] == {"type": "record", "run_id": "abc123", "step": 4, "epoch": 0, "batch": 4, "rank": 0, "wall_time": 1.0, "loss": 0.5}
+    assert rows[0] == {
+        "type": "record",
+        "run_id": "abc123",
+        "step": 4,
+        "epoch": 0,
+        "batch": 4,
+        "rank": 0,
+        "wall_time": 1.0,
+        "loss": 0.5,
+    }
     assert rows[1] == {
         "type": "record", "run_id": "abc123", "step": 4, "epoch": 0, "batch": -1, "rank": 0, "wall_time": 0.0,
         "sparse": True, "val_loss": 0.25, "val_acc": "nan",

@@ -164,7 +164,9 @@ def test_prints_never_share_a_line_with_the_console_on_a_terminal(tmp_path: Path
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     env["BATCHTAP_DB"] = str(tmp_path / "bt.db")
-    proc = subprocess.Popen([sys.executable, str(script)], stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True
+    )
     os.close(slave)
     chunks = []
     while True:
@@ -216,11 +218,17 @@ def test_prints_never_share_a_line_with_the_console_in_a_log_file(tmp_path: Path
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     env["BATCHTAP_DB"] = str(tmp_path / "bt.db")
     with log.open("wb") as f:
-        done = subprocess.run([sys.executable, str(script)], stdout=f, stderr=subprocess.STDOUT, env=env, timeout=300, check=False)
+        done = subprocess.run(
+            [sys.executable, str(script)], stdout=f, stderr=subprocess.STDOUT, env=env, timeout=300, check=False
+        )
     assert done.returncode == 0
     lines = log.read_text().splitlines()
     user = [line for line in lines if "user line" in line]
     assert user == [f"user line {i:05d} " + "x" * 40 for i in range(1500)]  # each whole, on its own
     console = [line for line in lines if line.startswith("epoch 0 batch")]
     assert len(console) == 1500 and all(re.fullmatch(r"epoch 0 batch \d+: loss=1\.0000", line) for line in console)
-    assert all(line in ("partial", "partial and the rest of it", " and the rest of it") for line in lines if "partial" in line or "rest of it" in line)
+    assert all(
+        line in ("partial", "partial and the rest of it", " and the rest of it")
+        for line in lines
+        if "partial" in line or "rest of it" in line
+    )

@@ -21,7 +21,6 @@ from batchtap.sinks.csv import (
     read_sparse_records,
     sparse_path,
 )
-
 from tests.store._helpers import ODD_NAMES, make_events, make_records, make_skips, make_sparse, same_float
 
 
@@ -102,7 +101,9 @@ def test_events_go_to_their_own_file(tmp_path: Path) -> None:
     sink.write(make_records("r", range(8), ["loss"], random.Random(44)), events)
     sink.close()
     back = read_events(path)
-    assert [(e.step, e.kind, e.metric, e.message) for e in back] == [(e.step, e.kind, e.metric, e.message) for e in events]
+    assert [(e.step, e.kind, e.metric, e.message) for e in back] == [
+        (e.step, e.kind, e.metric, e.message) for e in events
+    ]
     assert back[0].raw_value == 1.5 and math.isnan(back[1].raw_value) and back[2].raw_value == -math.inf  # type: ignore[arg-type]
     assert back[3].raw_value is None
 

@@ -17,7 +17,6 @@ from batchtap.records import Event, EventKind, Record, RunEnd, RunInfo, RunStart
 from batchtap.sinks.jsonl import JSONL, read_jsonl, replay
 from batchtap.sinks.sqlite import SQLite
 from batchtap.store import Store
-
 from tests.conftest import ListSink
 
 NAN_AT = (1, 3)  # (epoch, batch) whose loss diverges

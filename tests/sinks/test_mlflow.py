@@ -17,8 +17,8 @@ import torch
 
 import batchtap as bt
 from batchtap.errors import ConfigError
-from batchtap.sinks.resilient import ResilientSink
 from batchtap.records import Event, Record, RunInfo, RunStatus
+from batchtap.sinks.resilient import ResilientSink
 from tests.conftest import ListSink
 from tests.store._helpers import ODD_NAMES, make_records, make_run, make_sparse
 
@@ -134,7 +134,11 @@ def test_tracking_store_away_mid_run_loses_nothing(tmp_path: Path, monkeypatch: 
     (run,) = client.search_runs([client.get_experiment_by_name("batchtap").experiment_id])  # type: ignore[union-attr]
     assert run.info.status == "FINISHED"
     steps = [r for r in seen.records if not r.sparse]
-    assert [s for s, _, _ in sorted(_history(client, run.info.run_id, "loss"))] == [r.step for r in steps] == list(range(30))
+    assert (
+        [s for s, _, _ in sorted(_history(client, run.info.run_id, "loss"))]
+        == [r.step for r in steps]
+        == list(range(30))
+    )
     _check_against(client, run.info.run_id, seen)
 
 
@@ -191,7 +195,17 @@ def test_odd_names_ranks_and_big_blocks(tmp_path: Path) -> None:
     sink.start_run(run)
     sink.write(records + make_records(run.id, range(2), ["loss"], rng, rank=3))
     sink.write(make_sparse(run.id, [599], rng, names=ODD_NAMES[3:5]))
-    sink.end_run(RunInfo(run.id, run.name, {}, run.started_at, status=RunStatus.STOPPED, ended_at=run.started_at + 5, stop_reason="rule"))
+    sink.end_run(
+        RunInfo(
+            run.id,
+            run.name,
+            {},
+            run.started_at,
+            status=RunStatus.STOPPED,
+            ended_at=run.started_at + 5,
+            stop_reason="rule",
+        )
+    )
     client = MlflowClient(uri)
     mid = sink.mlflow_run_id(run.id)
     assert mid is not None

@@ -102,7 +102,9 @@ def _run(seed: int) -> Run:
     info = make_run(name="pickled")
     steps = make_records(info.id, range(4), ["loss", "acc"], rng)
     logged = make_sparse(info.id, [3], rng, names=("val_loss",))
-    anomaly = Event(info.id, 2, EventKind.ANOMALY, "acc 1.5 outside [0, 1]", steps[2].wall_time, metric="acc", raw_value=1.5)
+    anomaly = Event(
+        info.id, 2, EventKind.ANOMALY, "acc 1.5 outside [0, 1]", steps[2].wall_time, metric="acc", raw_value=1.5
+    )
     return Run(info, steps[:2], [*steps[2:], *logged], [anomaly])
 
 
@@ -121,7 +123,12 @@ def _finish(remote: Remote, run: Run) -> None:
 # -- reading back -------------------------------------------------------------------------------
 def _check_store(st: batchtap.store.Store, run: Run) -> None:
     row = st.run(run.info.id)
-    assert (row.name, row.status, row.ended_at, row.config) == ("pickled", RunStatus.FINISHED, run.ended.ended_at, run.info.config)
+    assert (row.name, row.status, row.ended_at, row.config) == (
+        "pickled",
+        RunStatus.FINISHED,
+        run.ended.ended_at,
+        run.info.config,
+    )
     for metric in ("loss", "acc"):
         got = [(p.step, p.value, p.wall_time, p.epoch, p.batch) for p in st.series(run.info.id, metric)]
         assert got == [(r.step, r.values[metric], r.wall_time, r.epoch, r.batch) for r in run.steps]
@@ -165,10 +172,18 @@ def _check_jsonl(sink: Sink, remote: Remote, run: Run) -> None:
     lines = [json.loads(line) for line in sink.path.read_text().splitlines()]
     assert [line["type"] for line in lines] == ["run_start", *["record"] * 5, "event", "run_end"]
     records = [line for line in lines if line["type"] == "record"]
-    got = [(line["step"], line["wall_time"], line.get("sparse", False), {k: line[k] for k in r.values}) for line, r in zip(records, run.first + run.second)]
+    got = [
+        (line["step"], line["wall_time"], line.get("sparse", False), {k: line[k] for k in r.values})
+        for line, r in zip(records, run.first + run.second)
+    ]
     assert got == [(r.step, r.wall_time, r.sparse, dict(r.values)) for r in run.first + run.second]
     (event,) = [line for line in lines if line["type"] == "event"]
-    assert (event["step"], event["kind"], event["message"], event["raw_value"]) == (2, "anomaly", run.events[0].message, 1.5)
+    assert (event["step"], event["kind"], event["message"], event["raw_value"]) == (
+        2,
+        "anomaly",
+        run.events[0].message,
+        1.5,
+    )
     assert lines[-1]["status"] == "finished" and lines[0]["run_id"] == run.info.id
 
 
@@ -203,7 +218,9 @@ def _check_tensorboard(sink: Sink, remote: Remote, run: Run) -> None:
     for metric in ("loss", "acc"):
         got = sorted((e.step, e.wall_time, e.value) for e in acc.Scalars(f"train/{metric}"))
         assert got == [(r.step, r.wall_time, float(np.float32(r.values[metric]))) for r in run.steps]
-    assert [(e.step, e.value) for e in acc.Scalars("val_loss")] == [(3, float(np.float32(run.logged[0].values["val_loss"])))]
+    assert [(e.step, e.value) for e in acc.Scalars("val_loss")] == [
+        (3, float(np.float32(run.logged[0].values["val_loss"])))
+    ]
     (anomaly,) = acc.Tensors("events/anomaly/text_summary")
     assert anomaly.step == 2 and "acc 1.5 outside [0, 1]" in anomaly.tensor_proto.string_val[0].decode()
     assert acc.Tensors("run/status/text_summary")[0].tensor_proto.string_val[0].decode() == "finished"
@@ -368,7 +385,9 @@ def _scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
     with urllib.request.urlopen(url, timeout=10) as resp:
         text = resp.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples
+    }
 
 
 def _sample(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:

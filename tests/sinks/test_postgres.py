@@ -12,11 +12,20 @@ from pathlib import Path
 import pytest
 
 from batchtap.errors import ConfigError, SinkError
-from batchtap.sinks.resilient import ResilientSink
 from batchtap.records import RunStatus
+from batchtap.sinks.resilient import ResilientSink
 from batchtap.store import StoreError
-
-from tests.store._helpers import PG_DSN, ODD_NAMES, TcpProxy, make_events, make_records, make_run, make_skips, make_sparse, pg_schema_fixture
+from tests.store._helpers import (
+    ODD_NAMES,
+    PG_DSN,
+    TcpProxy,
+    make_events,
+    make_records,
+    make_run,
+    make_skips,
+    make_sparse,
+    pg_schema_fixture,
+)
 
 psycopg = pytest.importorskip("psycopg")
 from batchtap.sinks.postgres import Postgres  # noqa: E402 - after the importorskip
@@ -43,7 +52,9 @@ def test_values_round_trip_exactly_with_nan_as_null(schema: str) -> None:
         sink.write(records[i : i + 25])
     sink.end_run(replace(run, status=RunStatus.FINISHED, ended_at=run.started_at + 9))
     sink.close()
-    rows = _rows(schema, "SELECT metric, step, epoch, batch, wall_time, value FROM metrics WHERE run_id = %s", (run.id,))
+    rows = _rows(
+        schema, "SELECT metric, step, epoch, batch, wall_time, value FROM metrics WHERE run_id = %s", (run.id,)
+    )
     assert len(rows) == 120
     got = {(m, s): (e, b, w, v) for m, s, e, b, w, v in rows}
     for r in records:
@@ -171,8 +182,15 @@ def test_sparse_records_are_metric_rows_and_their_names_are_noted(schema: str) -
     sink.write([evals[1], late[0]])  # sparse only, a name first seen now
     sink.write([evals[0], again])  # replayed, then logged again at step 9: one COPY block, last wins
     sink.close()
-    rows = _rows(schema, "SELECT metric, step, epoch, batch, wall_time, value FROM metrics WHERE batch = -1 ORDER BY step, metric")
-    latest = {(m, r.step): (m, r.step, r.epoch, -1, r.wall_time, v) for r in [*evals, *late, again] for m, v in r.values.items()}
+    rows = _rows(
+        schema,
+        "SELECT metric, step, epoch, batch, wall_time, value FROM metrics WHERE batch = -1 ORDER BY step, metric",
+    )
+    latest = {
+        (m, r.step): (m, r.step, r.epoch, -1, r.wall_time, v)
+        for r in [*evals, *late, again]
+        for m, v in r.values.items()
+    }
     assert rows == sorted(latest.values(), key=lambda x: (x[1], x[0]))
     assert ("val_loss", 9, 0, -1, again.wall_time, 0.125) in rows
     assert _rows(schema, "SELECT run_id, metric FROM sparse_metrics ORDER BY metric") == [

@@ -140,7 +140,9 @@ def test_scraped_while_training_runs(tmp_path: Path) -> None:
         actions = [e for e in seen.events if e.kind is EventKind.ACTION]
         assert len(anomalies) >= 1 and len(actions) >= 1
         assert get(final, "batchtap_events_total", kind="anomaly", metric="loss", **run) == len(anomalies)
-        assert sum(v for (n, ls), v in final.items() if n == "batchtap_events_total" and ("kind", "action") in ls) == len(actions)
+        assert sum(
+            v for (n, ls), v in final.items() if n == "batchtap_events_total" and ("kind", "action") in ls
+        ) == len(actions)
     finally:
         scraper.close()
     with pytest.raises(OSError):

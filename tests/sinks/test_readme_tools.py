@@ -68,7 +68,7 @@ def test_prometheus_snippet(tmp_path: Path) -> None:
     pytest.importorskip("prometheus_client")
     ns, printed = run("prometheus", tmp_path)
     assert 'batchtap_value{metric="loss",rank="0",run="prom-demo"' in printed
-    assert "batchtap_steps_per_second{run=\"prom-demo\"" in printed
+    assert 'batchtap_steps_per_second{run="prom-demo"' in printed
 
 
 def test_pandas_snippet(tmp_path: Path) -> None:

@@ -16,11 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchtap.errors import ConfigError, SinkError
-from batchtap.sinks.resilient import ResilientSink, decode_entry, encode_entry
 from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus
 from batchtap.sinks.base import Sink
+from batchtap.sinks.resilient import ResilientSink, decode_entry, encode_entry
 from batchtap.sinks.sqlite import SQLite
-
 from tests.store._helpers import make_events, make_records, make_run
 
 
@@ -259,7 +258,11 @@ def test_spool_that_becomes_unwritable_while_the_sink_fails_is_an_error(tmp_path
 
 @pytest.mark.parametrize(
     ("initial", "maximum"),
-    [pytest.param(-1.0, 5.0, id="negative"), pytest.param(2.0, 1.0, id="max-below-initial"), pytest.param(0.1, math.inf, id="infinite")],
+    [
+        pytest.param(-1.0, 5.0, id="negative"),
+        pytest.param(2.0, 1.0, id="max-below-initial"),
+        pytest.param(0.1, math.inf, id="infinite"),
+    ],
 )
 def test_bad_retry_settings_are_refused(tmp_path: Path, initial: float, maximum: float) -> None:
     with pytest.raises(ConfigError, match=r"retry_initial"):
@@ -290,7 +293,9 @@ _names = st.text(min_size=1, max_size=12)
     raw=st.one_of(st.none(), _floats),
     message=st.text(max_size=30),
 )
-def test_spool_entries_round_trip_exactly(values: dict[str, float], wall: float, step: int, raw: float | None, message: str) -> None:
+def test_spool_entries_round_trip_exactly(
+    values: dict[str, float], wall: float, step: int, raw: float | None, message: str
+) -> None:
     rec = Record("rün", step=step, epoch=1, batch=2, rank=-1, wall_time=wall, values=values)
     ev = Event("rün", step, EventKind.ANOMALY, message, wall, metric=next(iter(values)), raw_value=raw, rank=3)
     line = encode_entry(("write", ([rec], [ev])))
@@ -305,7 +310,9 @@ def test_spool_entries_round_trip_exactly(values: dict[str, float], wall: float,
         assert (math.isnan(v) and math.isnan(got)) or (got == v and math.copysign(1, got) == math.copysign(1, v))
     (eb,) = evs
     assert (eb.message, eb.metric, eb.rank, eb.kind) == (message, ev.metric, 3, EventKind.ANOMALY)
-    assert (raw is None and eb.raw_value is None) or (math.isnan(raw) and math.isnan(eb.raw_value)) or eb.raw_value == raw  # type: ignore[arg-type]
+    assert (
+        (raw is None and eb.raw_value is None) or (math.isnan(raw) and math.isnan(eb.raw_value)) or eb.raw_value == raw
+    )  # type: ignore[arg-type]
 
 
 def test_run_info_round_trips() -> None:

@@ -18,7 +18,6 @@ import pytest
 from batchtap.errors import SinkError
 from batchtap.records import Event, EventKind, Record, RunStatus
 from batchtap.sinks.sqlite import SQLite
-
 from tests.store._helpers import ODD_NAMES, make_events, make_records, make_run, make_skips, make_sparse, same_float
 
 
@@ -37,7 +36,9 @@ def test_values_are_stored_long_form_exactly_with_nan_as_null(tmp_path: Path) ->
     sink.write(records[:20])
     sink.write(records[20:])
     sink.close()
-    rows = _rows(path, "SELECT metric, step, rank, epoch, batch, wall_time, value FROM metrics WHERE run_id = ?", (run.id,))
+    rows = _rows(
+        path, "SELECT metric, step, rank, epoch, batch, wall_time, value FROM metrics WHERE run_id = ?", (run.id,)
+    )
     assert len(rows) == 40 * 3
     got = {(m, s): (rank, e, b, w, v) for m, s, rank, e, b, w, v in rows}
     for r in records:
@@ -99,7 +100,9 @@ def test_run_life_cycle_is_stored(tmp_path: Path) -> None:
     sink.start_run(replace(run, started_at=600.0))
     sink.close()
     cols = "name, status, started_at, ended_at, stop_reason, host, pid, python_version, torch_version, cuda_version, git_commit, config"
-    name, status, started, ended, reason, host, pid, py, torch_v, cuda, git, config = _rows(path, f"SELECT {cols} FROM runs")[0]
+    name, status, started, ended, reason, host, pid, py, torch_v, cuda, git, config = _rows(
+        path, f"SELECT {cols} FROM runs"
+    )[0]
     assert (name, status, started, ended, reason) == ("test-run", "running", 500.0, None, None)
     assert (host, pid, py, torch_v, cuda, git) == ("box", 123, "3.11.7", "2.13.0", None, "abc123")
     assert '"lr": 0.1' in config
@@ -208,7 +211,9 @@ def test_sigkill_during_writes_leaves_whole_blocks_and_a_sound_file(tmp_path: Pa
     assert _rows(path, "SELECT COUNT(*) FROM metrics")[0][0] == len(steps) * 20
     # The store still takes writes after the crash, and a replay of the last block adds nothing.
     sink = SQLite(path)
-    last = [Record("killed", step=s, epoch=0, batch=s, rank=0, wall_time=float(s), values={"m0": 0.5}) for s in steps[-50:]]
+    last = [
+        Record("killed", step=s, epoch=0, batch=s, rank=0, wall_time=float(s), values={"m0": 0.5}) for s in steps[-50:]
+    ]
     sink.write(last)
     sink.close()
     assert _rows(path, "SELECT COUNT(*) FROM metrics")[0][0] == len(steps) * 20
@@ -226,8 +231,13 @@ def test_sparse_records_are_metric_rows_and_their_names_are_noted(tmp_path: Path
     sink.write([*steps[:10], evals[0], *steps[10:]], make_skips(run.id, [2]))  # mixed in one block
     sink.write([evals[1], late[0]])  # sparse only, a name first seen now
     sink.close()
-    rows = _rows(path, "SELECT metric, step, epoch, batch, wall_time, value FROM metrics WHERE batch = -1 ORDER BY step, metric")
-    want = sorted(((m, r.step, r.epoch, -1, r.wall_time, v) for r in [*evals, *late] for m, v in r.values.items()), key=lambda x: (x[1], x[0]))
+    rows = _rows(
+        path, "SELECT metric, step, epoch, batch, wall_time, value FROM metrics WHERE batch = -1 ORDER BY step, metric"
+    )
+    want = sorted(
+        ((m, r.step, r.epoch, -1, r.wall_time, v) for r in [*evals, *late] for m, v in r.values.items()),
+        key=lambda x: (x[1], x[0]),
+    )
     assert rows == want
     assert _rows(path, "SELECT run_id, metric FROM sparse_metrics ORDER BY metric") == [
         (run.id, "bleu"), (run.id, "val_acc"), (run.id, "val_loss"),

@@ -11,7 +11,6 @@ import pytest
 
 from batchtap.errors import SinkError
 from batchtap.records import ALL_RANKS, RunStatus
-
 from tests.store._helpers import ODD_NAMES, make_events, make_records, make_run, make_skips, make_sparse
 
 pytest.importorskip("tensorboard")
@@ -117,7 +116,9 @@ def test_sparse_values_are_scalars_named_as_logged_at_their_step(tmp_path: Path)
     }  # fmt: skip
     for name in ("val_loss", "val_acc"):
         got = acc.Scalars(name)
-        assert [(e.step, e.wall_time, e.value) for e in got] == [(r.step, r.wall_time, _f32(r.values[name])) for r in evals]
+        assert [(e.step, e.wall_time, e.value) for e in got] == [
+            (r.step, r.wall_time, _f32(r.values[name])) for r in evals
+        ]
     assert [e.step for e in acc.Scalars("bleu")] == [19]
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(20))
     assert [t.step for t in acc.Tensors("events/skip/text_summary")] == [4]

@@ -18,8 +18,8 @@ import torch
 
 import batchtap as bt
 from batchtap.errors import ConfigError
-from batchtap.sinks.resilient import ResilientSink
 from batchtap.records import Event, EventKind, Record, RunInfo
+from batchtap.sinks.resilient import ResilientSink
 from tests.conftest import ListSink
 from tests.sinks._wandb_file import WandbRun, read_run
 
@@ -48,9 +48,12 @@ def _rows(runs: Sequence[WandbRun]) -> list[dict[str, Any]]:
 
 def _check_rows(rows: list[dict[str, Any]], seen: ListSink, *, prefix: str = "train/", exact: bool = True) -> None:
     """Every record the ListSink got is a history row: its step, epoch, wall time and values."""
-    value_rows = [r for r in rows if not any(k.startswith("batchtap/") and k not in (STEP_KEY, "batchtap/epoch") for k in r)]
+    value_rows = [
+        r for r in rows if not any(k.startswith("batchtap/") and k not in (STEP_KEY, "batchtap/epoch") for k in r)
+    ]
     got = [
-        (r[STEP_KEY], r["_timestamp"], {k: v for k, v in r.items() if not k.startswith(("_", "batchtap/"))}) for r in value_rows
+        (r[STEP_KEY], r["_timestamp"], {k: v for k, v in r.items() if not k.startswith(("_", "batchtap/"))})
+        for r in value_rows
     ]
     want = []
     for rec in seen.records:
@@ -171,7 +174,13 @@ class _Where(WandB):
 
 def test_the_sink_thread_only_and_the_scripts_own_run_left_alone(tmp_path: Path) -> None:
     # the script's own run, the usual way: it becomes wandb.run
-    own = wandb.init(project="mine", mode="offline", dir=tmp_path / "own", id="ownrun", settings=wandb.Settings(silent=True, console="off"))
+    own = wandb.init(
+        project="mine",
+        mode="offline",
+        dir=tmp_path / "own",
+        id="ownrun",
+        settings=wandb.Settings(silent=True, console="off"),
+    )
     try:
         sink = _Where(project="bt-test", mode="offline", dir=tmp_path / "bt")
         with bt.Tap(sinks=[sink], flush_every=3) as tap, tap.run("threads") as info:

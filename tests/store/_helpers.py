@@ -20,7 +20,7 @@ PG_DSN = os.environ.get("BATCHTAP_TEST_PG_DSN", "postgresql://postgres@127.0.0.1
 ODD_NAMES = (
     "loss/train",
     "with space",
-    "it's \"quoted\"",
+    'it\'s "quoted"',
     "semi;colon -- DROP TABLE metrics",
     "unicodé ✓ λ 損失",
     "comma,separated",
@@ -46,7 +46,17 @@ def make_records(
         values = {m: rng.uniform(-10, 10) for m in metrics}
         if nan_every and s % nan_every == 0:
             values[metrics[0]] = float("nan")
-        out.append(Record(run_id, step=s, epoch=s // 100, batch=s % 100, rank=rank, wall_time=t0 + s * 0.01 + rng.random() * 1e-3, values=values))
+        out.append(
+            Record(
+                run_id,
+                step=s,
+                epoch=s // 100,
+                batch=s % 100,
+                rank=rank,
+                wall_time=t0 + s * 0.01 + rng.random() * 1e-3,
+                values=values,
+            )
+        )
     return out
 
 
@@ -80,7 +90,9 @@ def make_skips(run_id: str, steps: Sequence[int], *, t0: float = 1_700_000_000.0
     """SKIP events as the decoder reports an AMP GradScaler's skipped optimizer steps."""
     return [
         Event(
-            run_id, s, EventKind.SKIP,
+            run_id,
+            s,
+            EventKind.SKIP,
             f"step {s}: the AMP GradScaler skipped the optimizer step (inf/NaN gradients; the loss scale is "
             "lowered); gradient values of this step are left out",
             t0 + s * 0.01,
@@ -96,7 +108,14 @@ def make_run(run_id: str | None = None, name: str = "test-run", started_at: floa
         config={"lr": 0.1, "layers": [3, 4], "note": "ünïcode"},
         started_at=started_at,
         world_size=1,
-        environment={"host": "box", "pid": 123, "python": "3.11.7", "torch": "2.13.0", "cuda": None, "git_commit": "abc123"},
+        environment={
+            "host": "box",
+            "pid": 123,
+            "python": "3.11.7",
+            "torch": "2.13.0",
+            "cuda": None,
+            "git_commit": "abc123",
+        },
         metrics=("loss", "acc"),
     )
 
@@ -115,9 +134,11 @@ def make_store_at_version(conn: object, dialect: Dialect, version: int) -> None:
     up to it, verbatim, so a test can check that a newer batchtap opens and migrates it.
     ``conn`` is an autocommit sqlite3 or psycopg connection on an empty database or schema."""
     execute = conn.execute  # type: ignore[attr-defined]
-    execute(dialect.ddl(
-        "CREATE TABLE schema_version (version {INT} PRIMARY KEY, applied_at {REAL} NOT NULL, description {TEXT} NOT NULL)"
-    ))
+    execute(
+        dialect.ddl(
+            "CREATE TABLE schema_version (version {INT} PRIMARY KEY, applied_at {REAL} NOT NULL, description {TEXT} NOT NULL)"
+        )
+    )
     for migration in MIGRATIONS:
         if migration.version > version:
             break

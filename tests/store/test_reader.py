@@ -16,7 +16,6 @@ from batchtap.records import ALL_RANKS, RunStatus
 from batchtap.sinks.base import Sink
 from batchtap.sinks.sqlite import SQLite
 from batchtap.store import RunNotFound, Store
-
 from tests.store._helpers import PG_DSN, make_events, make_records, make_run, pg_schema_fixture, same_float
 
 Backend = tuple[Callable[[], Sink], Callable[[], Store]]
@@ -122,7 +121,14 @@ def test_events_round_trip_with_raw_values(backend: Backend) -> None:
         got = st.events(run.id)
     assert len(got) == len(events)
     for g, e in zip(got, events):
-        assert (g.step, g.kind, g.message, g.metric, g.wall_time, g.rank) == (e.step, e.kind, e.message, e.metric, e.wall_time, e.rank)
+        assert (g.step, g.kind, g.message, g.metric, g.wall_time, g.rank) == (
+            e.step,
+            e.kind,
+            e.message,
+            e.metric,
+            e.wall_time,
+            e.rank,
+        )
         assert (g.raw_value is None and e.raw_value is None) or same_float(g.raw_value, e.raw_value)  # type: ignore[arg-type]
 
 
@@ -158,9 +164,7 @@ def test_reader_follows_a_writer_holding_a_write_transaction(tmp_path: Path) -> 
     # Another process is in the middle of writing a block (the write lock is held) ...
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
-    other.execute(
-        "INSERT INTO metrics VALUES (?, 'loss', 99, 0, 0, 99, 0.0, 1.0)", (run.id,)
-    )
+    other.execute("INSERT INTO metrics VALUES (?, 'loss', 99, 0, 0, 99, 0.0, 1.0)", (run.id,))
     # ... and a reader still reads every committed block, without waiting.
     with batchtap.store.open(path) as st:
         assert [p.step for p in st.series(run.id, "loss")] == list(range(10))
@@ -168,4 +172,3 @@ def test_reader_follows_a_writer_holding_a_write_transaction(tmp_path: Path) -> 
         assert [p.step for p in st.series(run.id, "loss")] == [*range(10), 99]
     other.close()
     sink.close()
-

@@ -15,7 +15,6 @@ from batchtap.errors import SinkError
 from batchtap.sinks.sqlite import SQLite
 from batchtap.store import SCHEMA_VERSION, StoreError, parse_url, redact_dsn
 from batchtap.store.schema import MIGRATIONS, POSTGRES, SQLITE
-
 from tests.store._helpers import PG_DSN, pg_schema_fixture
 
 
@@ -50,7 +49,11 @@ def test_missing_migrations_are_applied_on_open(tmp_path: Path) -> None:
     # A store at version 0: the version table exists, no migration has run yet.
     path = tmp_path / "old.db"
     with sqlite3.connect(path) as conn:
-        conn.execute(SQLITE.ddl("CREATE TABLE schema_version (version {INT} PRIMARY KEY, applied_at {REAL} NOT NULL, description {TEXT} NOT NULL)"))
+        conn.execute(
+            SQLITE.ddl(
+                "CREATE TABLE schema_version (version {INT} PRIMARY KEY, applied_at {REAL} NOT NULL, description {TEXT} NOT NULL)"
+            )
+        )
     SQLite(path).close()
     assert {"runs", "metrics", "events"} <= _tables(path)
 
@@ -198,8 +201,11 @@ def test_dialects_render_the_same_statement() -> None:
     assert POSTGRES.q(sql) == "SELECT value FROM metrics WHERE run_id = %s AND metric = %s"
 
 
-@pytest.mark.parametrize("value", [0.1, -2.5e-300, 1e308, math.inf, -math.inf, 0.0, None],
-                         ids=["0.1", "tiny", "huge", "inf", "-inf", "zero", "none"])
+@pytest.mark.parametrize(
+    "value",
+    [0.1, -2.5e-300, 1e308, math.inf, -math.inf, 0.0, None],
+    ids=["0.1", "tiny", "huge", "inf", "-inf", "zero", "none"],
+)
 def test_float_text_round_trips_exactly(value: float | None) -> None:
     from batchtap.store.schema import float_to_text, text_to_float
 

@@ -18,7 +18,6 @@ from batchtap.sinks.base import Sink
 from batchtap.sinks.sqlite import SQLite
 from batchtap.store import SCHEMA_VERSION, Store
 from batchtap.store.schema import POSTGRES, SQLITE
-
 from tests.store._helpers import (
     PG_DSN,
     make_records,
@@ -136,7 +135,26 @@ def _old_rows(run_id: str) -> tuple[list[tuple[object, ...]], tuple[object, ...]
     metrics: list[tuple[object, ...]] = [(run_id, "loss", s, 0, 0, s, 100.0 + s, 1.0 / (s + 1)) for s in range(5)]
     metrics.append((run_id, "val_loss", 4, 0, 0, -1, 104.5, 0.5))
     metrics += [(run_id, "odd", s, 0, 0, s - 1, 100.0 + s, 2.0) for s in range(2)]
-    run = (run_id, "old-run", "finished", 100.0, 110.0, None, "{}", 1, None, None, None, None, None, None, None, None, '["loss", "odd"]', "{}")
+    run = (
+        run_id,
+        "old-run",
+        "finished",
+        100.0,
+        110.0,
+        None,
+        "{}",
+        1,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        '["loss", "odd"]',
+        "{}",
+    )
     return metrics, run
 
 

@@ -20,6 +20,7 @@ from batchtap.capture.ring import MetricRing
 
 __all__ = ["Block", "BlockData", "Flusher"]
 
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Block:
     """Rows ``[first_row, last_row)`` whose device->host copy was queued before ``marker``."""
@@ -77,7 +78,9 @@ class Flusher:
         self.poll_interval = poll_interval
         self.rows = 0  # rows written so far
         self.flushed = 0  # rows whose copy has been queued
-        self.released = 0  # rows read back by the pipeline; their slots may be reused (read freely, written under the condition)
+        self.released = (
+            0  # rows read back by the pipeline; their slots may be reused (read freely, written under the condition)
+        )
         self._released_cv = threading.Condition()
         self.last_flush = time.monotonic()
         self.waits = 0  # how often claim() had to wait (reported by benchmarks)

@@ -92,7 +92,9 @@ def check_logged(values: object, step: object, *, taken: Collection[str]) -> Non
         check_count("step", step, minimum=0)
     for name, value in values.items():
         check_new_name(
-            "log() name", name, taken,
+            "log() name",
+            name,
+            taken,
             "log() name {name!r} is already a per-step value or record field of this run; log it under "
             "another name, e.g. 'eval_{name}'",
         )

@@ -123,7 +123,9 @@ class RunCapture:
         """
         device = micro.device if micro is not None else device_of(inputs)
         metrics = list(metrics)
-        if inputs.grad_norm is not None and not any(isinstance(m, GradNorm) and m.takes_step_grad_norm for m in metrics):
+        if inputs.grad_norm is not None and not any(
+            isinstance(m, GradNorm) and m.takes_step_grad_norm for m in metrics
+        ):
             metrics.append(GradNorm())  # the loop's own norm (clip_grad_norm_'s return value)
         extras = dict(declared_extras)
         for name, value in inputs.extra.items():
@@ -146,7 +148,12 @@ class RunCapture:
         clock = clock_for(device, config.capacity)
         flusher = Flusher(ring, clock, flush_every=config.flush_every, flush_seconds=config.flush_seconds)
         return cls(
-            device, metrics, layout, ring, clock, flusher,
+            device,
+            metrics,
+            layout,
+            ring,
+            clock,
+            flusher,
             guard=LossGuard(ring, clock) if ring.guard_column is not None else None,
             autocast_device=autocast_device(device),
             fast_path=config.fast_path,
@@ -174,7 +181,9 @@ class RunCapture:
             return
         metrics = [m for m in self.metrics if not m.per_micro_batch] if accumulated else self.metrics
         check_step_inputs(inputs, metrics, self.device)
-        if inputs.grad_norm is not None and not any(isinstance(m, GradNorm) and m.takes_step_grad_norm for m in self.metrics):
+        if inputs.grad_norm is not None and not any(
+            isinstance(m, GradNorm) and m.takes_step_grad_norm for m in self.metrics
+        ):
             raise InputError(
                 "grad_norm= was not passed at the run's first step, which fixes the columns; pass it from "
                 "the first step on, or add bt.metrics.GradNorm() to the Tap's metrics"
@@ -182,7 +191,15 @@ class RunCapture:
         self.checked = key
 
     def record(
-        self, inputs: StepInputs, step: int, epoch: int, batch: int, data_time: float, *, tokens: float, accumulated: bool
+        self,
+        inputs: StepInputs,
+        step: int,
+        epoch: int,
+        batch: int,
+        data_time: float,
+        *,
+        tokens: float,
+        accumulated: bool,
     ) -> None:
         """The general path: check, compute and write one step's row (inputs already carry the device).
 
@@ -212,15 +229,26 @@ class RunCapture:
             if device_count != self.layout.device_width or len(host_values) != self.layout.host_width:
                 raise ConfigError(width_mismatch(self.metrics, inputs))
             self.write_row(
-                device_values, host_values, step, epoch, batch, data_time,
-                wall_time=wall, samples=inputs.batch_size, tokens=tokens, head=head,
+                device_values,
+                host_values,
+                step,
+                epoch,
+                batch,
+                data_time,
+                wall_time=wall,
+                samples=inputs.batch_size,
+                tokens=tokens,
+                head=head,
             )
         finally:
             set_grad_enabled(grad_was)
         self.fast_key = None
         if self.fast_path and not accumulated:
             self.fast_key = (
-                meta(inputs.loss), meta(inputs.outputs), meta(inputs.targets), meta(inputs.grad_norm),
+                meta(inputs.loss),
+                meta(inputs.outputs),
+                meta(inputs.targets),
+                meta(inputs.grad_norm),
                 tuple((name, meta(value)) for name, value in inputs.extra.items()),
             )
 
@@ -249,8 +277,17 @@ class RunCapture:
         if guard is not None:
             guard.settle(row)  # before the write overwrites the slot's last loss copy
         self.ring.write(
-            slot, device_values, host_values, step=step, epoch=epoch, batch=batch,
-            wall_time=wall_time, samples=samples, data_time=data_time, tokens=tokens, head=head,
+            slot,
+            device_values,
+            host_values,
+            step=step,
+            epoch=epoch,
+            batch=batch,
+            wall_time=wall_time,
+            samples=samples,
+            data_time=data_time,
+            tokens=tokens,
+            head=head,
         )
         self.clock.mark_end(slot)
         if guard is not None:
@@ -288,8 +325,10 @@ class RunCapture:
 def check_device_context(capture: RunCapture | None, *tensors: object) -> None:
     """Refuse a step during a CUDA graph capture or on another stream than the run's (CUDA only;
     before the run's first capture the device is read off ``tensors``)."""
-    cuda = capture.cuda if capture is not None else any(
-        isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors
+    cuda = (
+        capture.cuda
+        if capture is not None
+        else any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors)
     )
     if not cuda:
         return
@@ -315,4 +354,3 @@ def compute_values(metrics: Sequence[Metric], inputs: StepInputs, device_type: s
 def autocast_device(device: torch.device) -> str:
     """The device type ``torch.autocast`` knows for ``device`` ('' when it has none)."""
     return device.type if device.type in ("cuda", "cpu", "xpu", "mps") else ""
-

@@ -114,11 +114,13 @@ def short_step(
             break
     ring, clock, flusher, guard, micro = capture.ring, capture.clock, capture.flusher, capture.guard, capture.micro
     # each device metric writes its own columns of the row in place (see Metric.row_writer)
-    writers = ring.slot_writers([
-        span.metric.row_writer(example, ring.device_rows.narrow(1, span.device_offset, span.metric.device_width))
-        for span in capture.layout.device_order
-        if span.metric.device_width
-    ])
+    writers = ring.slot_writers(
+        [
+            span.metric.row_writer(example, ring.device_rows.narrow(1, span.device_offset, span.metric.device_width))
+            for span in capture.layout.device_order
+            if span.metric.device_width
+        ]
+    )
     host_readers = [m.read_host for m in capture.host_readers]
     # host values that depend on the inputs' metadata only are read once, here
     fixed_host: list[float] | None = None
@@ -131,7 +133,14 @@ def short_step(
     grad_enabled, is_autocast = torch.is_grad_enabled, torch.is_autocast_enabled
 
     def step(
-        loss: Any, outputs: Any, targets: Any, batch_size: Any, tokens: Any, grad_norm: Any, epoch: Any, batch: Any,
+        loss: Any,
+        outputs: Any,
+        targets: Any,
+        batch_size: Any,
+        tokens: Any,
+        grad_norm: Any,
+        epoch: Any,
+        batch: Any,
         extra: Any,
     ) -> bool:
         if (
@@ -201,7 +210,15 @@ def short_step(
         if epoch is None:
             epoch = run.epoch
         if run.watching:
-            facts[slot] = (run.step, epoch, run.batch if batch is None else batch, wall, samples, run.data_time, step_tokens)
+            facts[slot] = (
+                run.step,
+                epoch,
+                run.batch if batch is None else batch,
+                wall,
+                samples,
+                run.data_time,
+                step_tokens,
+            )
         else:
             facts[slot] = (run.step, epoch, run.step if batch is None else batch, wall, samples, nan, step_tokens)
         mark_end(slot)

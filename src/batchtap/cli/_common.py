@@ -40,7 +40,6 @@ __all__ = [
 ]
 
 
-
 class CLIError(Exception):
     """A user error: printed as ``batchtap: error: <message>``, exit status ``code``."""
 
@@ -249,7 +248,9 @@ def fmt_rank(rank: int) -> str:
     return "all" if rank == ALL_RANKS else str(rank)
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[bool] | None = None) -> Iterator[str]:
+def table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[bool] | None = None
+) -> Iterator[str]:
     """Lines of a plain text table with columns padded to their widest cell.
 
     Args:

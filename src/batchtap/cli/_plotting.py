@@ -70,11 +70,31 @@ def _smoothing(text: str) -> float:
 
 def add_size_arguments(parser: argparse.ArgumentParser, *, default_smooth: float) -> None:
     """``-m``, ``--smooth``, ``--x``, ``-o`` and ``--size``, common to plot and compare."""
-    parser.add_argument("-m", "--metric", action="append", dest="metrics", metavar="NAME", help="metric to plot, one panel each (repeatable; default loss, accuracy); a name logged with tap.log() is drawn as dots")
-    parser.add_argument("--smooth", type=_smoothing, default=default_smooth, metavar="W", help=f"exponential smoothing weight in [0, 1), TensorBoard-style; the raw curve stays faint behind (default {default_smooth})")
-    parser.add_argument("--x", choices=("step", "time"), default="step", help="x axis: global step or seconds since the run started (default step)")
+    parser.add_argument(
+        "-m",
+        "--metric",
+        action="append",
+        dest="metrics",
+        metavar="NAME",
+        help="metric to plot, one panel each (repeatable; default loss, accuracy); a name logged with tap.log() is drawn as dots",
+    )
+    parser.add_argument(
+        "--smooth",
+        type=_smoothing,
+        default=default_smooth,
+        metavar="W",
+        help=f"exponential smoothing weight in [0, 1), TensorBoard-style; the raw curve stays faint behind (default {default_smooth})",
+    )
+    parser.add_argument(
+        "--x",
+        choices=("step", "time"),
+        default="step",
+        help="x axis: global step or seconds since the run started (default step)",
+    )
     parser.add_argument("-o", "--output", metavar="FILE", help="PNG to write (default: <run name>.png)")
-    parser.add_argument("--size", type=parse_size, default=(1200, 700), metavar="WxH", help="image size in pixels (default 1200x700)")
+    parser.add_argument(
+        "--size", type=parse_size, default=(1200, 700), metavar="WxH", help="image size in pixels (default 1200x700)"
+    )
 
 
 def smooth(values: Sequence[float], weight: float) -> list[float]:
@@ -156,7 +176,9 @@ def robust_limits(values: Sequence[float], *, factor: float = 5.0) -> tuple[floa
     return shown[0] - pad, shown[1] + pad
 
 
-def anomaly_y(event: Event, points: Sequence[Point], ys: Sequence[float], ylim: tuple[float, float] | None = None) -> float | None:
+def anomaly_y(
+    event: Event, points: Sequence[Point], ys: Sequence[float], ylim: tuple[float, float] | None = None
+) -> float | None:
     """Where on a curve to mark an anomaly: its raw value when finite and within the axis range
     (``ylim``, else twice the curve's range), else the curve's nearest finite value at or before
     the event's step. ``None``: nowhere on the axis; mark it at the top of the panel."""
@@ -204,14 +226,25 @@ def save(fig: Any, path: str) -> None:
         # No bbox_inches="tight": that would change the pixel size the user asked for.
         fig.savefig(path, dpi=100, format="png")
     except OSError as exc:
-        raise CLIError(f"cannot write {path}: {exc.strerror or exc}; fix: choose another -o or fix its folder") from None
+        raise CLIError(
+            f"cannot write {path}: {exc.strerror or exc}; fix: choose another -o or fix its folder"
+        ) from None
     finally:
         plt.close(fig)
 
 
 def draw_events(
-    ax: Any, events: Sequence[Event], metric: str | None, points: Sequence[Point], xs: Sequence[float],
-    ys: Sequence[float], axis: str, t0: float, *, actions: bool, ylim: tuple[float, float] | None = None,
+    ax: Any,
+    events: Sequence[Event],
+    metric: str | None,
+    points: Sequence[Point],
+    xs: Sequence[float],
+    ys: Sequence[float],
+    axis: str,
+    t0: float,
+    *,
+    actions: bool,
+    ylim: tuple[float, float] | None = None,
 ) -> tuple[int, int]:
     """Mark anomalies (one red X per step and metric on the curve, or a red triangle at the top of the panel) and, with
     ``actions``, actions (dashed purple lines) on one panel.
@@ -252,7 +285,9 @@ def draw_events(
         if e.kind is EventKind.ANOMALY and (e.metric == metric or metric is None):
             y = anomaly_y(e, points, ys, ylim) if metric is not None else None
             if y is None:
-                ax.plot([x_at(e)], [0.96], marker="v", ms=9, color=ANOMALY_COLOR, transform=top, zorder=5, clip_on=False)
+                ax.plot(
+                    [x_at(e)], [0.96], marker="v", ms=9, color=ANOMALY_COLOR, transform=top, zorder=5, clip_on=False
+                )
             else:
                 ax.plot([x_at(e)], [y], marker="X", ms=10, color=ANOMALY_COLOR, mec=ANOMALY_COLOR, zorder=5)
             anomalies += 1

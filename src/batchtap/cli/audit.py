@@ -64,11 +64,15 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument("--check", action="store_true", help="exit 1 when any host read of a device tensor is found")
     parser.add_argument("--top", type=int, default=50, metavar="N", help="list at most N source lines (default 50)")
     parser.add_argument(
-        "--all", action="store_true",
+        "--all",
+        action="store_true",
         help="also list the reads of tensors that stay on the host on a GPU too (they never wait for it)",
     )
     parser.add_argument(
-        "--source", action="append", default=[], metavar="DIR",
+        "--source",
+        action="append",
+        default=[],
+        metavar="DIR",
         help="another folder of your own code: reads are attributed to its lines, not to your call into it "
         "(default: the script's folder only; repeatable)",
     )
@@ -105,14 +109,19 @@ def summarize(reads: Sequence[DeviceRead]) -> list[Finding]:
     """
     counts: collections.Counter[tuple[str | None, int | None, str]] = collections.Counter()
     source: dict[tuple[str | None, int | None, str], str] = {}
-    via: dict[tuple[str | None, int | None, str], collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    via: dict[tuple[str | None, int | None, str], collections.Counter[str]] = collections.defaultdict(
+        collections.Counter
+    )
     for r in reads:
         key = (r.user.filename, r.user.lineno, r.op) if r.user else (None, None, r.op)
         counts[key] += 1
         source.setdefault(key, r.user.text if r.user else "")
         if r.via is not None:
             via[key][f"{_library_file(r.via.filename)}:{r.via.lineno} ({r.via.function})"] += 1
-    found = [Finding(f, n, op, c, source[(f, n, op)], tuple(via[(f, n, op)].most_common())) for (f, n, op), c in counts.items()]
+    found = [
+        Finding(f, n, op, c, source[(f, n, op)], tuple(via[(f, n, op)].most_common()))
+        for (f, n, op), c in counts.items()
+    ]
     return sorted(found, key=lambda x: (-x.count, x.filename or "", x.lineno or 0, x.op))
 
 
@@ -161,7 +170,9 @@ def _table(findings: Sequence[Finding], steps: int, top: int) -> list[str]:
             rows.append(["", "", "", "", f"  via {site}: {n}"])
         if len(f.via) > 3:
             rows.append(["", "", "", "", f"  via {len(f.via) - 3} more library lines: {sum(n for _, n in f.via[3:])}"])
-    lines = list(table(["file:line", "reads", "per step", "op", "source"], rows, right=[False, True, True, False, False]))
+    lines = list(
+        table(["file:line", "reads", "per step", "op", "source"], rows, right=[False, True, True, False, False])
+    )
     if len(findings) > top:
         lines.append(f"... {len(findings) - top} more lines (--top N shows more)")
     return lines
@@ -208,7 +219,9 @@ def report_lines(
         if total:
             head += f", {total / steps:.2f} per step"
     else:
-        head = f"batchtap audit: {script}: {total} host reads of device tensors (no Tap.step calls seen, so totals only)"
+        head = (
+            f"batchtap audit: {script}: {total} host reads of device tensors (no Tap.step calls seen, so totals only)"
+        )
     lines.append(head)
     if not findings:
         if outcome.crash is None and outcome.status == 0:
@@ -223,7 +236,9 @@ def report_lines(
         )
     other = sum(f.count for f in host_only)
     if show_host_only and host_only:
-        lines.append(f"host-only tensors ({other} reads; these stay on the host on a GPU too, so they never wait for it):")
+        lines.append(
+            f"host-only tensors ({other} reads; these stay on the host on a GPU too, so they never wait for it):"
+        )
         lines.extend(_table(host_only, steps, top))
     elif other:
         lines.append(
@@ -313,7 +328,9 @@ def main(args: argparse.Namespace) -> int:
     roots = [str(script.resolve().parent), *args.source]
     for root in args.source:
         if not Path(root).is_dir():
-            raise CLIError(f"--source {root!r} is not a folder: expected a folder of your own code; fix: check the path")
+            raise CLIError(
+                f"--source {root!r} is not a folder: expected a folder of your own code; fix: check the path"
+            )
     from batchtap.devicereads import DeviceReadTracker
     from batchtap.devicereads import __file__ as tracker_file
 
@@ -328,11 +345,21 @@ def main(args: argparse.Namespace) -> int:
     findings = summarize([r for r in mine if r.device])
     host_only = summarize([r for r in mine if not r.device])
     print()
-    print("\n".join(report_lines(
-        str(script), findings, steps[0], top=args.top, outcome=outcome, host_only=host_only,
-        show_host_only=args.all, internal=len(internal),
-        internal_device=sum(r.device for r in internal),
-    )))
+    print(
+        "\n".join(
+            report_lines(
+                str(script),
+                findings,
+                steps[0],
+                top=args.top,
+                outcome=outcome,
+                host_only=host_only,
+                show_host_only=args.all,
+                internal=len(internal),
+                internal_device=sum(r.device for r in internal),
+            )
+        )
+    )
     if outcome.status != 0:
         return 1
     if args.check and findings:

@@ -88,7 +88,9 @@ def main(args: argparse.Namespace) -> int:
             if metric in logged[run.id]:
                 # a few logged points: each shown, none smoothed away
                 ax.plot(xs, raw, color=color, lw=1.2, marker="o", ms=5, label=f"{run.name} ({short_id(run.id)})")
-                a, _ = draw_events(ax, events[run.id], metric, pts, xs, raw, args.x, run.started_at, actions=False, ylim=ylim)
+                a, _ = draw_events(
+                    ax, events[run.id], metric, pts, xs, raw, args.x, run.started_at, actions=False, ylim=ylim
+                )
                 anomalies += a
                 continue
             if args.smooth > 0:
@@ -97,7 +99,9 @@ def main(args: argparse.Namespace) -> int:
             kept = raw if ylim is None else [v if ylim[0] <= v <= ylim[1] else math.nan for v in raw]
             ys = smooth(kept, args.smooth) if args.smooth > 0 else raw
             ax.plot(xs, ys, color=color, lw=1.6, label=f"{run.name} ({short_id(run.id)})")
-            a, _ = draw_events(ax, events[run.id], metric, pts, xs, ys, args.x, run.started_at, actions=False, ylim=ylim)
+            a, _ = draw_events(
+                ax, events[run.id], metric, pts, xs, ys, args.x, run.started_at, actions=False, ylim=ylim
+            )
             anomalies += a
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
@@ -115,5 +119,7 @@ def main(args: argparse.Namespace) -> int:
     fig.tight_layout()
     save(fig, out)
     w, h = args.size
-    print(f"wrote {out} ({w}x{h}): {len(runs)} runs, {len(wanted)} panels ({', '.join(wanted)}), {anomalies} anomalies marked")
+    print(
+        f"wrote {out} ({w}x{h}): {len(runs)} runs, {len(wanted)} panels ({', '.join(wanted)}), {anomalies} anomalies marked"
+    )
     return 0

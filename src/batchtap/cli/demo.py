@@ -27,8 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs", help="folder for the run's files (default runs/)")
     parser.add_argument("--name", default="demo", help="run name (default demo)")
     parser.add_argument("--inject-nan-at", type=int, metavar="STEP", help="make the loss NaN at this global step")
-    parser.add_argument("--inject-spike-at", type=int, metavar="STEP",
-                        help="scale the weights x30 after this global step (a loss spike; rolled back)")
+    parser.add_argument(
+        "--inject-spike-at",
+        type=int,
+        metavar="STEP",
+        help="scale the weights x30 after this global step (a loss spike; rolled back)",
+    )
     parser.add_argument("--db", default=None, help="SQLite file or postgresql:// URL (default OUT/batchtap.db)")
     parser.add_argument("--flush-every", type=int, default=5, help="steps between host transfers (default 5)")
     parser.add_argument("--print-every", type=int, default=10, help="console line every N batches (default 10)")

@@ -71,8 +71,17 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         action="store_true",
         help="with --force, also replace a FILE that is a SQLite database (never the store being read)",
     )
-    parser.add_argument("-m", "--metric", action="append", dest="metrics", metavar="NAME", help="only this metric (repeatable; default all)")
-    parser.add_argument("--rank", type=_rank, default=None, help="only this rank ('all' = the reduced rows; default every rank)")
+    parser.add_argument(
+        "-m",
+        "--metric",
+        action="append",
+        dest="metrics",
+        metavar="NAME",
+        help="only this metric (repeatable; default all)",
+    )
+    parser.add_argument(
+        "--rank", type=_rank, default=None, help="only this rank ('all' = the reduced rows; default every rank)"
+    )
     add_db_arguments(parser)
     parser.set_defaults(func=main)
 
@@ -222,7 +231,11 @@ def main(args: argparse.Namespace) -> int:
         if k:
             from batchtap.sinks.csv import sparse_path
 
-            where = f" in {sparse_path(path)}" if fmt == "csv" else (" as rows with sparse=true" if fmt == "parquet" else "")
+            where = (
+                f" in {sparse_path(path)}"
+                if fmt == "csv"
+                else (" as rows with sparse=true" if fmt == "parquet" else "")
+            )
             logged = f" ({k} records of tap.log() values{where})"
         print(f"wrote {n} records and {m} events to {path}{logged}", file=sys.stderr)
         return 0

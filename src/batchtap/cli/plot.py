@@ -123,7 +123,9 @@ def main(args: argparse.Namespace) -> int:
     axes[-1].set_xlabel("step" if args.x == "step" else "seconds since start")
     title = f"{run.name} ({short_id(run.id)}) - {run.status.value}, {run.steps} steps"
     axes[0].set_title(title, fontsize=11)
-    _legend(axes[0], anomalies, actions, smoothed=args.smooth > 0, steps=len(logged) < len(metrics), logged=bool(logged))
+    _legend(
+        axes[0], anomalies, actions, smoothed=args.smooth > 0, steps=len(logged) < len(metrics), logged=bool(logged)
+    )
     fig.tight_layout()
     save(fig, out)
     w, h = args.size
@@ -132,13 +134,18 @@ def main(args: argparse.Namespace) -> int:
         f"{points} points, {anomalies} anomalies marked, {actions} actions marked"
     )
     if logged:
-        print("logged values (tap.log) drawn as dots, unsmoothed: " + ", ".join(f"{m} ({len(series[m])})" for m in metrics if m in logged))
+        print(
+            "logged values (tap.log) drawn as dots, unsmoothed: "
+            + ", ".join(f"{m} ({len(series[m])})" for m in metrics if m in logged)
+        )
     if clipped:
         print(f"y axis zoomed to the bulk of the values for {', '.join(clipped)}")
     return 0
 
 
-def _legend(ax: object, anomalies: int, actions: int, *, smoothed: bool, steps: bool = True, logged: bool = False) -> None:
+def _legend(
+    ax: object, anomalies: int, actions: int, *, smoothed: bool, steps: bool = True, logged: bool = False
+) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 

@@ -72,12 +72,37 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     parser.add_argument("run", metavar="RUN", help="run id, unique id prefix, or name (the latest run of that name)")
     add_db_arguments(parser)
-    parser.add_argument("-m", "--metric", action="append", dest="metrics", metavar="NAME", help="column to show, or tap.log() value (repeatable; default: " + ", ".join(DEFAULT_COLUMNS) + " where present, and every tap.log() value)")
-    parser.add_argument("-n", "--lines", type=int, default=10, metavar="N", help="steps already stored to print first (default 10)")
-    parser.add_argument("--rank", type=int, default=None, help="rank to follow (default: the all-ranks rows, else the lowest rank)")
+    parser.add_argument(
+        "-m",
+        "--metric",
+        action="append",
+        dest="metrics",
+        metavar="NAME",
+        help="column to show, or tap.log() value (repeatable; default: "
+        + ", ".join(DEFAULT_COLUMNS)
+        + " where present, and every tap.log() value)",
+    )
+    parser.add_argument(
+        "-n", "--lines", type=int, default=10, metavar="N", help="steps already stored to print first (default 10)"
+    )
+    parser.add_argument(
+        "--rank", type=int, default=None, help="rank to follow (default: the all-ranks rows, else the lowest rank)"
+    )
     parser.add_argument("--interval", type=float, default=0.5, metavar="S", help="seconds between polls (default 0.5)")
-    parser.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for the store and a running (or new) run RUN to appear (default 0)")
-    parser.add_argument("--stale", type=float, default=30.0, metavar="S", help="after S seconds without new rows, check that the writing process is alive (default 30)")
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="wait up to S seconds for the store and a running (or new) run RUN to appear (default 0)",
+    )
+    parser.add_argument(
+        "--stale",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="after S seconds without new rows, check that the writing process is alive (default 30)",
+    )
     parser.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
     parser.set_defaults(func=main)
 
@@ -113,7 +138,9 @@ class Follower:
         after: only steps above this (``-1``: from the start).
     """
 
-    def __init__(self, store: Store, run_id: str, wanted: Sequence[str] | None, rank: int | None, after: int = -1) -> None:
+    def __init__(
+        self, store: Store, run_id: str, wanted: Sequence[str] | None, rank: int | None, after: int = -1
+    ) -> None:
         self.store = store
         self.run_id = run_id
         self.wanted = list(wanted) if wanted else None
@@ -148,7 +175,9 @@ class Follower:
                     self._seen_logged.add(key)
                     values[name] = value
             if values:
-                out.append(Record(rec.run_id, rec.step, rec.epoch, rec.batch, rec.rank, rec.wall_time, values, sparse=True))
+                out.append(
+                    Record(rec.run_id, rec.step, rec.epoch, rec.batch, rec.rank, rec.wall_time, values, sparse=True)
+                )
         return out
 
     def poll(self) -> Poll:
@@ -231,7 +260,9 @@ def _counts_line(counts: Mapping[str, int]) -> str:
 def _end_line(run: RunRow) -> str:
     last = "no steps" if run.last_step is None else f"step {run.last_step}"
     reason = f": {run.stop_reason}" if run.stop_reason else ""
-    return f"# run {run.name} ({short_id(run.id)}) {run.status.value} at {last} after {fmt_duration(run.duration)}{reason}"
+    return (
+        f"# run {run.name} ({short_id(run.id)}) {run.status.value} at {last} after {fmt_duration(run.duration)}{reason}"
+    )
 
 
 class PlainView:
@@ -298,8 +329,12 @@ class LiveView:
         width = shutil.get_terminal_size((100, 24)).columns
         rate = f"  {self._rate:.1f} steps/s" if self._rate is not None else ""
         step = "-" if run.last_step is None else str(run.last_step)
-        lines = [f"{run.name} ({short_id(run.id)})  {run.status.value}  step {step}{rate}  elapsed {fmt_duration(run.duration)}"]
-        body = [[str(r.step), str(r.epoch), str(r.batch), *(fmt_value(r.values.get(m)) for m in columns)] for r in self.rows]
+        lines = [
+            f"{run.name} ({short_id(run.id)})  {run.status.value}  step {step}{rate}  elapsed {fmt_duration(run.duration)}"
+        ]
+        body = [
+            [str(r.step), str(r.epoch), str(r.batch), *(fmt_value(r.values.get(m)) for m in columns)] for r in self.rows
+        ]
         lines.extend(table(["step", "epoch", "batch", *columns], body, right=[True] * (3 + len(columns))))
         if self.logged:
             # Below the table, never a column of it: logged values have steps of their own.
@@ -371,7 +406,11 @@ def main(args: argparse.Namespace) -> int:
     store, run, is_new = _find(args, time.time())
     with store:
         live = sys.stdout.isatty() and not args.plain and os.environ.get("TERM") != "dumb"
-        view: View = LiveView(sys.stdout, keep=max(args.lines, shutil.get_terminal_size().lines - 8, 5)) if live else PlainView(sys.stdout)
+        view: View = (
+            LiveView(sys.stdout, keep=max(args.lines, shutil.get_terminal_size().lines - 8, 5))
+            if live
+            else PlainView(sys.stdout)
+        )
         present = store.metric_names(run.id)
         missing = [m for m in args.metrics or () if present and m not in present]
         if missing:

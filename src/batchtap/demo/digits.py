@@ -77,8 +77,13 @@ def train(args: argparse.Namespace) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     train, test = load_digits(args.seed)
     sampler: DistributedSampler[Any] | None = DistributedSampler(train, seed=args.seed) if world > 1 else None
-    loader = DataLoader(train, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
-                        generator=torch.Generator().manual_seed(args.seed))
+    loader = DataLoader(
+        train,
+        batch_size=args.batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
     model: nn.Module = DigitsCNN().to(device)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
@@ -91,8 +96,7 @@ def train(args: argparse.Namespace) -> int:
     db = args.db or str(out / "batchtap.db")
     store: bt.sinks.Sink = bt.sinks.Postgres(db) if db.startswith("postgres") else bt.sinks.SQLite(db)
     sinks: list[bt.sinks.Sink] = [bt.sinks.Console(every=args.print_every), bt.sinks.JSONL(jsonl_path), store]
-    rollback = bt.Rollback(model, optimizer, scheduler, every=10, keep=2, lr_factor=0.5, skip_batches=3,
-                           max_retries=3)
+    rollback = bt.Rollback(model, optimizer, scheduler, every=10, keep=2, lr_factor=0.5, skip_batches=3, max_retries=3)
     rules = [
         bt.NonFinite("loss", action="stop"),
         # min_excess: late in training a batch loss of 0.3 is 4x a 0.08 average, and not a divergence
@@ -120,8 +124,10 @@ def train(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     step = 0
     with tap, tap.run(name=args.name, config=config) as run:
-        say(f"batchtap demo: training DigitsCNN on {device} for {args.epochs} epochs "
-            f"({len(loader)} batches each{f', {world} ranks' if world > 1 else ''}), run id {run.id}")
+        say(
+            f"batchtap demo: training DigitsCNN on {device} for {args.epochs} epochs "
+            f"({len(loader)} batches each{f', {world} ranks' if world > 1 else ''}), run id {run.id}"
+        )
         for epoch in range(args.epochs):
             model.train()
             if sampler is not None:
@@ -152,8 +158,10 @@ def train(args: argparse.Namespace) -> int:
             # sync: once per epoch, outside the training steps, to print it
             say(f"batchtap demo: epoch {epoch} test accuracy {test_accuracy.item():.2%}")
     show_db = "" if db == DEFAULT_DB else f" --db {db}"
-    say(f"batchtap demo: {step} steps in {time.perf_counter() - started:.1f} s; values stored as NaN "
-        f"(out of their domain): {sum(tap.anomaly_counts.values())}; `batchtap show {args.name}{show_db}` lists every event")
+    say(
+        f"batchtap demo: {step} steps in {time.perf_counter() - started:.1f} s; values stored as NaN "
+        f"(out of their domain): {sum(tap.anomaly_counts.values())}; `batchtap show {args.name}{show_db}` lists every event"
+    )
     say(f"batchtap demo: metrics stored in {db} (run {run.id[:8]}) and {jsonl_path}")
     if world > 1:
         dist.destroy_process_group()

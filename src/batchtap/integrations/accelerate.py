@@ -85,15 +85,19 @@ class BatchtapTracker(_tracking.GeneralTracker):  # type: ignore[misc]
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
         """Keep ``init_trackers(config=...)`` for the run; it is stored when the run starts."""
         if self._running:
-            log.warning("batchtap: the run already started, so init_trackers(config=...) is not stored with it; "
-                        "call accelerator.init_trackers before the first use of tracker.tap")
+            log.warning(
+                "batchtap: the run already started, so init_trackers(config=...) is not stored with it; "
+                "call accelerator.init_trackers before the first use of tracker.tap"
+            )
             return
         self.config = dict(values)
 
     def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
         """Store ``accelerator.log(values, step=)`` as sparse values (numbers and 0-dim tensors;
         strings, which Accelerate also allows, are not metrics and are left out)."""
-        numbers = {k: v for k, v in values.items() if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)}
+        numbers = {
+            k: v for k, v in values.items() if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)
+        }
         if numbers:
             self.tap.log(numbers, step=step)
 

@@ -177,8 +177,15 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         accumulate = trainer.accumulate_grad_batches
         extra, self._lr = (self._lr, {}) if stepped and self._own_lr else ({}, self._lr)
         if accumulate == 1 and stepped:
-            tap.step(loss=loss, outputs=scores, targets=targets, extra=extra, grad_norm=self._take_grad_norm(),
-                     epoch=trainer.current_epoch, batch=batch_idx)
+            tap.step(
+                loss=loss,
+                outputs=scores,
+                targets=targets,
+                extra=extra,
+                grad_norm=self._take_grad_norm(),
+                epoch=trainer.current_epoch,
+                batch=batch_idx,
+            )
         else:
             # Lightning hands back the loss it divided by accumulate_grad_batches for backward()
             tap.accumulate(loss=loss.detach() * accumulate, outputs=scores, targets=targets)

@@ -142,7 +142,8 @@ class _Driver:
             return
         taken = set(tap.run_info.metrics) if tap.run_info is not None else set()
         values = {
-            k: float(v) for k, v in metrics.items()  # the Trainer's evaluation values are host numbers already
+            k: float(v)
+            for k, v in metrics.items()  # the Trainer's evaluation values are host numbers already
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in taken and k not in RESERVED_NAMES
         }
         if values:
@@ -249,7 +250,9 @@ class BatchtapMixin:
         base = cast(Any, super())
         driver = self.batchtap
         if not (driver.running and model.training):  # evaluation and prediction pass straight through
-            return base.compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            return base.compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         # Taken before the call: the Trainer pops "labels" when a label smoother or compute_loss_func computes the loss.
         shifted = inputs.get("shift_labels")
         targets = shifted if shifted is not None else inputs.get("labels")
@@ -277,7 +280,9 @@ class BatchtapMixin:
             )
         if not scaled:
             return loss
-        micro = getattr(trainer, "current_gradient_accumulation_steps", None) or trainer.args.gradient_accumulation_steps
+        micro = (
+            getattr(trainer, "current_gradient_accumulation_steps", None) or trainer.args.gradient_accumulation_steps
+        )
         return loss * micro
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:

@@ -25,8 +25,17 @@ import torch
 from batchtap.metrics.domain import Output
 
 __all__ = [
-    "Metric", "StepInputs", "StepTiming", "BlockTiming", "Requirement", "Combine", "RowWriter", "Settle",
-    "write_values", "with_settle", "settle_of",
+    "Metric",
+    "StepInputs",
+    "StepTiming",
+    "BlockTiming",
+    "Requirement",
+    "Combine",
+    "RowWriter",
+    "Settle",
+    "write_values",
+    "with_settle",
+    "settle_of",
 ]
 
 Requirement = Literal["loss", "outputs", "targets"]

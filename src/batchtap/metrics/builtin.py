@@ -15,7 +15,14 @@ import torch
 from batchtap.errors import ConfigError, InputError
 from batchtap.metrics import functional as F
 from batchtap.metrics.base import (
-    BlockTiming, Combine, Metric, Requirement, RowWriter, StepInputs, StepTiming, with_settle,
+    BlockTiming,
+    Combine,
+    Metric,
+    Requirement,
+    RowWriter,
+    StepInputs,
+    StepTiming,
+    with_settle,
 )
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Output, Reduce
 
@@ -268,8 +275,7 @@ class Accuracy(Metric):
         classes = outputs.shape[class_dim]
         if self.topk[-1] > classes:
             raise InputError(
-                f"Accuracy(topk={self.topk}) needs at least {self.topk[-1]} classes, outputs have "
-                f"{classes}; lower topk"
+                f"Accuracy(topk={self.topk}) needs at least {self.topk[-1]} classes, outputs have {classes}; lower topk"
             )
 
     def _shape_facts(self, outputs: torch.Tensor, targets: torch.Tensor) -> _AccuracyShape:
@@ -1062,7 +1068,10 @@ class Custom(Metric):
 
 
 _COMBINE_OF_REDUCE = {
-    Reduce.MEAN: Combine.MEAN, Reduce.SUM: Combine.SUM, Reduce.MAX: Combine.MAX, Reduce.MIN: Combine.MIN
+    Reduce.MEAN: Combine.MEAN,
+    Reduce.SUM: Combine.SUM,
+    Reduce.MAX: Combine.MAX,
+    Reduce.MIN: Combine.MIN,
 }
 
 

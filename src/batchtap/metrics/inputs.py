@@ -119,7 +119,9 @@ def check_new_name(label: str, name: object, taken: Collection[str], clash: str)
 
 def check_extra_name(name: object, taken: Collection[str]) -> None:
     check_new_name(
-        "extra name", name, taken,
+        "extra name",
+        name,
+        taken,
         "extra {name!r} clashes with a built-in metric or record field of the same name; rename it, "
         "e.g. 'extra_{name}'",
     )

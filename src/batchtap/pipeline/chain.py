@@ -88,7 +88,10 @@ class RunChain:
         if reduce is not None:
             outputs = [o for span in layout.spans for o in span.outputs]
             self.reducer = Reducer(
-                outputs, group=reduce.group, rank=reduce.rank, world_size=reduce.world_size,
+                outputs,
+                group=reduce.group,
+                rank=reduce.rank,
+                world_size=reduce.world_size,
                 per_rank_rows=reduce.per_rank_rows,
             )
         self.rules = rules

@@ -173,7 +173,12 @@ class Decoder:
                     if warning is not None:
                         self._warned.add(id(metric))
                         event = Event(
-                            self.run_id, steps[i], EventKind.WARNING, f"step {steps[i]}: {warning}", walls[i], rank=self.rank
+                            self.run_id,
+                            steps[i],
+                            EventKind.WARNING,
+                            f"step {steps[i]}: {warning}",
+                            walls[i],
+                            rank=self.rank,
                         )
                         events.append(((i, index, -1), event))
                         break
@@ -234,8 +239,7 @@ class Decoder:
                     finalized = list(metric.finalize(rows[i], row_timings[i]))
                     if len(finalized) != width:
                         raise ValueError(
-                            f"{type(metric).__name__}.finalize returned {len(finalized)} values for "
-                            f"{width} outputs"
+                            f"{type(metric).__name__}.finalize returned {len(finalized)} values for {width} outputs"
                         )
                     for j, value in enumerate(finalized):
                         if value is not None:
@@ -278,15 +282,13 @@ class Decoder:
             values[i, c] = math.nan
             self.anomaly_counts[output.name] += 1
             message = (
-                f"{output.name}={value!r} at step {steps[i]} is {why} "
-                f"(expected {domain.describe()}); stored as NaN"
+                f"{output.name}={value!r} at step {steps[i]} is {why} (expected {domain.describe()}); stored as NaN"
             )
             events.append(((i, index, place), self._event(steps[i], walls[i], output.name, value, message)))
 
     def _records(
         self, data: BlockData, values: np.ndarray, present: np.ndarray, steps: list[int], walls: list[float]
     ) -> list[Record]:
-        n = len(steps)
         epochs, batches = data.epoch.tolist(), data.batch.tolist()
         names = self._names
         somewhere = present.any(axis=0)
@@ -301,7 +303,9 @@ class Decoder:
         if present.all():
             rows = [dict(zip(names, row)) for row in table]
         else:
-            rows = [{name: v for name, v, p in zip(names, row, flags) if p} for row, flags in zip(table, present.tolist())]
+            rows = [
+                {name: v for name, v, p in zip(names, row, flags) if p} for row, flags in zip(table, present.tolist())
+            ]
         return step_records(self.run_id, self.rank, steps, epochs, batches, walls, rows)
 
     def _event(self, step: int, wall: float, metric: str, raw: float | None, message: str) -> Event:

@@ -271,7 +271,11 @@ class Dispatcher:
         out = []
         base = self._baseline or [(0, 0, 0)] * len(self.workers)
         for w, (blocks0, records0, failed0) in zip(self.workers, base):
-            blocks, records, failed = w.dropped_blocks - blocks0, w.dropped_records - records0, w.failed_records - failed0
+            blocks, records, failed = (
+                w.dropped_blocks - blocks0,
+                w.dropped_records - records0,
+                w.failed_records - failed0,
+            )
             parts = []
             if blocks:
                 parts.append(f"dropped {blocks} blocks ({records} records) under backpressure='drop_oldest'")
@@ -321,7 +325,13 @@ class Dispatcher:
                 blocks, records, first, last = w.undelivered()
                 log.warning(
                     "batchtap: sink %s did not close within %s s; %d blocks (%d records, steps %s..%s) were "
-                    "not handed to it", w.name, timeout, blocks, records, first, last,
+                    "not handed to it",
+                    w.name,
+                    timeout,
+                    blocks,
+                    records,
+                    first,
+                    last,
                 )
 
     def _take_warnings(self) -> list[Event]:

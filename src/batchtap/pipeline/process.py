@@ -208,7 +208,11 @@ class ProcessPipeline:
         self.control = control
         self.gate = DeviceGate()
         self._settings = settings = settings or PipelineSettings()
-        stay = [r.name for r in (settings.rules.rules if settings.rules is not None else ()) if not r.runs_in_pipeline_process]
+        stay = [
+            r.name
+            for r in (settings.rules.rules if settings.rules is not None else ())
+            if not r.runs_in_pipeline_process
+        ]
         if stay:
             raise ConfigError(
                 f"rules {stay} read training-side objects while they decide (an adaptive sampler's batch size), "
@@ -355,7 +359,10 @@ class ProcessPipeline:
         if done is None:
             log.warning(
                 "batchtap: run %r (%s): the pipeline process did not confirm within end_timeout=%g s that every "
-                "step was stored", info.name, info.id, timeout,
+                "step was stored",
+                info.name,
+                info.id,
+                timeout,
             )
         return bool(done)
 
@@ -466,7 +473,9 @@ class ProcessPipeline:
         self._proc.start()
         theirs.close()
         self._conn = ours
-        receiver = threading.Thread(target=self._receive_loop, args=(ours, self._proc), name="batchtap-receive", daemon=True)
+        receiver = threading.Thread(
+            target=self._receive_loop, args=(ours, self._proc), name="batchtap-receive", daemon=True
+        )
         receiver.start()
 
     def _receive_loop(self, conn: Any, proc: Any) -> None:
@@ -543,7 +552,9 @@ class ProcessPipeline:
         if self._run is not None:
             fallback.start_run(self._run[0], writes=self._run[1])
         for chain in self._chains.values():
-            chain.local = fallback.open_chain(chain.layout, run_id=chain.run_id, rank=chain.rank, writes=chain.writes, reduce=None)
+            chain.local = fallback.open_chain(
+                chain.layout, run_id=chain.run_id, rank=chain.rank, writes=chain.writes, reduce=None
+            )
         by_id = {c.id: c for c in self._chains.values()}
         for _, kind, payload in self._unconfirmed:
             if kind in _REQUESTS:  # a caller waits for its answer: the thread gives it
@@ -585,7 +596,9 @@ class ProcessPipeline:
                 payload = message.prepare()
                 if payload is not None:
                     if message.kind in _REQUESTS:
-                        threading.Thread(target=self._answer, args=(fallback, message.kind, payload), daemon=True).start()
+                        threading.Thread(
+                            target=self._answer, args=(fallback, message.kind, payload), daemon=True
+                        ).start()
                     else:
                         self._replay_into(fallback, by_id, message.kind, payload)
                     break
@@ -781,7 +794,10 @@ class _ChildWorker:
             if not self._group_made:
                 store = torch.distributed.TCPStore(host, port, None, False)
                 torch.distributed.init_process_group(
-                    "gloo", store=torch.distributed.PrefixStore("batchtap-pipeline", store), rank=rank_, world_size=world
+                    "gloo",
+                    store=torch.distributed.PrefixStore("batchtap-pipeline", store),
+                    rank=rank_,
+                    world_size=world,
                 )
                 self._group_made = True
             spec = ReduceSpec(torch.distributed.group.WORLD, rank_, world, per_rank_rows)

@@ -43,7 +43,10 @@ def describe_failure(exc: BaseException, timeout: float) -> str:
     left) is told apart from one that did not answer within ``timeout``."""
     text = str(exc)
     lowered = text.lower()
-    if any(s in lowered for s in ("connection closed by peer", "connection reset by peer", "broken pipe", "end of file", "eof")):
+    if any(
+        s in lowered
+        for s in ("connection closed by peer", "connection reset by peer", "broken pipe", "end of file", "eof")
+    ):
         return f"a peer rank closed its connection (it died or left the group): {type(exc).__name__}: {text}"
     if "timed out" in lowered or "timeout" in lowered:
         return f"no answer within {timeout:g} s (a rank stalled or died): {type(exc).__name__}: {text}"

@@ -128,9 +128,13 @@ class Reducer:
                 r = decoded.records[-1]
                 out.events.append(
                     Event(
-                        r.run_id, r.step, EventKind.WARNING,
+                        r.run_id,
+                        r.step,
+                        EventKind.WARNING,
                         f"rank {self.rank}: reducing over ranks failed ({self.broken}); storing this rank's "
-                        "rows unreduced from here on", time.time(), rank=self.rank,
+                        "rows unreduced from here on",
+                        time.time(),
+                        rank=self.rank,
                     )
                 )
             return out

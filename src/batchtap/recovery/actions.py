@@ -22,9 +22,9 @@ from collections.abc import Iterable, Sequence
 
 from batchtap.errors import ConfigError
 from batchtap.records import Event, EventKind
+from batchtap.recovery.rollback import Rollback, RollbackResult
 from batchtap.rules.base import Action, Decision
 from batchtap.rules.engine import RuleEngine
-from batchtap.recovery.rollback import Rollback, RollbackResult
 
 __all__ = ["ActionRunner", "Outcome"]
 

@@ -155,8 +155,10 @@ def _slice(batch: Batch, start: int, stop: int) -> Batch:
     if isinstance(batch, Mapping):
         return type(batch)({k: _slice(v, start, stop) for k, v in batch.items()})  # type: ignore[call-arg]
     if isinstance(batch, tuple):
-        return type(batch)(*(_slice(v, start, stop) for v in batch)) if hasattr(batch, "_fields") else tuple(
-            _slice(v, start, stop) for v in batch
+        return (
+            type(batch)(*(_slice(v, start, stop) for v in batch))
+            if hasattr(batch, "_fields")
+            else tuple(_slice(v, start, stop) for v in batch)
         )
     if isinstance(batch, list):
         return [_slice(v, start, stop) for v in batch]

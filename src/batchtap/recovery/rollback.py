@@ -301,8 +301,7 @@ class Rollback:
             self._drop(self._good.pop())
         if not self._good:
             raise TrainingDiverged(
-                f"training diverged at step {decision.step} ({decision.message}) and no good snapshot "
-                "precedes it",
+                f"training diverged at step {decision.step} ({decision.message}) and no good snapshot precedes it",
                 step=decision.step,
                 metric=decision.metric,
                 recent=decision.recent,

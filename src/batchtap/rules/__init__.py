@@ -44,10 +44,20 @@ if TYPE_CHECKING:
 # The training-side tools lived here before batchtap.recovery existed; `bt.rules.Rollback` and
 # friends keep working, loaded on first use (PEP 562) so that importing the rules loads neither
 # them nor torch, and recovery (which imports the rules) cannot form an import cycle with this file.
-_RECOVERY = frozenset({
-    "ActionRunner", "AdaptiveBatchSampler", "BatchSizeRule", "Outcome", "Rollback", "RollbackResult",
-    "SplitResult", "debug_mode", "is_oom_error", "split_on_oom",
-})
+_RECOVERY = frozenset(
+    {
+        "ActionRunner",
+        "AdaptiveBatchSampler",
+        "BatchSizeRule",
+        "Outcome",
+        "Rollback",
+        "RollbackResult",
+        "SplitResult",
+        "debug_mode",
+        "is_oom_error",
+        "split_on_oom",
+    }
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -62,7 +62,7 @@ class Action(str, enum.Enum):
 #: An action spelled as a string.
 ActionName = Literal["alert", "batch_size", "rollback", "stop", "raise"]
 #: What a rule's ``action=`` argument accepts: one action or several.
-ActionsArg = Union[Action, ActionName, Sequence[Union[Action, ActionName]]]
+ActionsArg = Union[Action, ActionName, Sequence[Action | ActionName]]
 #: A user callable run on the pipeline thread when a rule with the ``alert`` action fires.
 AlertHook = Callable[["Decision"], object]
 
@@ -341,7 +341,7 @@ class Rule(abc.ABC):
 
 
 #: A rule written as a function: ``(record, history) -> Anomaly | None``.
-RuleFn = Callable[[Record, History], Union[Anomaly, None]]
+RuleFn = Callable[[Record, History], Anomaly | None]
 
 
 class CallableRule(Rule):

@@ -329,7 +329,9 @@ class Plateau(Rule):
         require_int(label, "window", window, minimum=1)
         self.min_delta = require_number(label, "min_delta", min_delta)
         if self.min_delta < 0:
-            raise ConfigError(f"{label}: min_delta must be >= 0, got {min_delta}. Fix: pass the smallest gain that counts.")
+            raise ConfigError(
+                f"{label}: min_delta must be >= 0, got {min_delta}. Fix: pass the smallest gain that counts."
+            )
         if mode not in ("min", "max"):
             raise ConfigError(f"{label}: mode must be 'min' or 'max', got {mode!r}.")
         self.window = window

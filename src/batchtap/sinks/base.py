@@ -28,10 +28,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
+from batchtap._optional import require  # re-exported: sinks import it from here
 from batchtap.errors import ConfigError, SinkError
 from batchtap.records import EpochStart, Event, EventKind, Message, Record, RunEnd, RunInfo, RunStart, Write
-
-from batchtap._optional import require  # re-exported: sinks import it from here
 
 #: Counter names under which sinks of other trackers (MLflow, W&B) count a run's events by kind.
 EVENT_COUNTERS = {

@@ -237,7 +237,9 @@ class Console(Sink):
     def _new_bar(self, last: Record, first: Record) -> None:
         if self._bar is not None:
             self._close_bar()
-        total = self._totals.get((last.run_id, last.epoch)) if self._run is None or self._run.id == last.run_id else None
+        total = (
+            self._totals.get((last.run_id, last.epoch)) if self._run is None or self._run.id == last.run_id else None
+        )
         bar = _bar_class()(
             desc=f"epoch {last.epoch}", total=total, unit="batch", file=self.stream, dynamic_ncols=True,
             leave=True, delay=0, mininterval=0,

@@ -215,7 +215,9 @@ class CSV(Sink):
             if events:
                 self._write_events(events)
         except OSError as exc:
-            raise SinkError(f"cannot write CSV file {_part_path(self.path, self._part)}: {exc.strerror or exc}") from exc
+            raise SinkError(
+                f"cannot write CSV file {_part_path(self.path, self._part)}: {exc.strerror or exc}"
+            ) from exc
 
     def _write_sparse(self, records: Sequence[Record]) -> None:
         if self._sparse_writer is None:

@@ -62,8 +62,7 @@ class JSONL(Sink):
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
             raise SinkError(
-                f"JSONL sink cannot open {str(self.path)!r} for appending: {exc.strerror}; "
-                "choose a writable path"
+                f"JSONL sink cannot open {str(self.path)!r} for appending: {exc.strerror}; choose a writable path"
             ) from exc
 
     def start_run(self, run: RunInfo) -> None:

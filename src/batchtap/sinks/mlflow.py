@@ -125,7 +125,12 @@ class MLflow(Sink):
     _live = ("_client",)
 
     def __init__(
-        self, tracking_uri: str | None = None, *, experiment: str = "batchtap", prefix: str = "", log_config: bool = True
+        self,
+        tracking_uri: str | None = None,
+        *,
+        experiment: str = "batchtap",
+        prefix: str = "",
+        log_config: bool = True,
     ) -> None:
         if not isinstance(experiment, str) or not experiment.strip():
             raise ConfigError(f"MLflow experiment must be a non-empty name, got {experiment!r}")

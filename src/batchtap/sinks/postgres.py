@@ -100,8 +100,7 @@ class Postgres(Sink):
             raise ConfigError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
         if not 0 < reconnect_initial_s <= reconnect_max_s:
             raise ConfigError(
-                "need 0 < reconnect_initial_s <= reconnect_max_s, got "
-                f"{reconnect_initial_s} and {reconnect_max_s}"
+                f"need 0 < reconnect_initial_s <= reconnect_max_s, got {reconnect_initial_s} and {reconnect_max_s}"
             )
         if schema is not None and not schema:
             raise ConfigError("schema must be a non-empty name or None, got ''")
@@ -204,7 +203,9 @@ class Postgres(Sink):
         except StoreError as exc:
             self._next_attempt = now + self._delay
             self._delay = min(self._delay * 2, self._max)
-            raise SinkError(f"{exc} (reconnecting with backoff, next attempt in {self._next_attempt - now:.1f} s)") from None
+            raise SinkError(
+                f"{exc} (reconnecting with backoff, next attempt in {self._next_attempt - now:.1f} s)"
+            ) from None
         self._delay = self._initial
         self._next_attempt = 0.0
         return self._conn

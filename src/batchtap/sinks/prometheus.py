@@ -97,9 +97,14 @@ class Prometheus(Sink):
         self.registry: Any = prom.CollectorRegistry(auto_describe=True)
         run = ["run", "run_id"]
         r = self.registry
-        self._value = prom.Gauge("batchtap_value", "Latest step value of each metric", [*run, "metric", "rank"], registry=r)
+        self._value = prom.Gauge(
+            "batchtap_value", "Latest step value of each metric", [*run, "metric", "rank"], registry=r
+        )
         self._logged = prom.Gauge(
-            "batchtap_logged_value", "Latest value logged with Tap.log() under each name", [*run, "metric", "rank"], registry=r
+            "batchtap_logged_value",
+            "Latest value logged with Tap.log() under each name",
+            [*run, "metric", "rank"],
+            registry=r,
         )
         self._logged_step = prom.Gauge(
             "batchtap_logged_step", "Step the latest logged value refers to", [*run, "metric", "rank"], registry=r
@@ -107,10 +112,16 @@ class Prometheus(Sink):
         self._step = prom.Gauge("batchtap_step", "Latest recorded training step", run, registry=r)
         self._epoch = prom.Gauge("batchtap_epoch", "Epoch of the latest recorded step", run, registry=r)
         self._rate = prom.Gauge(
-            "batchtap_steps_per_second", "Training steps per second over the recent window of step wall times", run, registry=r
+            "batchtap_steps_per_second",
+            "Training steps per second over the recent window of step wall times",
+            run,
+            registry=r,
         )
         self._events = prom.Counter(
-            "batchtap_events", "Events: anomalies, actions, skipped steps, warnings", [*run, "kind", "metric"], registry=r
+            "batchtap_events",
+            "Events: anomalies, actions, skipped steps, warnings",
+            [*run, "kind", "metric"],
+            registry=r,
         )
         self._status = prom.Enum("batchtap_run_status", "Run status", run, states=_STATES, registry=r)
         self._started = prom.Gauge("batchtap_run_start_time_seconds", "Run start (Unix time)", run, registry=r)
@@ -190,7 +201,6 @@ class Prometheus(Sink):
         """The scrape URL."""
         host = "127.0.0.1" if self.addr in ("0.0.0.0", "") else self.addr
         return f"http://{host}:{self.port}/metrics"
-
 
 
 def _cannot_listen(addr: str, port: int, exc: OSError) -> SinkError:

@@ -543,7 +543,9 @@ class ResilientSink(Sink):
                     done_offset = end
                     continue
                 except (ValueError, KeyError, TypeError) as exc:
-                    self._warn(f"sink {self.name}: spool {self.spool_path} line {lineno} is damaged ({exc}); skipping it")
+                    self._warn(
+                        f"sink {self.name}: spool {self.spool_path} line {lineno} is damaged ({exc}); skipping it"
+                    )
                     done_offset = end
                     continue
                 try:
@@ -581,7 +583,13 @@ class ResilientSink(Sink):
         now = self._clock()
         self._delay = min(max(self._delay * 2, self._initial), self._max) if self._next_retry else self._initial
         self._next_retry = now + self._delay
-        _log.info("sink %s still failing (%s: %s); next retry in %.2f s", self.name, type(failure).__name__, failure, self._delay)
+        _log.info(
+            "sink %s still failing (%s: %s); next retry in %.2f s",
+            self.name,
+            type(failure).__name__,
+            failure,
+            self._delay,
+        )
 
     def _drop_head(self, offset: int) -> None:
         """Remove the delivered first ``offset`` bytes of the spool (write the rest, then rename)."""

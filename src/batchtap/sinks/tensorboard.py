@@ -106,7 +106,8 @@ class TensorBoard(Sink):
             for r in records:
                 if r.values:
                     values = [
-                        value(tag=self._tag(name, r.rank, r.sparse), simple_value=float(v)) for name, v in r.values.items()
+                        value(tag=self._tag(name, r.rank, r.sparse), simple_value=float(v))
+                        for name, v in r.values.items()
                     ]
                     add_summary(summary(value=values), global_step=r.step, walltime=r.wall_time)
             for e in events:

@@ -25,7 +25,12 @@ CLASH_PREFIX = "metric:"
 
 
 def run_frame(
-    store: Store, run: str | RunRow, metrics: Sequence[str] | None = None, *, rank: int | None = None, positions: bool = False
+    store: Store,
+    run: str | RunRow,
+    metrics: Sequence[str] | None = None,
+    *,
+    rank: int | None = None,
+    positions: bool = False,
 ) -> Any:
     """See :meth:`batchtap.store.Store.frame` (this is its implementation)."""
     pd = require("pandas", extra="pandas", purpose="batchtap.store.Store.frame")

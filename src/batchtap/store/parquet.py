@@ -152,8 +152,14 @@ def read_records(path: str | os.PathLike[str]) -> list[Record]:
         }
         out.append(
             Record(
-                row["run_id"], step=row["step"], epoch=row["epoch"], batch=row["batch"], rank=row["rank"],
-                wall_time=row["wall_time"], values=values, sparse=bool(row["sparse"]),
+                row["run_id"],
+                step=row["step"],
+                epoch=row["epoch"],
+                batch=row["batch"],
+                rank=row["rank"],
+                wall_time=row["wall_time"],
+                values=values,
+                sparse=bool(row["sparse"]),
             )
         )
     return out
@@ -166,9 +172,14 @@ def read_events(path: str | os.PathLike[str]) -> list[Event]:
         return []
     return [
         Event(
-            e["run_id"], e["step"], EventKind(e["kind"]), e["message"], e["wall_time"], e["metric"],
-            None if e["raw_value"] is None else float(e["raw_value"]), e["rank"],
+            e["run_id"],
+            e["step"],
+            EventKind(e["kind"]),
+            e["message"],
+            e["wall_time"],
+            e["metric"],
+            None if e["raw_value"] is None else float(e["raw_value"]),
+            e["rank"],
         )
         for e in _pq().read_table(ep).to_pylist()
     ]
-

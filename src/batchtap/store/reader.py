@@ -239,7 +239,9 @@ class Store:
     def sparse_names(self, run_id: str) -> list[str]:
         """Names a run logged with ``Tap.log()`` (evaluation, epoch-level values), sorted. Their
         values read like any metric's (:meth:`series`), or grouped as logged (:meth:`sparse_records`)."""
-        return [r[0] for r in self._all("SELECT metric FROM sparse_metrics WHERE run_id = ? ORDER BY metric", (run_id,))]
+        return [
+            r[0] for r in self._all("SELECT metric FROM sparse_metrics WHERE run_id = ? ORDER BY metric", (run_id,))
+        ]
 
     def sparse_records(self, run_id: str, names: Iterable[str] | None = None, rank: int | None = None) -> list[Record]:
         """A run's ``Tap.log()`` values as the sparse records its sinks were given, in (step, wall
@@ -295,12 +297,15 @@ class Store:
             " WHERE run_id = ? AND metric = ? AND rank = ? ORDER BY step",
             (run_id, metric, rank),
         )
-        return [
-            Point(int(s), _NAN if v is None else float(v), float(w), int(e), int(b)) for s, v, w, e, b in rows
-        ]
+        return [Point(int(s), _NAN if v is None else float(v), float(w), int(e), int(b)) for s, v, w, e, b in rows]
 
     def frame(
-        self, run: str | RunRow, metrics: Sequence[str] | None = None, *, rank: int | None = None, positions: bool = False
+        self,
+        run: str | RunRow,
+        metrics: Sequence[str] | None = None,
+        *,
+        rank: int | None = None,
+        positions: bool = False,
     ) -> Any:
         """A run as a wide ``pandas.DataFrame``: one row per step (index ``step``), one float column
         per metric, step values first (declared order), then the values logged with ``Tap.log()``.

@@ -241,6 +241,8 @@ def dedupe_metric_rows(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         return rows
     last = {row[:4]: row for row in rows}
     return list(last.values())
+
+
 INSERT_EVENTS = _insert("events", EVENT_COLUMNS) + " ON CONFLICT (run_id, event_key) DO NOTHING"
 INSERT_SPARSE = _insert("sparse_metrics", ("run_id", "metric")) + " ON CONFLICT (run_id, metric) DO NOTHING"
 #: The largest step of a run's step values (its Tap.log() values left out: they may name any step);
@@ -494,4 +496,3 @@ def _check_not_newer(version: int | None, where: str) -> None:
             f"{SCHEMA_VERSION}; it was written by a newer batchtap; fix: upgrade batchtap "
             "(pip install -U batchtap) or use another store"
         )
-

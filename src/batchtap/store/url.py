@@ -157,7 +157,12 @@ def _libpq_passwords(dsn: str) -> list[str]:
 
 
 def _scrub_value(text: str, secret: str) -> str:
-    for form in {secret, urllib.parse.quote(secret, safe=""), urllib.parse.quote_plus(secret), urllib.parse.quote(secret)}:
+    for form in {
+        secret,
+        urllib.parse.quote(secret, safe=""),
+        urllib.parse.quote_plus(secret),
+        urllib.parse.quote(secret),
+    }:
         if form and form != "***":
             text = text.replace(form, "***")
     return text
