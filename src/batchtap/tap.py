@@ -63,7 +63,7 @@ from batchtap.capture.session import (
 from batchtap.capture.short import ShortStep, short_step
 from batchtap.errors import ConfigError, DistributedError, InputError, RunStateError
 from batchtap.metrics.base import Metric, StepInputs
-from batchtap.metrics.builtin import default_metrics
+from batchtap.metrics.defaults import default_metrics
 from batchtap.metrics.inputs import (
     check_count,
     check_metrics,

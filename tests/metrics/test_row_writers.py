@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import batchtap as bt
-import batchtap.metrics.builtin as builtin
+import batchtap.metrics.accuracy as accuracy_module
 from batchtap.metrics import Metric, StepInputs
 from batchtap.metrics.base import settle_of
 from tests.metrics._helpers import CountOps
@@ -22,7 +22,7 @@ def hits_counted(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     """The accuracy writer both ways: per-slot hit flags counted when the rows are flushed (the
     default), and one shared buffer counted at every step (targets too large for per-slot flags)."""
     if request.param == "counted at each step":
-        monkeypatch.setattr(builtin, "HITS_BUFFER_BYTES", 0)
+        monkeypatch.setattr(accuracy_module, "HITS_BUFFER_BYTES", 0)
     return str(request.param)
 
 

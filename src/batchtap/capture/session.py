@@ -32,7 +32,7 @@ from batchtap.capture.ring import MetricRing
 from batchtap.capture.streams import StreamCheck, stream_check_for
 from batchtap.errors import ConfigError, InputError
 from batchtap.metrics.base import Metric, StepInputs
-from batchtap.metrics.builtin import Extra, GradNorm
+from batchtap.metrics.gradients import GradNorm
 from batchtap.metrics.inputs import (
     check_extra_name,
     check_metrics,
@@ -43,6 +43,7 @@ from batchtap.metrics.inputs import (
     width_mismatch,
 )
 from batchtap.metrics.layout import Layout
+from batchtap.metrics.scalars import Extra
 
 __all__ = [
     "CaptureConfig",

@@ -7,22 +7,13 @@ Example:
 """
 
 from batchtap.metrics import functional
+from batchtap.metrics.accuracy import Accuracy
 from batchtap.metrics.base import Combine, Metric, StepInputs, StepTiming
-from batchtap.metrics.builtin import (
-    Accuracy,
-    Custom,
-    DataTime,
-    Extra,
-    GradNorm,
-    LearningRate,
-    Loss,
-    LossScale,
-    Memory,
-    StepTime,
-    Throughput,
-    default_metrics,
-)
+from batchtap.metrics.defaults import default_metrics
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Output, Reduce
+from batchtap.metrics.gradients import GradNorm, LossScale
+from batchtap.metrics.scalars import Custom, Extra, LearningRate, Loss, Memory
+from batchtap.metrics.timing import DataTime, StepTime, Throughput
 
 __all__ = [
     "Metric",

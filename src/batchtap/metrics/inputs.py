@@ -17,7 +17,7 @@ import torch
 from batchtap._names import check_storable
 from batchtap.errors import ConfigError, InputError
 from batchtap.metrics.base import Metric, StepInputs
-from batchtap.metrics.builtin import Extra
+from batchtap.metrics.scalars import Extra
 
 __all__ = [
     "RESERVED_NAMES",
