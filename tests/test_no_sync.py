@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,6 +66,19 @@ def test_no_host_read_in_1000_cpu_steps_including_flushes(sink: ListSink) -> Non
     assert len(sink.records) == steps >= 1001
 
 
+def _record_captures(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Keep every RunCapture the runs make (the device side a test inspects after its steps)."""
+    made: list[Any] = []
+    create = session_module.RunCapture.create
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        made.append(create(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(session_module.RunCapture, "create", recording)
+    return made
+
+
 def test_cuda_path_issues_no_host_read_under_fake_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     # Events need a real GPU; everything else of the CUDA path (ring on cuda, pinned buffers,
     # non_blocking copies, metric kernels) runs under FakeTensorMode, where a host read raises.
@@ -73,6 +88,7 @@ def test_cuda_path_issues_no_host_read_under_fake_tensors(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     # Pinned memory needs a CUDA driver; pageable memory behaves the same for what is tested here.
     monkeypatch.setattr(ring_module, "host_buffer", lambda shape, pin: torch.zeros(shape))
+    captures = _record_captures(monkeypatch)
     tap = bt.Tap(
         [bt.metrics.Loss(), bt.metrics.Accuracy(topk=(1, 5)), bt.metrics.StepTime(), bt.metrics.Throughput()],
         [ListSink()],
@@ -89,7 +105,7 @@ def test_cuda_path_issues_no_host_read_under_fake_tensors(monkeypatch: pytest.Mo
                 targets = torch.randint(0, 10, (32,), device="cuda")
                 loss = outputs.logsumexp(1).mean()
                 tap.step(loss=loss, outputs=outputs, targets=targets)
-            capture = tap._state.capture
+            (capture,) = captures
             assert capture.ring.device_rows.device.type == "cuda"
             assert capture.ring.non_blocking  # the pinned, asynchronous transfer path
         assert reads.count == 0, reads.reads

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import batchtap as bt
-import batchtap.tap as tap_module
+import batchtap.capture.short as short_module
 from batchtap.capture import session as session_module
 from batchtap.errors import InputError, RunStateError
 from tests.conftest import ListSink, classifier
@@ -64,6 +64,11 @@ def _run(monkeypatch: pytest.MonkeyPatch, *, short: bool, nan_at: int | None = N
     """Drive the steps through a fresh Tap; returns the sink and how many steps took the general path."""
     with monkeypatch.context() as patch:
         general = _count_general_steps(patch, short=short)
+        captures: list[Any] = []
+        create = session_module.RunCapture.create
+        patch.setattr(
+            session_module.RunCapture, "create", lambda *a, **k: captures.append(create(*a, **k)) or captures[-1]
+        )
         sink = ListSink()
         tap = bt.Tap(
             [bt.metrics.Loss(), bt.metrics.Accuracy(), bt.metrics.StepTime(), bt.metrics.Throughput()],
@@ -95,7 +100,7 @@ def _count_general_steps(patch: pytest.MonkeyPatch, *, short: bool) -> list[int]
 
     patch.setattr(session_module.RunCapture, "record", counting_record)
     if not short:
-        patch.setattr(tap_module, "short_step", lambda *a, **k: None)
+        patch.setattr(short_module, "short_step", lambda *a, **k: None)
     return general
 
 
@@ -142,6 +147,20 @@ def test_a_nan_loss_stops_at_the_same_step_on_both_paths(monkeypatch: pytest.Mon
     assert "non-finite loss" in (short.ended[0].stop_reason or "")
 
 
+def _count_builds(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Patch the short path's builder to record every closure it builds (None: no short path)."""
+    built: list[object] = []
+    real = short_module.short_step
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        closure = real(*args, **kwargs)
+        built.append(closure)
+        return closure
+
+    monkeypatch.setattr(short_module, "short_step", counting)
+    return built
+
+
 def _steady_tap(sink: ListSink) -> tuple[bt.Tap, Callable[[], None]]:
     # targets checked at every step, so the bad one below is seen at the step it came in
     tap = bt.Tap([bt.metrics.Loss(), bt.metrics.Accuracy(check_targets_every=1)], [sink], flush_every=4, capacity=8)
@@ -153,7 +172,8 @@ def _steady_tap(sink: ListSink) -> tuple[bt.Tap, Callable[[], None]]:
     return tap, step
 
 
-def test_a_step_from_another_thread_is_refused_on_the_short_path_too() -> None:
+def test_a_step_from_another_thread_is_refused_on_the_short_path_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = _count_builds(monkeypatch)
     sink = ListSink()
     tap, step = _steady_tap(sink)
     errors: list[BaseException] = []
@@ -167,7 +187,7 @@ def test_a_step_from_another_thread_is_refused_on_the_short_path_too() -> None:
     with tap, tap.run():
         for _ in range(5):
             step()  # the short path is built and in use
-        assert tap._short is not None
+        assert [c for c in built if c is not None]  # the short path was built
         thread = threading.Thread(target=other)
         thread.start()
         thread.join()
@@ -195,20 +215,20 @@ def test_a_closure_is_built_for_a_repeated_signature_only_and_outlives_a_short_l
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     built: list[object] = []
-    real = tap_module.short_step
+    real = short_module.short_step
 
     def counting(capture: Any, *args: Any, **kwargs: Any) -> Any:
-        built.append(capture.fast_key)
+        built.append(capture.short_key)
         return real(capture, *args, **kwargs)
 
-    monkeypatch.setattr(tap_module, "short_step", counting)
+    monkeypatch.setattr(short_module, "short_step", counting)
     sink = ListSink()
     tap = bt.Tap([bt.metrics.Loss(), bt.metrics.Accuracy()], [sink], flush_every=4, capacity=8)
     loss = torch.tensor(0.5)
     with tap, tap.run():
         for n in range(3, 23):  # dynamic padding: another shape at every step
             tap.step(loss=loss, outputs=torch.randn(n, 4), targets=torch.zeros(n, dtype=torch.long))
-        assert built == [] and tap._short is None
+        assert built == []
         for epoch in range(3):  # 5 full batches, then a short last one
             for n in (8, 8, 8, 8, 8, 3):
                 tap.step(loss=loss, outputs=torch.randn(n, 4), targets=torch.zeros(n, dtype=torch.long))
@@ -216,13 +236,14 @@ def test_a_closure_is_built_for_a_repeated_signature_only_and_outlives_a_short_l
     assert len(sink.records) == 20 + 18
 
 
-def test_steps_without_any_input_take_the_short_path_too() -> None:
+def test_steps_without_any_input_take_the_short_path_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = _count_builds(monkeypatch)
     sink = ListSink()
     tap = bt.Tap([bt.metrics.StepTime()], [sink], flush_every=4, capacity=8)
     with tap, tap.run():
         for _ in range(10):
             tap.step()
-        assert tap._short is not None
+        assert [c for c in built if c is not None]  # the short path was built
     assert [r.step for r in sink.records] == list(range(10))
     assert all(r.values["step_time"] >= 0 for r in sink.records[1:])
 
@@ -253,6 +274,11 @@ def _lm_run(monkeypatch: pytest.MonkeyPatch, *, short: bool) -> tuple[ListSink, 
     gen = torch.Generator().manual_seed(3)
     with monkeypatch.context() as patch:
         general = _count_general_steps(patch, short=short)
+        captures: list[Any] = []
+        create = session_module.RunCapture.create
+        patch.setattr(
+            session_module.RunCapture, "create", lambda *a, **k: captures.append(create(*a, **k)) or captures[-1]
+        )
         sink = ListSink()
         tap = bt.Tap(
             [
@@ -283,7 +309,7 @@ def _lm_run(monkeypatch: pytest.MonkeyPatch, *, short: bool) -> tuple[ListSink, 
                     if step in (36, 49):
                         tap.flush()  # the error is then raised at the next step
                     if step == 36:
-                        ring = tap._state.capture.ring  # type: ignore[union-attr]
+                        ring = captures[0].ring
                         owner = ring.row_writers[36 % 16]  # type: ignore[union-attr]
                         writers = [w.__qualname__ for w in owner.writers] if owner is not None else []
         except InputError as exc:  # found at the run's last flush

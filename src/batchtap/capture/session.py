@@ -50,6 +50,8 @@ __all__ = [
     "RunCapture",
     "autocast_device",
     "check_device_context",
+    "accumulate_micro_batch",
+    "choose_metrics",
     "compute_values",
     "set_grad_enabled",
 ]
@@ -74,7 +76,7 @@ class CaptureConfig:
     flush_every: int
     flush_seconds: float | None  # None: flush on the count only (every rank at the same steps)
     nan_guard: bool
-    fast_path: bool  # steps may take the short path (no rule actions, no process group, every step sampled)
+    short_path: bool  # steps may take the short path (no rule actions, no process group, every step sampled)
 
 
 @dataclasses.dataclass(slots=True)
@@ -89,7 +91,7 @@ class RunCapture:
     flusher: Flusher
     guard: LossGuard | None
     autocast_device: str
-    fast_path: bool
+    short_path: bool
     micro: MicroBatches  # device sums of the open optimizer step's micro-batches (accumulate())
     device_metrics: list[Metric]  # every metric in device-column order (a plain step)
     step_metrics: list[Metric]  # metrics computed once per optimizer step, in device-column order
@@ -102,7 +104,7 @@ class RunCapture:
     checked_micro: tuple[Any, ...] | None = None  # ... of the last accumulate() inputs
     # (loss, outputs, targets, grad_norm, extras) metadata of the last plain step that passed the checks:
     # a step whose inputs fit it takes the short path (capture/short.py); None: no short path
-    fast_key: tuple[Any, Any, Any, Any, tuple[tuple[str, Any], ...]] | None = None
+    short_key: tuple[Any, Any, Any, Any, tuple[tuple[str, Any], ...]] | None = None
 
     @classmethod
     def create(
@@ -157,7 +159,7 @@ class RunCapture:
             flusher,
             guard=LossGuard(ring, clock) if ring.guard_column is not None else None,
             autocast_device=autocast_device(device),
-            fast_path=config.fast_path,
+            short_path=config.short_path,
             micro=micro,
             device_metrics=[sp.metric for sp in layout.device_order],
             step_metrics=[sp.metric for sp in layout.device_order if not sp.metric.per_micro_batch],
@@ -204,7 +206,7 @@ class RunCapture:
     ) -> None:
         """The general path: check, compute and write one step's row (inputs already carry the device).
 
-        Sets :attr:`fast_key` when the step was a plain one (the short path's inputs).
+        Sets :attr:`short_key` when the step was a plain one (the short path's inputs).
         """
         wall = time.time()
         self.check(inputs, accumulated)
@@ -243,9 +245,9 @@ class RunCapture:
             )
         finally:
             set_grad_enabled(grad_was)
-        self.fast_key = None
-        if self.fast_path and not accumulated:
-            self.fast_key = (
+        self.short_key = None
+        if self.short_path and not accumulated:
+            self.short_key = (
                 meta(inputs.loss),
                 meta(inputs.outputs),
                 meta(inputs.targets),
@@ -317,11 +319,6 @@ class RunCapture:
         """(step, loss) of the first non-finite loss the device has delivered, else None."""
         return self.guard.poll() if self.guard is not None else None
 
-    def check_context(self) -> None:
-        """Refuse a step during a CUDA graph capture or on another stream than the run's."""
-        if self.cuda:
-            check_device_context(self)
-
 
 def check_device_context(capture: RunCapture | None, *tensors: object) -> None:
     """Refuse a step during a CUDA graph capture or on another stream than the run's (CUDA only;
@@ -355,3 +352,32 @@ def compute_values(metrics: Sequence[Metric], inputs: StepInputs, device_type: s
 def autocast_device(device: torch.device) -> str:
     """The device type ``torch.autocast`` knows for ``device`` ('' when it has none)."""
     return device.type if device.type in ("cuda", "cpu", "xpu", "mps") else ""
+
+
+def choose_metrics(metrics: Sequence[Metric], inputs: StepInputs, *, micro: bool, auto: bool) -> list[Metric]:
+    """The per-micro-batch (``micro``) or per-step metrics of a run. With default metrics (``auto``),
+    those whose inputs the first call lacks (or that do not fit them, e.g. accuracy of float targets)
+    are left out."""
+    chosen = [m for m in metrics if m.per_micro_batch == micro]
+    return [m for m in chosen if m.applies(inputs)] if auto else chosen
+
+
+def accumulate_micro_batch(
+    micro: MicroBatches, inputs: StepInputs, *, tokens: int | None, data_time: float, capture: RunCapture | None
+) -> None:
+    """Check one ``accumulate()`` call's inputs (once per signature) and fold its metrics into ``micro``
+    (inputs carry the device; device ops only, no host read)."""
+    key = signature(inputs)
+    if capture is None or key != capture.checked_micro:
+        check_step_inputs(inputs, micro.metrics, micro.device, "accumulate()")
+        if not micro.metrics and inputs.loss is None:
+            raise InputError("accumulate() got nothing to measure; pass the micro-batch's loss (and outputs/targets)")
+        if capture is not None:
+            capture.checked_micro = key
+    micro.add_data_time(data_time)
+    with torch.no_grad():
+        values = compute_values(micro.metrics, inputs, autocast_device(micro.device))
+        for metric in micro.metrics:
+            if metric.host_width:
+                micro.host[id(metric)] = metric.read_host(inputs)
+        micro.add(values, samples=inputs.batch_size, tokens=tokens)

@@ -2,7 +2,7 @@
 
 Most loops call ``tap.step()`` with inputs of the same shapes, dtypes and device at every step.
 Steps go through the general path (every check, then the row) until two plain steps in a row have
-the same inputs' metadata (``RunCapture.fast_key``); the Tap then builds a :class:`ShortStep` for
+the same inputs' metadata (``RunCapture.short_key``); the Tap then builds a :class:`ShortStep` for
 it here. Every later step whose inputs fit that metadata runs only this closure: the metrics'
 device ops, the ring write, the end mark and NaN-guard entry, the flush check and the next start
 mark. A step that does not fit (an epoch's short last batch) takes the general path and leaves the
@@ -33,7 +33,7 @@ import torch
 from batchtap.capture.session import RunCapture, check_device_context, set_grad_enabled
 from batchtap.metrics.base import StepInputs
 
-__all__ = ["NO_EXTRAS", "RunPosition", "ShortStep", "short_step"]
+__all__ = ["NO_EXTRAS", "RunPosition", "ShortPaths", "ShortStep", "short_step"]
 
 #: the extras of a step that passes none (shared: nothing writes to it)
 NO_EXTRAS: Mapping[str, Any] = types.MappingProxyType({})
@@ -55,6 +55,43 @@ class RunPosition(Protocol):
 class ErrorFlag(Protocol):
     @property
     def has_error(self) -> bool: ...
+
+
+class ShortPaths:
+    """When a run builds its short path: at the second plain step in a row with one input signature.
+
+    A loop whose shapes change every step (dynamic padding) never builds a closure it would not use,
+    and an epoch's short last batch leaves the closure of the common shape in place.
+    """
+
+    def __init__(self) -> None:
+        self._key: object = None  # the signature the current closure was built for
+        self._candidate: object = None  # (signature, step) of the last general-path plain step
+
+    def offer(
+        self,
+        capture: RunCapture,
+        run: RunPosition,
+        inputs: StepInputs,
+        *,
+        owner_thread: int,
+        errors: ErrorFlag,
+        on_nan: Callable[[tuple[int, float]], None],
+        on_due: Callable[[], None],
+    ) -> ShortStep | None:
+        """After a general-path step was recorded (``run.step`` is still that step's): a new closure
+        when this step settles a signature, else None (the current one, if any, stays)."""
+        key = capture.short_key
+        if key is None or key == self._key:
+            return None
+        built = None
+        if self._candidate == (key, run.step - 1):
+            self._key = key
+            built = short_step(
+                capture, run, inputs, owner_thread=owner_thread, errors=errors, on_nan=on_nan, on_due=on_due
+            )
+        self._candidate = (key, run.step)
+        return built
 
 
 def _fits(key: Any) -> Callable[[object], bool]:
@@ -84,7 +121,7 @@ def short_step(
     """The short path for inputs with the metadata of the capture's last checked plain step.
 
     Args:
-        capture: the run's capture; its ``fast_key`` fixes the inputs (and extras) the closure takes.
+        capture: the run's capture; its ``short_key`` fixes the inputs (and extras) the closure takes.
         run: the Tap's run counters (``step`` is advanced here).
         example: the inputs of that step (the metrics' row writers are made for their metadata).
         owner_thread: the thread that drives the run (another thread takes the general path, which
@@ -93,9 +130,9 @@ def short_step(
         on_nan: called with (step, loss) when the NaN guard sees a non-finite loss.
         on_due: called when the unflushed rows call for a flush (the Tap hands the block over).
 
-    Returns None when the capture has no short path (see ``CaptureConfig.fast_path``).
+    Returns None when the capture has no short path (see ``CaptureConfig.short_path``).
     """
-    key = capture.fast_key
+    key = capture.short_key
     if key is None:
         return None
     # which inputs are None is part of the key: one tuple compare settles those, then only the

@@ -132,7 +132,7 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         # The optimizers exist from here on (configure_optimizers ran in strategy.setup).
         if self.tap is None:
             self.tap = Tap()
-        names = {type(m).__name__ for m in self.tap._metrics}
+        names = {type(m).__name__ for m in self.tap.metrics}
         self._own_grad_norm = "GradNorm" not in names
         self._own_lr = "LearningRate" not in names
         config = self.config if self.config is not None else dict(getattr(pl_module, "hparams", {}) or {})

@@ -76,7 +76,7 @@ class _Driver:
             self.end(None)
         if self.tap is None:
             self.tap = Tap()
-        names = {type(m).__name__ for m in self.tap._metrics}
+        names = {type(m).__name__ for m in self.tap.metrics}
         self.own_lr = "LearningRate" not in names
         self.shift = self.shift_labels if self.shift_labels is not None else _is_causal_lm(trainer, model)
         if getattr(args, "logging_nan_inf_filter", False):

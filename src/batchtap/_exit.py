@@ -1,0 +1,73 @@
+"""How a run ends when the process does: SIGTERM inside ``run()``, and runs left open at exit.
+
+SIGTERM (what SLURM, Kubernetes and ``kill`` send) becomes :class:`Terminated`, raised in the
+training thread, so ``run()`` stores every captured step before the process ends the way SIGTERM
+ends it. At interpreter exit, every Tap registered here has its open run ended (``failed``, bounded by
+its ``exit_timeout``) before multiprocessing's own exit handler terminates pipeline processes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing.util  # noqa: F401  (imported first, so its exit handler is registered before ours)
+import signal
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Terminated", "catch_sigterm", "ExitRegistry", "AT_EXIT"]
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived inside ``run()`` (a BaseException, like KeyboardInterrupt, so training code's
+    ``except Exception`` does not swallow it)."""
+
+
+def catch_sigterm(enabled: bool) -> Any:
+    """Turn SIGTERM into :class:`Terminated` for a run; returns the handler it replaced (None when
+    not installed: ``enabled`` is False, or this is not the main thread, where handlers cannot be set)."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, on_sigterm)
+
+
+class ExitRegistry:
+    """Objects to end at interpreter exit, each by a method of its own.
+
+    Every registered object is held weakly; one with an open run is also held strongly
+    (:meth:`running`), so a script that drops its last reference to a Tap mid-run (an exception
+    unwinding the frame that held it) still has that run ended. Running ones end first.
+    """
+
+    def __init__(self) -> None:
+        self._all: weakref.WeakKeyDictionary[object, Callable[[object], None]] = weakref.WeakKeyDictionary()
+        self._running: dict[int, object] = {}
+
+    def register(self, obj: object, end: Callable[[Any], None]) -> None:
+        """End ``obj`` at exit with ``end(obj)`` (an unbound method: the registry keeps no strong reference)."""
+        self._all[obj] = end
+
+    def running(self, obj: object, is_running: bool) -> None:
+        """``obj`` opened (True) or ended (False) a run."""
+        if is_running:
+            self._running[id(obj)] = obj
+        else:
+            self._running.pop(id(obj), None)
+
+    def end_all(self) -> None:
+        first = list(self._running.values())
+        rest = [obj for obj in list(self._all.keys()) if id(obj) not in self._running]
+        for obj in first + rest:
+            end = self._all.get(obj)
+            if end is not None:
+                end(obj)
+
+
+#: the process's registry; its handler runs before multiprocessing's (registered after it)
+AT_EXIT = ExitRegistry()
+atexit.register(AT_EXIT.end_all)
