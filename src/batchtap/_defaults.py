@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from batchtap.errors import ConfigError
 
 if TYPE_CHECKING:
     from batchtap.sinks.base import Sink
 
-__all__ = ["DEFAULT_DB", "checked_sinks", "default_sinks", "store_url"]
+__all__ = ["DEFAULT_DB", "checked_metrics", "checked_sinks", "default_sinks", "store_url"]
 
 #: where runs are stored when nothing else is said: SQLite, relative to the working directory
 DEFAULT_DB = os.path.join("runs", "batchtap.db")
@@ -24,24 +24,103 @@ def store_url() -> str:
     return os.environ.get("BATCHTAP_DB") or DEFAULT_DB
 
 
-def checked_sinks(sinks: Sequence[Sink], spool_dir: str | os.PathLike[str] | None, *, rank: int) -> list[Sink]:
-    """The Tap's sinks, each wrapped in a spooling ResilientSink when ``spool_dir`` is given."""
+def _sink_for(value: object) -> str | None:
+    """The sink a user most likely meant by a path or URL given where a sink was expected."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        return None
+    if value.startswith(("postgresql://", "postgres://")):
+        return "bt.sinks.Postgres(URL)"
+    suffix = Path(value).suffix.lower()
+    if suffix == ".jsonl":
+        return f"bt.sinks.JSONL({value!r})"
+    if suffix == ".csv":
+        return f"bt.sinks.CSV({value!r})"
+    return f"bt.sinks.SQLite({value!r})"
+
+
+def checked_sinks(
+    sinks: Sequence[Sink] | Sink | str, spool_dir: str | os.PathLike[str] | None, *, rank: int
+) -> list[Sink]:
+    """The Tap's sinks, each wrapped in a spooling ResilientSink when ``spool_dir`` is given —
+    except sinks that show what happens now (``Sink.spooled`` False: the console), which are
+    never spooled nor replayed.
+
+    Raises:
+        ConfigError: ``sinks`` is not a list of :class:`~batchtap.sinks.Sink` objects; a path or
+            URL names the sink that stores there.
+    """
     from batchtap.sinks.base import Sink
 
-    for sink in sinks:
-        if not isinstance(sink, Sink):
+    if isinstance(sinks, Sink):
+        raise ConfigError(
+            f"sinks must be a list of sinks, got a single {type(sinks).__name__}; fix: sinks=[{type(sinks).__name__}(...)]"
+        )
+    if isinstance(sinks, (str, os.PathLike)):
+        raise ConfigError(
+            f"sinks must be a list of sinks, got the path {os.fspath(sinks)!r}; fix: sinks=[{_sink_for(sinks)}]"
+        )
+    try:
+        given = list(sinks)
+    except TypeError:
+        raise ConfigError(
+            f"sinks must be a list of batchtap.sinks.Sink objects, got {type(sinks).__name__}; "
+            "fix: e.g. sinks=[bt.sinks.SQLite('runs/x.db'), bt.sinks.Console()]"
+        ) from None
+    for i, sink in enumerate(given):
+        if isinstance(sink, Sink):
+            continue
+        meant = _sink_for(sink)
+        if meant is not None:
             raise ConfigError(
-                f"sinks must be batchtap.sinks.Sink objects, got {type(sink).__name__}; fix: subclass "
-                "batchtap.sinks.Sink and implement write(records, events)"
+                f"sinks[{i}] must be a batchtap.sinks.Sink, got the path {os.fspath(sink)!r}; fix: {meant}"  # type: ignore[arg-type]
             )
+        raise ConfigError(
+            f"sinks[{i}] must be a batchtap.sinks.Sink object, got {type(sink).__name__}; fix: a built-in sink "
+            "(bt.sinks.SQLite, JSONL, CSV, Console, ...) or subclass batchtap.sinks.Sink and implement "
+            "write(records, events)"
+        )
     if spool_dir is None:
-        return list(sinks)
+        return given
     from batchtap.sinks.resilient import ResilientSink
 
     return [
         ResilientSink(sink, spool_path=Path(spool_dir) / f"{i:02d}-{type(sink).__name__.lower()}.rank{rank}.jsonl")
-        for i, sink in enumerate(sinks)
+        if sink.spooled
+        else sink
+        for i, sink in enumerate(given)
     ]
+
+
+def checked_metrics(metrics: object) -> list[Any]:
+    """The Tap's ``metrics=`` as a list, refusing a single metric or anything but metrics with an
+    error naming the fix (imports the metrics, and so torch, only when called).
+
+    Raises:
+        ConfigError: ``metrics`` is one metric, or not a list of metrics.
+    """
+    from batchtap.metrics.base import Metric
+
+    if isinstance(metrics, Metric):
+        name = type(metrics).__name__
+        raise ConfigError(
+            f"metrics must be a list of metrics, got a single {name}; fix: metrics=[bt.metrics.{name}(...)]"
+        )
+    if isinstance(metrics, (str, bytes)) or not isinstance(metrics, Iterable):
+        raise ConfigError(
+            f"metrics must be a list of batchtap.metrics.Metric objects, got {type(metrics).__name__}; "
+            "fix: e.g. metrics=[bt.metrics.Loss(), bt.metrics.Accuracy()]"
+        )
+    given = list(metrics)
+    for i, metric in enumerate(given):
+        if not isinstance(metric, Metric):
+            hint = " (a class: call it)" if isinstance(metric, type) and issubclass(metric, Metric) else ""
+            raise ConfigError(
+                f"metrics[{i}] must be a batchtap.metrics.Metric object, got {metric!r}{hint}; fix: e.g. "
+                "bt.metrics.Loss(), or bt.metrics.Custom(name, fn) for a value of your own"
+            )
+    return given
 
 
 def default_sinks() -> list[Sink]:

@@ -28,7 +28,7 @@ def test_console_plain_lines_every_n_batches() -> None:
         "epoch 0 batch 10: loss=0.4213 acc=91.25%",
         "epoch 0 batch 20: loss=0.4213 acc=91.25%",
     ]
-    assert lines[4] == "batchtap anomaly at step 3: loss=nan at step 3 is not a number"
+    assert lines[4] == "batchtap anomaly at step 3: loss=nan is not a number"  # the step named once
     assert lines[5].startswith("batchtap: run 'exp1' finished: 21 steps") and "anomalies: 1" in lines[5]
 
 
@@ -92,9 +92,9 @@ def test_console_prints_sparse_records_as_their_own_lines_and_skips_apart_from_a
     sink.end_run(run)
     lines = stream.getvalue().splitlines()
     assert lines[1:] == [
-        "batchtap skip at step 1: step 1: the AMP GradScaler skipped the optimizer step",
-        "batchtap skip at step 2: step 2: the AMP GradScaler skipped the optimizer step",  # then only counted
-        "epoch 0 batch 0: loss=0.5000 loss_scale=6.554e+04",
+        "epoch 0 batch 0: loss=0.5000 loss_scale=6.554e+04",  # in step order
+        "batchtap skip at step 1: the AMP GradScaler skipped the optimizer step",  # the step named once
+        "batchtap skip at step 2: the AMP GradScaler skipped the optimizer step",  # then only counted
         "epoch 0 batch 5: loss=0.5000 loss_scale=6.554e+04",
         "eval  step 5  val_loss 0.3100  val_acc 90.00%",
         "epoch 0 batch 10: loss=0.5000 loss_scale=6.554e+04",

@@ -24,32 +24,9 @@ import batchtap as bt
 from batchtap.records import Record, RunInfo, RunStatus
 from batchtap.sinks._terminal import GuardedStdout
 from batchtap.sinks.console import Console
+from tests.sinks._screen import render
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def render(raw: str) -> list[str]:
-    """The lines a terminal shows for ``raw``: ``\\r`` returns to column 0 and later text
-    overwrites; ``\\n`` ends the line (trailing blanks dropped). Other control sequences fail the test."""
-    lines: list[str] = []
-    line: list[str] = []
-    col = 0
-    for ch in raw:
-        if ch == "\r":
-            col = 0
-        elif ch == "\n":
-            lines.append("".join(line).rstrip())
-            line, col = [], 0
-        else:
-            assert ch != "\x1b", f"unexpected escape sequence in {raw!r}"
-            if col < len(line):
-                line[col] = ch
-            else:
-                line.append(ch)
-            col += 1
-    if line:
-        lines.append("".join(line).rstrip())
-    return lines
 
 
 def _records(epoch: int, batches: range, t0: float, dt: float) -> list[Record]:
@@ -64,14 +41,14 @@ def test_bar_shows_total_percentage_time_left_and_the_training_rate() -> None:
     # 20 batches at 25 per second, delivered in one block (as a flush delivers them) long after
     console.write(_records(0, range(20), t0=1000.0, dt=0.04))
     bar = console._bar
-    assert bar.total == 100 and bar.n == 20
-    assert bar.format_dict["rate"] == pytest.approx(25.0)  # steps' wall times, not arrival times
+    assert bar is not None and bar.total == 100 and bar.n == 20
+    assert bar.rate == pytest.approx(25.0)  # steps' wall times, not arrival times
     shown = render(out.getvalue())[-1]
     assert "epoch 0:  20%" in shown and "20/100" in shown
     assert "25.00batch/s" in shown and "<00:03," in shown  # 80 batches left at 25/s: 3.2 s
     # the speed changes: the rate follows the last rate_window (10 s) of steps
     console.write(_records(0, range(20, 60), t0=1000.0 + 20 * 0.04 - 20 * 0.5, dt=0.5))
-    assert console._bar.format_dict["rate"] == pytest.approx(2.0)
+    assert console._bar is not None and console._bar.rate == pytest.approx(2.0)
     console.end_run(RunInfo("r1", "bar", {}, started_at=0.0, status=RunStatus.FINISHED))
 
 

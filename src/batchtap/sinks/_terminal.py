@@ -10,16 +10,33 @@ two writes of one ``print``) would land on the script's line. :data:`SCREEN` arb
   them again once the script's line is complete;
 * the console draws and prints only under :data:`SCREEN` ``.lock``, never while the script's line
   is unfinished (a batchtap line then starts on a new line).
+
+A closed stdout (``python train.py | head``: the reader went away) must not fail training: the
+guard drops the script's text from then on instead of raising ``BrokenPipeError`` into the
+training loop (:func:`drop_broken`), as the console does with its own stream.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 import threading
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["SCREEN", "GuardedStdout", "guard_stdout", "unguard_stdout", "flush_script_stdout"]
+__all__ = [
+    "SCREEN",
+    "GuardedStdout",
+    "guard_stdout",
+    "unguard_stdout",
+    "flush_script_stdout",
+    "real_stream",
+    "terminal_width",
+    "reported_width",
+    "drop_broken",
+    "is_closed_error",
+]
 
 
 class _Screen:
@@ -70,21 +87,39 @@ class GuardedStdout:
     def __init__(self, wrapped: IO[str]) -> None:
         self.wrapped = wrapped
         self.mid_line = False
+        #: the reader of the stream went away: what the script prints is dropped from then on
+        self.broken = False
 
     def write(self, text: str) -> int:
         with SCREEN.lock:
             if SCREEN.bars and not self.mid_line:
                 SCREEN.hide_bars()
-            n = self.wrapped.write(text)
+            try:
+                n = self.wrapped.write(text)
+                if SCREEN.bars:
+                    self.wrapped.flush()  # on the terminal before a bar is drawn below it
+            except (OSError, ValueError) as e:
+                if not is_closed_error(e):
+                    raise
+                self._break()
+                n = len(text)
             if text:
                 self.mid_line = not text.endswith("\n")
             if SCREEN.bars:
-                self.wrapped.flush()  # on the terminal before a bar is drawn below it
                 SCREEN.show_bars()
             return n
 
     def flush(self) -> None:
-        self.wrapped.flush()
+        try:
+            self.wrapped.flush()
+        except (OSError, ValueError) as e:
+            if not is_closed_error(e):
+                raise
+            self._break()
+
+    def _break(self) -> None:
+        self.broken = True
+        drop_broken(self.wrapped)
 
     def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, buffer...: the real stream's
         return getattr(self.wrapped, name)
@@ -118,6 +153,49 @@ def flush_script_stdout() -> None:
             out.wrapped.flush()
         except (OSError, ValueError):  # closed or broken: nothing of it can reach the screen anyway
             pass
+
+
+def is_closed_error(error: BaseException) -> bool:
+    """The stream's reader is gone (EPIPE) or the file object was closed: nothing written to it
+    can be read by anyone."""
+    if isinstance(error, ValueError):
+        return "closed file" in str(error)
+    return isinstance(error, OSError) and error.errno in (errno.EPIPE, errno.ECONNRESET)
+
+
+def drop_broken(stream: IO[str]) -> None:
+    """Point a stream whose reader went away at ``/dev/null``, so that what is still buffered,
+    later prints and the interpreter's flush at exit are dropped instead of raising
+    ``BrokenPipeError`` (what the Python documentation recommends for ``| head``)."""
+    try:
+        fd = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a StringIO), or closed
+        return
+    try:
+        os.dup2(devnull, fd)
+    except OSError:
+        pass
+    finally:
+        os.close(devnull)
+
+
+def reported_width(stream: IO[str]) -> int | None:
+    """Columns the terminal behind ``stream`` reports (``$COLUMNS`` first, when set), 0 included;
+    None when nothing tells (not a terminal, no file descriptor)."""
+    env = os.environ.get("COLUMNS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def terminal_width(stream: IO[str], fallback: int = 80) -> int:
+    """Columns of the terminal behind ``stream``; ``fallback`` when it does not tell or reports 0."""
+    columns = reported_width(stream)
+    return columns if columns else fallback
 
 
 def real_stream(stream: IO[str]) -> IO[str]:

@@ -71,6 +71,11 @@ class Sink:
     #: :meth:`_open_live` opens its own.
     _live: ClassVar[tuple[str, ...]] = ()
 
+    #: Whether ``bt.Tap(spool_dir=...)`` wraps the sink in a spooling
+    #: :class:`~batchtap.sinks.resilient.ResilientSink`. False for a sink that shows what happens
+    #: now (the console): replaying its blocks later, into another run's output, would show stale lines.
+    spooled: ClassVar[bool] = True
+
     def __getstate__(self) -> dict[str, Any]:
         """What pickling carries: every attribute but those named in :attr:`_live`."""
         state = self.__dict__.copy()

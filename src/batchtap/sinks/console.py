@@ -1,40 +1,125 @@
-"""``Console``: live metrics on a terminal (a tqdm bar), plain lines everywhere else."""
+"""``Console``: live metrics on a terminal (a progress area redrawn in place), plain lines everywhere else."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
+import re
 import sys
-from collections.abc import Sequence
-from typing import IO, Any
+import textwrap
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import IO, Any, ClassVar
 
 from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo
-from batchtap.sinks._terminal import SCREEN, flush_script_stdout, guard_stdout, real_stream, unguard_stdout
+from batchtap.sinks._terminal import (
+    SCREEN,
+    drop_broken,
+    flush_script_stdout,
+    guard_stdout,
+    is_closed_error,
+    real_stream,
+    reported_width,
+    terminal_width,
+    unguard_stdout,
+)
 from batchtap.sinks.base import Sink
 
-__all__ = ["Console", "format_values", "format_sparse"]
+__all__ = ["Console", "format_value", "format_values", "format_sparse"]
 
-_LABELS = {"accuracy": "acc", "step_time": "step", "data_time": "data", "grad_norm": "gnorm", "throughput": "tput"}
+#: Short labels the console shows instead of the stored names (``tail`` shows the stored names).
+_LABELS = {
+    "accuracy": "acc",
+    "step_time": "step",
+    "data_time": "data",
+    "grad_norm": "gnorm",
+    "throughput": "tput",
+    "step_time_spread": "spread",
+    "slowest_rank": "slowest",
+}
+
+_MIB = 2.0**20
+_GIB = 2.0**30
 
 
-def _format_one(name: str, value: float) -> str:
+def _number(value: float, decimals: int | None = None) -> str:
+    """A plain number formatted for its size: fixed in [1e-3, 1e5), else 2 significant digits
+    in exponent form (``7.5e+29``), so a diverging value never prints 30 digits."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value == 0:
+        return "0"
+    if 1e-3 <= abs(value) < 1e5:
+        return f"{value:.{decimals}f}" if decimals is not None else f"{value:.4g}"
+    return f"{value:.2g}"
+
+
+def _seconds(value: float) -> str:
+    if 0 <= value < 1:
+        return f"{value * 1e3:.2f}ms"
+    return f"{_number(value, 2)}s"
+
+
+def _bytes(value: float) -> str:
+    if abs(value) >= 10 * _GIB:
+        return f"{_number(value / _GIB, 1)}GiB"
+    return f"{value / _MIB:.0f}MiB"
+
+
+#: unit of each kind of value, by how its name ends (the System metric's names, memory, times)
+_SUFFIX_FORMATS: tuple[tuple[str, Any], ...] = (
+    ("_time", _seconds),
+    ("_util", lambda v: f"{_number(v, 0)}%"),
+    ("_util_min", lambda v: f"{_number(v, 0)}%"),
+    ("_percent", lambda v: f"{_number(v, 0)}%"),
+    ("_mem_used", _bytes),
+    ("_mem_total", _bytes),
+    ("_power", lambda v: f"{_number(v, 0)}W"),
+    ("_temp", lambda v: f"{_number(v, 0)}C"),
+    ("_sm_clock", lambda v: f"{_number(v, 0)}MHz"),
+    ("_rss", _bytes),
+    ("_ram_used", _bytes),
+)
+
+
+def format_value(name: str, value: float | None) -> str:
+    """One value with its unit, formatted for its size; ``-`` for a missing value.
+
+    The console and ``batchtap tail`` both use it, so a value reads the same in both.
+
+    Example:
+        >>> [format_value(n, v) for n, v in [("loss", 0.42131), ("loss", 7.465e29), ("accuracy", 0.9125),
+        ...     ("step_time", 0.0016341), ("step_time", 12.5), ("throughput", 5496.2), ("lr", 2.437e-06),
+        ...     ("memory_allocated", 3 * 2**30), ("step_time_spread", 2.561), ("gpu0_util", 87.0)]]
+        ['0.4213', '7.5e+29', '91.25%', '1.63ms', '12.50s', '5496/s', '2.4e-06', '3072MiB', '2.56x', '87%']
+    """
+    if value is None:
+        return "-"
     if math.isnan(value):
         return "nan"
     if name.startswith("accuracy"):
-        return f"{value * 100:.2f}%"
-    if name.endswith("_time"):
-        return f"{value * 1e3:.2f}ms"
-    if name.startswith("memory"):
-        return f"{value / 2**20:.0f}MiB"
+        return f"{value * 100:.2f}%" if math.isfinite(value) else _number(value)
+    if name == "step_time_spread":  # the slowest rank's step time over the fastest's
+        return f"{_number(value, 2)}x"
+    if name == "slowest_rank":
+        return _number(value, 0)
+    for suffix, fmt in _SUFFIX_FORMATS:
+        if name.endswith(suffix) and math.isfinite(value):
+            return str(fmt(value))
+    if name.startswith("memory") and math.isfinite(value):
+        return _bytes(value)
     if name == "throughput":
-        return f"{value:.0f}/s"
-    if name == "loss":
-        return f"{value:.4f}"
-    return f"{value:.4g}"
+        return f"{_number(value, 0)}/s"
+    if name.endswith("loss"):
+        return _number(value, 4)
+    return _number(value)
 
 
-def format_values(values: dict[str, float] | Any) -> str:
-    """Values as ``name=value`` pairs with short labels and units.
+def format_values(values: Mapping[str, float] | Any) -> str:
+    """Values as ``name=value`` pairs with short labels and units (:func:`format_value`).
 
     Example:
         >>> format_values({"loss": 0.42131, "accuracy": 0.9125, "accuracy_top5": 1.0, "step_time": 0.0032})
@@ -43,7 +128,7 @@ def format_values(values: dict[str, float] | Any) -> str:
     parts = []
     for name, value in values.items():
         label = _LABELS.get(name) or name.replace("accuracy_top", "acc")
-        parts.append(f"{label}={_format_one(name, value)}")
+        parts.append(f"{label}={format_value(name, value)}")
     return " ".join(parts)
 
 
@@ -68,44 +153,87 @@ def format_sparse(record: Record) -> str:
     if record.rank not in (0, ALL_RANKS):
         parts.append(f"rank {record.rank}")
     for name, value in record.values.items():
-        if math.isnan(value):
-            text = "nan"
-        elif _looks_like_accuracy(name) and 0.0 <= value <= 1.0:
+        if _looks_like_accuracy(name) and 0.0 <= value <= 1.0:
             text = f"{value * 100:.2f}%"
         elif "loss" in name:
-            text = f"{value:.4f}"
+            text = _number(value, 4)
         else:
-            text = f"{value:.4g}"
+            text = _number(value)
         parts.append(f"{name} {text}")
     return "  ".join(parts)
+
+
+def _without_step(message: str, step: int) -> str:
+    """The message without its own mention of the step, which the line names once."""
+    return re.sub(rf"\s+at step {step}\b", "", re.sub(rf"^step {step}: ", "", message))
+
+
+def _event_lines(events: Sequence[Event]) -> list[tuple[Event, int, str]]:
+    """One line per step and kind, in step order: ``(first event, events in it, line)``.
+
+    A NaN at one step raises an anomaly per value it poisons, each message naming the step: they
+    become one line that names the step once.
+    """
+    groups: dict[tuple[int, EventKind], list[Event]] = {}
+    for event in sorted(events, key=lambda e: e.step):  # stable: same-step events keep their order
+        groups.setdefault((event.step, event.kind), []).append(event)
+    out = []
+    for (step, kind), group in groups.items():
+        messages = list(dict.fromkeys(_without_step(e.message, step) for e in group))
+        out.append((group[0], len(group), f"batchtap {kind.value} at step {step}: {'; '.join(messages)}"))
+    return out
+
+
+@dataclasses.dataclass
+class _Bar:
+    """The live area's state for one epoch."""
+
+    epoch: int
+    total: int | None
+    start_t: float  #: wall time of the epoch's first captured step
+    n: int = 0
+    rate: float | None = None  #: batches per second of training (steps' wall times)
+    fields: str = ""
 
 
 class Console(Sink):
     """Show metrics while training runs.
 
-    On a terminal: a progress bar per epoch with the latest values. When the epoch comes from
-    ``tap.watch(loader)`` and the loader has a ``len()``, the bar shows the total, the percentage
-    and the time left; its rate is the training speed, batches per second from the steps' own wall
-    times over the last ``rate_window`` seconds (not from when the records reached the console,
-    which is every flush). Otherwise (a log file, CI): a plain line every ``every`` batches, e.g.
-    ``epoch 0 batch 10: loss=0.4213 acc=91.25%``.
+    On a terminal: a live area at the bottom, redrawn in place: a progress bar per epoch, and
+    under it the latest values wrapped to the terminal's width (at 80 columns nothing is cut off;
+    a wide terminal gets one line). When the epoch comes from ``tap.watch(loader)`` and the loader
+    has a ``len()``, the bar shows the total, the percentage and the time left; its rate is the
+    training speed, batches per second from the steps' own wall times over the last
+    ``rate_window`` seconds (not from when the records reached the console, which is every
+    flush). Otherwise (a pipe, a log file, CI, a dumb terminal or one that reports 0 columns): a
+    plain line every ``every`` batches, e.g. ``epoch 0 batch 10: loss=0.4213 acc=91.25%``.
+
+    Every value carries its unit (``step=1.63ms``, ``acc=91.25%``, ``tput=5496/s``, memory in
+    MiB) and is formatted for its size (``loss=7.5e+29``, never 30 digits); ``batchtap tail``
+    prints the same (:func:`format_value`).
 
     Values logged with ``Tap.log()`` (sparse records) always get a line of their own, e.g.
     ``eval  step 200  val_loss 0.3100  val_acc 90.00%`` (:func:`format_sparse`), above the bar.
-    Anomalies, actions, warnings and skipped steps (AMP) are printed as they arrive (at most
-    ``max_anomaly_lines`` anomaly lines and as many skip lines per run, then only counted; the
-    final line gives both counts — a skipped step is expected with a GradScaler, not an anomaly).
+    Anomalies, actions, warnings and skipped steps (AMP) are printed in step order, one line per
+    step and kind (a NaN that poisons five values is one line); at most ``max_anomaly_lines``
+    anomaly lines and as many skip lines per run, then only counted; the final line gives both
+    counts — a skipped step is expected with a GradScaler, not an anomaly.
 
-    The script's own ``print()`` s never share a line with the bar or with batchtap's lines: while
-    a run is shown, ``sys.stdout`` is wrapped so that the bar is hidden before the script's text and
-    drawn again below it once its line is complete, and batchtap never draws while the script's
-    line is unfinished (see :mod:`batchtap.sinks._terminal`; ``guard_stdout=False`` leaves
-    ``sys.stdout`` alone).
+    The script's own ``print()`` s never share a line with the live area or with batchtap's
+    lines: while a run is shown, ``sys.stdout`` is wrapped so that the area is hidden before the
+    script's text and drawn again below it once its line is complete, and batchtap never draws
+    while the script's line is unfinished (see :mod:`batchtap.sinks._terminal`;
+    ``guard_stdout=False`` leaves ``sys.stdout`` alone).
+
+    A terminal shows what happens now: the console is never spooled nor replayed by a later
+    run (:attr:`Sink.spooled` is False), and a closed stream (``batchtap demo | head``) is
+    dropped silently: it never fails training nor changes the run's status.
 
     Args:
         every: print a plain line for batches whose index is a multiple of this.
         stream: where to print (default ``sys.stderr``).
-        live: force the progress bar on or off (default: on when ``stream`` is a terminal).
+        live: force the live area on or off (default: on when ``stream`` is a terminal with a
+            known width, and ``TERM`` is not ``dumb``).
         max_anomaly_lines: anomaly lines (and skip lines) printed per run before they are only counted.
         rate_window: seconds of recent steps the bar's rate (and so its time left) is computed over.
         guard_stdout: keep the script's prints off the console's lines (see above).
@@ -115,7 +243,8 @@ class Console(Sink):
     terminal), and the stdout it guards is that process's. Another ``stream`` cannot travel.
     """
 
-    _live = ("stream", "_bar")
+    _live = ("stream",)
+    spooled: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -129,28 +258,30 @@ class Console(Sink):
     ) -> None:
         from batchtap.errors import ConfigError
 
-        if every < 1:
-            raise ConfigError(f"Console every must be >= 1, got {every}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"Console every must be an integer >= 1, got {every!r}")
         if not (isinstance(rate_window, (int, float)) and rate_window > 0):
             raise ConfigError(f"Console rate_window must be > 0 seconds, got {rate_window!r}")
         self.every = every
         self.stream = real_stream(stream if stream is not None else sys.stderr)
         self._stream_name = _std_name(self.stream)  # how the stream travels to another process
-        self.live = self.stream.isatty() if live is None else live
+        self._live_arg = live
+        self.live = _can_draw(self.stream) if live is None else live
         self.max_anomaly_lines = max_anomaly_lines
         self.rate_window = float(rate_window)
         self.guard_stdout = guard_stdout
         self._guarding = False
-        self._bar: Any = None
-        self._bar_epoch: int | None = None
-        self._shown = False  # the bar is drawn on screen now
+        self._bar: _Bar | None = None
+        self._drawn = 0  # lines of the live area on screen now (0: hidden)
+        self._closed_stream = False  # the stream's reader is gone: nothing more is written
         self._anomalies = 0
+        self._anomaly_lines = 0
         self._skips = 0
+        self._skip_lines = 0
         self._last: Record | None = None
         self._run: RunInfo | None = None
         self._totals: dict[tuple[str, int], int | None] = {}
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (wall time, batch) this epoch
-        self._rate: float | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         if self._stream_name is None:
@@ -164,43 +295,91 @@ class Console(Sink):
 
     def _open_live(self) -> None:
         """In a copy unpickled in another process: print to that process's own stdout/stderr,
-        with no bar drawn and its stdout not guarded yet."""
+        with no live area drawn and its stdout not guarded yet."""
         assert self._stream_name is not None
         self.stream = real_stream(getattr(sys, self._stream_name))
-        self._guarding = self._shown = False
-        self._bar_epoch = None
+        if self._live_arg is None:
+            self.live = _can_draw(self.stream)
+        self._guarding = False
+        self._drawn = 0
+        self._bar = None
 
+    # -- the sink calls ----------------------------------------------------------------------
     def start_run(self, run: RunInfo) -> None:
-        self._run, self._anomalies, self._skips, self._last = run, 0, 0, None
+        self._run, self._last = run, None
+        self._anomalies = self._anomaly_lines = self._skips = self._skip_lines = 0
         if self.guard_stdout and not self._guarding:
             guard_stdout()
             self._guarding = True
-        self._print(f"batchtap: run {run.name!r} ({run.id[:8]}) started")
+        self._print([f"batchtap: run {run.name!r} ({run.id[:8]}) started"])
 
     def start_epoch(self, run_id: str, epoch: int, total: int | None) -> None:
         """Note the length of an epoch's loader: its bar shows total, percentage and time left."""
         self._totals[(run_id, epoch)] = total
 
     def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
-        for event in events:
-            self._event(event)
+        # One list of lines in step order: a step's events come before its own line, logged
+        # values after the steps they follow.
+        lines: list[tuple[int, int, str]] = []
+        for event, count, line in _event_lines(events):
+            if self._counted(event.kind, count):
+                lines.append((event.step, 0, line))
         steps: list[Record] = []
         for r in records:
             if r.sparse:
-                self._print(format_sparse(r))
-            elif self.live:
+                lines.append((r.step, 2, format_sparse(r)))
+                continue
+            self._last = r
+            if self.live:
                 steps.append(r)
             elif r.batch % self.every == 0:
-                self._print(f"epoch {r.epoch} batch {r.batch}: {format_values(r.values)}")
-            if not r.sparse:
-                self._last = r
+                lines.append((r.step, 1, f"epoch {r.epoch} batch {r.batch}: {format_values(r.values)}"))
+        if lines:
+            lines.sort(key=lambda t: t[:2])
+            self._print([line for _, _, line in lines])
         if steps:
             self._update_bar(steps)
 
+    def end_run(self, run: RunInfo) -> None:
+        with SCREEN.lock:
+            self._close_bar()
+        last = f", last: {format_values(self._last.values)}" if self._last else ""
+        reason = f" ({run.stop_reason})" if run.stop_reason else ""
+        steps = f"{self._last.step + 1} steps" if self._last else "no steps"
+        skips = f"; skipped steps: {self._skips}" if self._skips else ""
+        self._print(
+            [
+                f"batchtap: run {run.name!r} {run.status.value}{reason}: {steps}{last}; "
+                f"anomalies: {self._anomalies}{skips}"
+            ]
+        )
+        self._totals = {k: v for k, v in self._totals.items() if k[0] != run.id}
+        self._unguard()
+
+    def close(self) -> None:
+        with SCREEN.lock:
+            self._close_bar()
+        self._unguard()
+
+    # -- counting ----------------------------------------------------------------------------
+    def _counted(self, kind: EventKind, count: int) -> bool:
+        """Count ``count`` events of ``kind``; whether their line is still printed."""
+        if kind is EventKind.ANOMALY:
+            self._anomalies += count
+            self._anomaly_lines += 1
+            return self._anomaly_lines <= self.max_anomaly_lines
+        if kind is EventKind.SKIP:
+            self._skips += count
+            self._skip_lines += 1
+            return self._skip_lines <= self.max_anomaly_lines
+        return True
+
+    # -- the live area -----------------------------------------------------------------------
     def _note_speed(self, records: Sequence[Record]) -> None:
-        recent = self._recent
+        bar, recent = self._bar, self._recent
+        assert bar is not None
         for r in records:
-            if r.epoch != self._bar_epoch:
+            if r.epoch != bar.epoch:
                 continue
             if recent and r.batch <= recent[-1][1]:
                 continue  # another rank's row of the same batch
@@ -208,7 +387,7 @@ class Console(Sink):
             while len(recent) > 2 and recent[-1][0] - recent[1][0] >= self.rate_window:
                 recent.popleft()
         if len(recent) >= 2 and recent[-1][0] > recent[0][0]:
-            self._rate = (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
+            bar.rate = (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
 
     def _update_bar(self, records: Sequence[Record]) -> None:
         # A block may end one epoch and begin the next: each epoch's bar gets its own last record.
@@ -221,18 +400,18 @@ class Console(Sink):
     def _update_epoch_bar(self, records: Sequence[Record]) -> None:
         last = records[-1]
         with SCREEN.lock:
-            if self._bar is None or self._bar_epoch != last.epoch:
+            if self._bar is None or self._bar.epoch != last.epoch:
                 if SCREEN.mid_line:
                     return  # a new bar draws at once: wait for the script's line to end (next block)
                 self._new_bar(last, records[0])
-            self._note_speed(records)
             bar = self._bar
-            bar.training_rate = self._rate
+            assert bar is not None
+            self._note_speed(records)
             bar.n = last.batch + 1
-            bar.set_postfix_str(format_values(last.values), refresh=False)
+            bar.fields = format_values(last.values)
             if not SCREEN.mid_line:
-                bar.refresh()
-                self._shown = True
+                self._hide()
+                self._show()
 
     def _new_bar(self, last: Record, first: Record) -> None:
         if self._bar is not None:
@@ -240,82 +419,106 @@ class Console(Sink):
         total = (
             self._totals.get((last.run_id, last.epoch)) if self._run is None or self._run.id == last.run_id else None
         )
-        bar = _bar_class()(
-            desc=f"epoch {last.epoch}", total=total, unit="batch", file=self.stream, dynamic_ncols=True,
-            leave=True, delay=0, mininterval=0,
-        )  # fmt: skip
         # The epoch's time starts with its first step as captured, not when the console heard of it.
-        bar.start_t = min(bar.start_t, first.wall_time)
-        self._bar, self._bar_epoch, self._recent = bar, last.epoch, collections.deque()
+        self._bar = _Bar(epoch=last.epoch, total=total, start_t=min(time.time(), first.wall_time))
+        self._recent = collections.deque()
         SCREEN.bars[id(self)] = (self._hide, self._show)
 
+    def _area(self) -> list[str]:
+        """The live area's lines, each shorter than the terminal is wide (a full line would wrap
+        and the redraw would lose count of the lines it drew)."""
+        from tqdm import tqdm
+
+        bar = self._bar
+        assert bar is not None
+        width = max(terminal_width(self.stream) - 1, 20)
+        elapsed = max(time.time() - bar.start_t, 0.0)
+        meter = {"n": bar.n, "total": bar.total, "elapsed": elapsed, "prefix": f"epoch {bar.epoch}", "unit": "batch"}
+        if bar.rate is not None:
+            meter["rate"] = bar.rate
+        one_line = width - len(bar.fields) - 2
+        if bar.fields and one_line >= 60:  # a wide terminal: bar and values on one line
+            return [f"{tqdm.format_meter(ncols=min(one_line, 100), **meter)}  {bar.fields}"]
+        lines = [tqdm.format_meter(ncols=min(width, 100), **meter)]
+        if bar.fields:  # the values wrap between fields, never inside one, and are never cut off
+            lines += _wrap(bar.fields, width, first="  ")
+        return [line[:width] for line in lines]
+
     def _hide(self) -> None:
-        if self._bar is not None and self._shown:
-            self._bar.clear()
-            self._shown = False
+        if self._drawn:
+            up = f"\x1b[{self._drawn - 1}A" if self._drawn > 1 else ""
+            self._emit(f"\r{up}\x1b[J")
+            self._drawn = 0
 
     def _show(self) -> None:
-        if self._bar is not None and not self._shown:
-            self._bar.refresh()
-            self._shown = True
+        if self._bar is not None and not self._drawn:
+            lines = self._area()
+            self._emit("\r" + "\n".join(lines))
+            self._drawn = len(lines)
 
     def _close_bar(self) -> None:
         SCREEN.bars.pop(id(self), None)
         if self._bar is not None:
-            if not SCREEN.mid_line:
-                self._bar.refresh()  # the final state stays on screen with its newline
-                self._bar.close()
-            else:
-                self._bar.disable = True  # its line would land on the script's unfinished line
+            if not SCREEN.mid_line:  # the final state stays on screen, ended by a newline
+                self._hide()
+                self._emit("\r" + "\n".join(self._area()) + "\n")
+            # else its lines would land on the script's unfinished line: left out
             self._bar = None
-            self._shown = False
+            self._drawn = 0
 
-    def _event(self, event: Event) -> None:
-        if event.kind is EventKind.ANOMALY:
-            self._anomalies += 1
-            if self._anomalies > self.max_anomaly_lines:
-                return
-        elif event.kind is EventKind.SKIP:
-            self._skips += 1
-            if self._skips > self.max_anomaly_lines:
-                return
-        self._print(f"batchtap {event.kind.value} at step {event.step}: {event.message}")
+    # -- writing -----------------------------------------------------------------------------
+    def _emit(self, text: str) -> None:
+        """Write and flush; a closed stream (its reader went away) is dropped, never raised."""
+        if self._closed_stream:
+            return
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError) as e:  # ValueError: the file object itself was closed
+            if not is_closed_error(e):
+                raise
+            self._closed_stream = True
+            drop_broken(self.stream)
 
-    def end_run(self, run: RunInfo) -> None:
-        with SCREEN.lock:
-            self._close_bar()
-        last = f", last: {format_values(self._last.values)}" if self._last else ""
-        reason = f" ({run.stop_reason})" if run.stop_reason else ""
-        steps = f"{self._last.step + 1} steps" if self._last else "no steps"
-        skips = f"; skipped steps: {self._skips}" if self._skips else ""
-        self._print(
-            f"batchtap: run {run.name!r} {run.status.value}{reason}: {steps}{last}; anomalies: {self._anomalies}{skips}"
-        )
-        self._totals = {k: v for k, v in self._totals.items() if k[0] != run.id}
-        self._unguard()
-
-    def _print(self, line: str) -> None:
-        """One whole line, never on the script's unfinished line nor on the bar's."""
+    def _print(self, lines: Iterable[str]) -> None:
+        """Whole lines, never on the script's unfinished line nor on the live area's."""
         with SCREEN.lock:
             self._hide()
             flush_script_stdout()  # what the script printed so far comes first, and whole
-            text = line + "\n"
+            if self.live:  # long lines wrap between fields, never inside one
+                width = max(terminal_width(self.stream) - 1, 20)
+                lines = [part for line in lines for part in _wrap(line, width)]
+            text = "".join(line + "\n" for line in lines)
             if SCREEN.mid_line:
                 text = "\n" + text  # end the script's unfinished line first
                 SCREEN.mid_line = False
-            self.stream.write(text)
-            self.stream.flush()
-            self._show()
+            self._emit(text)
+            if not SCREEN.mid_line:
+                self._show()
 
     def _unguard(self) -> None:
         if self._guarding:
             unguard_stdout()
             self._guarding = False
 
-    def close(self) -> None:
-        with SCREEN.lock:
-            self._close_bar()
-        self._unguard()
+
+def _wrap(line: str, width: int, first: str = "") -> list[str]:
+    """``line`` in lines shorter than ``width``, broken at spaces (between ``name=value`` fields)."""
+    if len(first) + len(line) < width:
+        return [first + line]
+    return textwrap.wrap(line, width=width, initial_indent=first, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def _can_draw(stream: IO[str]) -> bool:
+    """A terminal a live area can be drawn on: a tty, not ``TERM=dumb``, not 0 columns wide."""
+    import os
+
+    try:
+        tty = stream.isatty()
+    except (ValueError, AttributeError):
+        return False
+    # A terminal that reports 0 columns (some containers and CI runners) gets plain lines.
+    return tty and os.environ.get("TERM") != "dumb" and reported_width(stream) != 0
 
 
 def _std_name(stream: IO[str]) -> str | None:
@@ -324,27 +527,3 @@ def _std_name(stream: IO[str]) -> str | None:
         if stream is real_stream(getattr(sys, name)) or stream is getattr(sys, f"__{name}__"):
             return name
     return None
-
-
-_BAR_CLASS: Any = None
-
-
-def _bar_class() -> Any:
-    """tqdm whose rate (and so its time left) is the training speed the console measured."""
-    global _BAR_CLASS
-    if _BAR_CLASS is None:
-        from tqdm import tqdm
-
-        class TrainingBar(tqdm):  # type: ignore[misc]
-            monitor_interval = 0  # no tqdm monitor thread: only the console draws, under SCREEN.lock
-            training_rate: float | None = None
-
-            @property
-            def format_dict(self) -> dict[str, Any]:
-                d: dict[str, Any] = super().format_dict
-                if self.training_rate is not None:
-                    d["rate"] = self.training_rate
-                return d
-
-        _BAR_CLASS = TrainingBar
-    return _BAR_CLASS
