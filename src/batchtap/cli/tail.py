@@ -7,7 +7,8 @@ when it is read, and a run seen as ended has all of its values stored: the last 
 and ``tail`` exits.
 
 On a terminal the view is a live table redrawn in place; otherwise (a pipe, a file, ``--plain``)
-it is one line per step, ``step=12 epoch=0 batch=12 loss=0.4127 ...``, one ``eval`` line per
+it is one line per step, ``step=12 epoch=0 batch=12 loss=0.4127 step_time=1.63ms ...`` (values
+with the units the console shows), one ``eval`` line per
 ``Tap.log()`` call, ``eval step=200 epoch=1 val_loss=0.31 val_acc=0.9``, and one ``!`` line per
 event.
 """
@@ -24,6 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TextIO
 
+from batchtap._format import format_value
 from batchtap.cli._common import (
     CLIError,
     add_db_arguments,
@@ -281,7 +283,7 @@ class PlainView:
         # A logged value comes after the step it names (it was logged after that step ran).
         steps: list[tuple[int, int, str]] = []
         for r in poll.rows:
-            values = " ".join(f"{m}={fmt_value(r.values.get(m))}" for m in poll.columns or ())
+            values = " ".join(f"{m}={format_value(m, r.values.get(m))}" for m in poll.columns or ())
             steps.append((r.step, 0, f"step={r.step} epoch={r.epoch} batch={r.batch} {values}".rstrip()))
         steps.extend((r.step, 1, _logged_line(r)) for r in poll.logged)
         lines.extend(line for _, _, line in sorted(steps, key=lambda t: t[:2]))
@@ -333,7 +335,8 @@ class LiveView:
             f"{run.name} ({short_id(run.id)})  {run.status.value}  step {step}{rate}  elapsed {fmt_duration(run.duration)}"
         ]
         body = [
-            [str(r.step), str(r.epoch), str(r.batch), *(fmt_value(r.values.get(m)) for m in columns)] for r in self.rows
+            [str(r.step), str(r.epoch), str(r.batch), *(format_value(m, r.values.get(m)) for m in columns)]
+            for r in self.rows
         ]
         lines.extend(table(["step", "epoch", "batch", *columns], body, right=[True] * (3 + len(columns))))
         if self.logged:
