@@ -102,12 +102,12 @@ def test_default_metrics_launch_three_kernels_a_step_plus_the_nan_guards_copy(fa
         targets = torch.randint(0, 100, (8, 64), device="cuda")
         # a lap of the ring first: the short path's first write of each slot also zeroes its constant columns
         per_step, ops = _per_step(tap, warm=64 + 3, loss=logits.mean(), outputs=logits, targets=targets)
-    # the loss into the row; argmax, and eq marking hits and ignored targets into the slot's flags;
-    # the guard's loss copy; amortised: the target-range check every 16th step (eq, masked_fill,
-    # aminmax, stack; and one stack restoring the checked slot's constant columns at its next use,
-    # a checked step again with capacity 64), and at each flush one sum counting the block's flags
-    # into its rows and the rows' copy
-    expected = 3 + (1 if nan_guard else 0) + 5 / 16 + 2 / 16
+    # the loss into the row; argmax, and sub writing targets - argmax and the targets into the
+    # slot's buffer; the guard's loss copy; amortised: at each flush, for the whole block, eq
+    # marking hits and ignored targets, one sum counting them into the rows, masked_fill, amin and
+    # amax checking every step's target range (issue 29: no step's targets go unchecked), and the
+    # rows' copy
+    expected = 3 + (1 if nan_guard else 0) + 6 / 16
     assert per_step == pytest.approx(expected), str(dict(ops))
 
 

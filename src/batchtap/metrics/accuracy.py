@@ -47,18 +47,29 @@ class Accuracy(Metric):
       ``F.cross_entropy`` layout: segmentation, ...);
     * sequence logits ``[B, T, V]`` with targets ``[B, T]`` (classes last, as a causal LM gives them).
 
-    When targets fit both readings of 3+-dim scores (e.g. ``[B, T, V]`` with ``T == V``), classes
-    are taken to be last: language models are by far the more common case.
+    Integer one-hot targets of the outputs' own shape (what ``F.one_hot`` gives) are taken as
+    ``targets.argmax`` over the class dim, with one warning event per run saying so.
+
+    When targets fit both readings of 3+-dim scores (``[a, b, b]`` with targets ``[a, b]``),
+    classes are taken to be last (language models are the more common case) and one warning event
+    per run says so: pass ``class_dim=1`` (``[N, C, d]``, as ``F.cross_entropy`` reads it) or
+    ``class_dim=-1`` (``[B, T, V]``) to settle it.
+
+    Every step's kept targets are checked to be class indices in ``[0, C)``: a step holding
+    another value (one that is not ``ignore_index``) stores no accuracy but NaN with an anomaly
+    event naming the offending targets, and the next ``Tap.step()`` after that row reached the
+    host raises :class:`~batchtap.InputError`. On the short step path the check costs no launch of
+    its own per step (the targets travel with the hit flags and are checked at the flush).
 
     Args:
         topk: the k values, e.g. ``(1, 5)``. Must contain 1.
         ignore_index: target value that is not counted (``-100``, like ``F.cross_entropy``);
             ``None`` counts every target.
-        check_targets_every: check that the kept targets are class indices in ``[0, C)`` on the
-            first step and then every this many steps (micro-batches with accumulation). The check
-            costs two more device ops (and a mixed-dtype row write) per checked step, a third of
-            the metric's cost, for an error the loss itself raises in most loops
-            (``F.cross_entropy`` rejects such targets); ``1`` checks every step.
+        class_dim: where the classes are in the outputs: ``1`` (``[N, C, d1, ...]``) or ``-1``
+            (classes last); ``None`` (the default) works it out from the targets' shape.
+        check_targets_every: kept so existing code runs; ignored. Every step's targets are
+            checked now: a sampled check let the steps between checks store accuracies of
+            out-of-range targets (e.g. ``-1`` padding with ``ignore_index=-100``).
 
     Example:
         >>> [o.name for o in Accuracy(topk=(1, 5)).outputs()]
@@ -74,11 +85,17 @@ class Accuracy(Metric):
     """
 
     requires: ClassVar[frozenset[Requirement]] = frozenset({"outputs", "targets"})
-    host_width = 1  # number of classes: a shape fact, known on the host
+    # the number of classes, and a notice code (NOTICES) for a warning: shape facts, known on the host
+    host_width = 2
     host_fixed_by_metadata = True
 
     def __init__(
-        self, topk: Sequence[int] = (1,), *, ignore_index: int | None = -100, check_targets_every: int = 16
+        self,
+        topk: Sequence[int] = (1,),
+        *,
+        ignore_index: int | None = -100,
+        class_dim: int | None = None,
+        check_targets_every: int = 16,
     ) -> None:
         ks = tuple(sorted(set(int(k) for k in topk)))
         if not ks or ks[0] < 1 or 1 not in ks:
@@ -90,10 +107,15 @@ class Accuracy(Metric):
                 f"Accuracy check_targets_every must be a positive integer, got {check_targets_every!r}; "
                 "1 checks the targets at every step"
             )
+        if class_dim is not None and (isinstance(class_dim, bool) or class_dim not in (1, -1)):
+            raise ConfigError(
+                f"Accuracy class_dim must be 1 (scores [N, C, d1, ...]), -1 (classes last, [B, T, V]) or None "
+                f"(worked out from the targets' shape), got {class_dim!r}"
+            )
         self.topk = ks
         self.ignore_index = ignore_index
-        self.check_targets_every = check_targets_every
-        self._calls = 0  # compute() calls so far: the target range is checked on some of them
+        self.class_dim = class_dim
+        self.check_targets_every = check_targets_every  # ignored: every step is checked (see Args)
         self._facts: _AccuracyShape | None = None
         self._fuse_counts: bool | None = None  # count hits and ignored in one reduction; None: off the CPU
         # counts (correct per k, the ignored targets, all target positions; kept = positions -
@@ -117,15 +139,50 @@ class Accuracy(Metric):
 
     def applies(self, inputs: StepInputs) -> bool:
         outputs, targets = inputs.outputs, inputs.targets
-        return (
-            isinstance(outputs, torch.Tensor)
-            and isinstance(targets, torch.Tensor)
-            and outputs.is_floating_point()
-            and outputs.dim() >= 2
-            and not targets.is_floating_point()
-            and not targets.is_complex()
-            and targets.dtype != torch.bool
-        )
+        if not (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+            return False
+        if not outputs.is_floating_point() or outputs.dim() < 2:
+            return False
+        if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+            # floating point: regression, or soft labels; from metadata alone a [B, k] regression
+            # target looks like soft labels, so the default accuracy leaves both out (and says so)
+            return False
+        return True  # class indices, or integer one-hot targets of the outputs' shape (their argmax)
+
+    def left_out_reason(self, inputs: StepInputs) -> str | None:
+        """Why the *default* accuracy cannot be computed from inputs like these, when that looks like
+        a mistake the user would want to hear about (no ``targets=`` next to class scores, outputs
+        of shape ``[B]``); None when it applies or is left out on purpose (no outputs at all: a
+        loss-only loop; floating-point targets of another shape: regression). Metadata only."""
+        if self.applies(inputs):
+            return None
+        outputs, targets = inputs.outputs, inputs.targets
+        if not isinstance(outputs, torch.Tensor) or not outputs.is_floating_point():
+            return None
+        if targets is None:
+            if outputs.dim() < 2:
+                return None  # a regression loop that passed predictions only
+            return (
+                f"no accuracy is recorded: tap.step() got outputs of shape {list(outputs.shape)} but no "
+                "targets; pass targets=<class indices> to record accuracy"
+            )
+        if not isinstance(targets, torch.Tensor):
+            return None
+        if targets.is_floating_point():
+            if outputs.dim() >= 2 and targets.shape == outputs.shape and outputs.shape[-1] >= 2:
+                return (
+                    f"no accuracy is recorded: targets are floating point with the outputs' shape "
+                    f"{list(outputs.shape)}, which regression targets and one-hot labels both have; for one-hot "
+                    "or soft labels pass targets.argmax(-1) (integer one-hot targets are scored against their argmax)"
+                )
+            return None  # regression
+        if outputs.dim() < 2:
+            return (
+                f"no accuracy is recorded: outputs of shape {list(outputs.shape)} hold one score per sample, "
+                f"not class scores [N, C] (targets {_dtype_name(targets.dtype)} of shape {list(targets.shape)}); "
+                "pass the model's [N, C] logits (for a single binary logit x: torch.stack([-x, x], 1))"
+            )
+        return None
 
     def check(self, inputs: StepInputs) -> None:
         outputs, targets = inputs.outputs, inputs.targets
@@ -149,7 +206,8 @@ class Accuracy(Metric):
             raise InputError(
                 f"Accuracy needs integer class indices as targets, got {_dtype_name(targets.dtype)} targets: "
                 "for regression leave Accuracy out (the default metrics leave it out by themselves for "
-                "floating-point targets); for one-hot or soft labels pass targets.argmax(-1)"
+                "floating-point targets); for one-hot or soft labels pass targets.argmax(-1) (integer one-hot "
+                "targets of the outputs' shape are taken as their argmax)"
             )
         if targets.dtype == torch.bool:
             raise InputError(
@@ -161,9 +219,11 @@ class Accuracy(Metric):
                 f"outputs and targets disagree on batch size: {outputs.shape[0]} vs "
                 f"{targets.shape[0] if targets.dim() else 'a 0-dim tensor'}; pass the targets of the same batch"
             )
-        class_dim = _class_dim(outputs, targets)
+        if targets.shape == outputs.shape:
+            return  # one-hot: the outputs' own shape, any class dim fits
+        class_dim, _ = _class_dim(outputs, targets, self.class_dim)
         if class_dim is None:
-            raise InputError(_layout_error(outputs, targets))
+            raise InputError(_layout_error(outputs, targets, self.class_dim))
         classes = outputs.shape[class_dim]
         if self.topk[-1] > classes:
             raise InputError(
@@ -176,16 +236,24 @@ class Accuracy(Metric):
         facts = self._facts
         if facts is not None and facts.key == key:
             return facts
-        class_dim = _class_dim(outputs, targets)
-        assert class_dim is not None  # check() ran
+        one_hot = targets.shape == outputs.shape  # integer one-hot: no layout of class indices has this shape
+        if one_hot:
+            class_dim, notice = (self.class_dim if self.class_dim is not None else -1), ONE_HOT
+            index_shape = outputs.shape[:class_dim] + (outputs.shape[class_dim + 1 :] if class_dim == 1 else ())
+            index_dtype = torch.int64  # what argmax gives
+        else:
+            found, ambiguous = _class_dim(outputs, targets, self.class_dim)
+            assert found is not None  # check() ran
+            class_dim, notice = found, (AMBIGUOUS if ambiguous else NO_NOTICE)
+            index_shape, index_dtype = targets.shape, targets.dtype
         classes = outputs.shape[class_dim]
         ignore = self.ignore_index
-        info = torch.iinfo(targets.dtype)
+        info = torch.iinfo(index_dtype)
         masked = ignore is not None and info.min <= ignore <= info.max  # see F.kept_mask
         # A prediction is a class index, so it never equals an ignore_index outside [0, C) (-100):
         # the mask is needed on hits only when the ignored value is a class (pad id 0).
         mask_hits = masked and ignore is not None and 0 <= ignore < classes
-        n = targets.numel()
+        n = int(torch.Size(index_shape).numel())
         exact = n <= F.EXACT_FLOAT32  # float32 sums are exact: no high parts needed
         fuse = self._fuse_counts if self._fuse_counts is not None else outputs.device.type != "cpu"
         fused = fuse and exact and self.topk == (1,) and masked and not mask_hits
@@ -194,13 +262,16 @@ class Accuracy(Metric):
             key=key,
             class_dim=class_dim,
             classes=float(classes),
+            notice=float(notice),
+            one_hot=one_hot,
+            index_shape=tuple(index_shape),
             masked=masked,
             mask_hits=mask_hits,
             exact=exact,
             numel=n,
             zero=self._fill(0.0, outputs.device),
             positions=(self._fill(float(low_n), outputs.device), self._fill(float(high_n), outputs.device)),
-            counts=targets.new_empty((2, *targets.shape), dtype=torch.bool) if fused else None,
+            counts=torch.empty((2, *index_shape), dtype=torch.bool, device=outputs.device) if fused else None,
         )
         return facts
 
@@ -209,6 +280,8 @@ class Accuracy(Metric):
         assert outputs is not None and targets is not None
         facts = self._shape_facts(outputs, targets)
         class_dim = facts.class_dim
+        if facts.one_hot:
+            targets = targets.argmax(class_dim)
         ignore = self.ignore_index
         if facts.counts is not None and ignore is not None:
             return self._fused_top1(outputs, targets, ignore, facts, facts.counts)
@@ -223,7 +296,7 @@ class Accuracy(Metric):
         else:
             counts = F.topk_correct(outputs, targets, self.topk, class_dim=class_dim, dtype=dtype, keep=hit_mask)
             correct = counts.unbind(0)
-        low, high = self._sampled_range(targets, dropped, facts.zero)
+        low, high = self._kept_range(targets, dropped)  # every step: no stored accuracy of unchecked targets
         zero = facts.zero
         if facts.exact:
             ignored = dropped.sum(dtype=torch.float32) if dropped is not None else zero
@@ -236,22 +309,25 @@ class Accuracy(Metric):
 
     def row_writer(self, example: StepInputs, columns: torch.Tensor) -> RowWriter:
         """Top-1 with padding (the default) written into the ring row in two ops a step, no
-        intermediates, and counted at the flush.
+        intermediates, counted and range-checked at the flush.
 
-        Row 0 of a ``[2, *targets]`` buffer takes the argmax; row 1 holds ``ignore_index``. One
-        ``eq`` of the buffer with the targets marks the hits and the ignored positions into the
-        slot's own ``[2, *targets]`` bool buffer, and at the flush one sum over the block's slots
-        counts both rows straight into the rows' (correct, ignored) columns (see ``with_settle``):
-        the per-step reduction and the per-step cast to float are gone (together they cost more
-        host time than the argmax and the eq). A prediction never equals the ignored value (it is
-        no class index), so the hits are hits among the kept targets. Counts of 0/1 values in
-        float32 are exact below 2**24. The other columns are constants for these inputs (the
-        positions, zero high parts, an unchecked target range of (0, 0)): written only when the
-        slot's row is not this writer's, or held a checked range.
+        Row 0 of a ``[2, *targets]`` int64 buffer takes the argmax; row 1 holds zeros. One ``sub``
+        of the buffer from the targets writes, into the slot's own ``[2, *targets]`` float32
+        buffer, ``targets - argmax`` (0 exactly on a hit) and the targets themselves. At the flush
+        (see ``with_settle``) one ``eq`` with ``(0, ignore_index)`` marks the hits and the ignored
+        targets of the whole block, one sum counts both into the rows' (correct, ignored) columns,
+        and a ``masked_fill`` (ignored targets as 0), ``amin`` and ``amax`` write every row's target
+        range: every step's targets are checked, with no launch of its own per step. float32 holds
+        the difference exactly below 2**24 and keeps any other nonzero difference nonzero and any
+        out-of-range target out of range (it keeps the magnitude), so neither a hit nor a bad index
+        can be mistaken. A prediction never equals an ignored value outside ``[0, C)``, so the
+        hits are hits among the kept targets. The other columns are constants for these inputs
+        (the positions, zero high parts): written only when the slot's row is not this writer's.
 
-        The per-slot buffers take ``capacity * 2 * targets.numel()`` bytes of device memory; past
-        :data:`HITS_BUFFER_BYTES` the eq writes one shared float buffer instead and a matrix
-        product with a column of ones counts it into the row at every step (three ops a step).
+        The per-slot buffers take ``capacity * 2 * targets.numel() * 4`` bytes of device memory;
+        past :data:`HITS_BUFFER_BYTES` the eq writes one shared float buffer instead, a matrix
+        product with a column of ones counts it into the row, and an ``add`` and an ``aminmax``
+        write the range, at every step (five ops a step).
 
         Other settings (top-k, an ignored value that is a class, no ``ignore_index``, more than
         ``2**20`` targets, where the buffers would grow large) take the default writer: compute,
@@ -264,93 +340,92 @@ class Accuracy(Metric):
         if self.topk != (1,) or not facts.masked or facts.mask_hits or ignore is None or facts.numel > 2**20:
             return super().row_writer(example, columns)
         device = outputs.device
-        pair = torch.full((2, *targets.shape), ignore, dtype=torch.int64, device=device)
-        predicted = pair.select(0, 0)
-        dropped = torch.empty(targets.shape, dtype=torch.bool, device=device)  # for the range check
-        # columns 2..7: positions, the three high parts, the target range (made constants: written
-        # with one stack, as the general path's row; a device-to-device copy_ is not traceable
-        # under FakeTensorMode, which the CUDA-path tests use)
-        constants = (facts.positions[0], *(facts.zero,) * 5)
+        shape = facts.index_shape
+        # columns 2..5: positions, the three high parts (made constants: written with one stack, as
+        # the general path's row; a device-to-device copy_ is not traceable under FakeTensorMode,
+        # which the CUDA-path tests use)
+        constants = (facts.positions[0], *(facts.zero,) * 3)
         capacity = columns.shape[0]
         slots = range(capacity)
-        rest = [columns.select(0, s).narrow(0, 2, 6) for s in slots]
-        ranges = [columns.select(0, s).narrow(0, 6, 2) for s in slots]
-        ranged = [False] * capacity  # the slot's row holds a checked target range
-        class_dim = facts.class_dim
-        range_due, kept_range = self._range_due, self._kept_range
+        rest = [columns.select(0, s).narrow(0, 2, 4) for s in slots]
+        class_dim, one_hot = facts.class_dim, facts.one_hot
+        lows, highs = columns.select(1, 6), columns.select(1, 7)
 
-        def write_constants(targets: torch.Tensor, slot: int, fresh: bool) -> None:
-            if fresh or ranged[slot]:
-                torch.stack(constants, out=rest[slot])
-                ranged[slot] = False
-            if range_due():
-                torch.eq(targets, ignore, out=dropped)  # type: ignore[arg-type]
-                torch.stack(kept_range(targets, dropped), out=ranges[slot])  # type: ignore[arg-type]
-                ranged[slot] = True
-
-        if capacity * 2 * facts.numel <= HITS_BUFFER_BYTES:
-            hits = torch.empty((capacity, 2, facts.numel), dtype=torch.bool, device=device)
-            slot_hits = [hits.select(0, s).view(pair.shape) for s in slots]
+        if capacity * 2 * facts.numel * 4 <= HITS_BUFFER_BYTES:
+            pair = torch.zeros((2, *shape), dtype=torch.int64, device=device)  # row 0: the argmax; row 1: 0
+            predicted = pair.select(0, 0)
+            diffs = torch.empty((capacity, 2, facts.numel), dtype=torch.float32, device=device)
+            slot_diffs = [diffs.select(0, s).view(pair.shape) for s in slots]
+            # a hit: targets - argmax == 0; an ignored target: targets == ignore_index
+            wanted = torch.tensor([[0.0], [float(ignore)]], dtype=torch.float32, device=device)
             counted = columns.narrow(1, 0, 2)  # correct, ignored
 
             def write(inputs: StepInputs, slot: int, fresh: bool) -> None:
                 targets = inputs.targets
+                if one_hot:
+                    targets = targets.argmax(class_dim)  # type: ignore[union-attr]
                 torch.argmax(inputs.outputs, class_dim, out=predicted)  # type: ignore[arg-type]
-                torch.eq(pair, targets, out=slot_hits[slot])  # type: ignore[arg-type]  # counted at the flush
-                write_constants(targets, slot, fresh)  # type: ignore[arg-type]
+                torch.sub(targets, pair, out=slot_diffs[slot])  # type: ignore[arg-type]  # checked at the flush
+                if fresh:
+                    torch.stack(constants, out=rest[slot])
 
             def settle(start: int, length: int) -> None:
-                # one reduction for the block: bool -> float32 counts of the hits and the ignored
-                torch.sum(hits.narrow(0, start, length), 2, dtype=torch.float32, out=counted.narrow(0, start, length))
+                block = diffs.narrow(0, start, length)
+                flags = torch.eq(block, wanted)  # [slots, 2, targets]: hits, ignored
+                torch.sum(flags, 2, dtype=torch.float32, out=counted.narrow(0, start, length))
+                # the kept targets' range, ignored ones as 0 (a class of every output)
+                kept = block.select(1, 1).masked_fill(flags.select(1, 1), 0.0)
+                # amin and amax (aminmax's out= into these strided columns is not traceable under
+                # FakeTensorMode, which the CUDA-path tests use)
+                torch.amin(kept, 1, out=lows.narrow(0, start, length))
+                torch.amax(kept, 1, out=highs.narrow(0, start, length))
 
             return with_settle(write, settle)
 
+        pair = torch.full((2, *shape), ignore, dtype=torch.int64, device=device)  # the argmax; ignore_index
+        predicted = pair.select(0, 0)
         matches = torch.empty(pair.shape, dtype=torch.float32, device=device)
         per_row = matches.view(2, -1)
+        ignored_flags = matches.select(0, 1)
+        kept = torch.empty(shape, dtype=torch.float32, device=device)
         ones = torch.ones((facts.numel, 1), dtype=torch.float32, device=device)
         # correct, ignored as a [2, 1] column for the product (mm: mv's out= is not traceable under
         # FakeTensorMode, which the CUDA-path tests use)
         counts = [columns.select(0, s).narrow(0, 0, 2).unsqueeze(1) for s in slots]
+        ranges = [(lows.select(0, s), highs.select(0, s)) for s in slots]
 
         def write_counted(inputs: StepInputs, slot: int, fresh: bool) -> None:
             targets = inputs.targets
+            if one_hot:
+                targets = targets.argmax(class_dim)  # type: ignore[union-attr]
             torch.argmax(inputs.outputs, class_dim, out=predicted)  # type: ignore[arg-type]
             torch.eq(pair, targets, out=matches)  # type: ignore[arg-type]
             torch.mm(per_row, ones, out=counts[slot])  # correct, ignored
-            write_constants(targets, slot, fresh)  # type: ignore[arg-type]
+            # the kept targets' range: an ignored target (flag 1) moved to 0 by t - ignore * flag
+            torch.add(targets, ignored_flags, alpha=-ignore, out=kept)  # type: ignore[arg-type]
+            torch.aminmax(kept, out=ranges[slot])
+            if fresh:
+                torch.stack(constants, out=rest[slot])
 
         return write_counted
 
     def _fused_top1(
         self, outputs: torch.Tensor, targets: torch.Tensor, ignore: int, facts: _AccuracyShape, counts: torch.Tensor
     ) -> Sequence[torch.Tensor]:
-        """Top-1 with padding in four kernels instead of five: hits and ignored flags are written
+        """Top-1 with padding in six kernels instead of seven: hits and ignored flags are written
         into the two rows of one buffer and counted by a single reduction. Used off the CPU on the
         general path, where each kernel launch costs host time; on the CPU two plain sums are
         cheaper than a reduction over a dimension, so it is not used there (tests force it with
         ``_fuse_counts``). The buffer is reused every step: stream order puts each step's reduction
-        before the next step's writes."""
+        before the next step's writes. The counts are summed in float32: exact below 2**24 targets
+        (``facts.exact``), where float16 would already round past 2,048 hits."""
         hits, dropped = counts.unbind(0)  # views (select(): indexing a CUDA tensor with an int is not one)
         torch.eq(outputs.argmax(facts.class_dim), targets, out=hits)
         torch.eq(targets, ignore, out=dropped)
         correct, ignored = counts.flatten(1).sum(1, dtype=torch.float32).unbind(0)
-        low, high = self._sampled_range(targets, dropped, facts.zero)
+        low, high = self._kept_range(targets, dropped)
         zero = facts.zero
         return (correct, ignored, facts.positions[0], zero, zero, zero, low, high)
-
-    def _sampled_range(
-        self, targets: torch.Tensor, dropped: torch.Tensor | None, zero: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kept targets' smallest and largest index on the first call and every
-        ``check_targets_every`` calls; else (0, 0), which never flags (0 is a class of every output)."""
-        return self._kept_range(targets, dropped) if self._range_due() else (zero, zero)
-
-    def _range_due(self) -> bool:
-        """Count a call; whether it is one whose targets are checked (the first, then every
-        ``check_targets_every``-th)."""
-        calls = self._calls
-        self._calls = calls + 1
-        return calls % self.check_targets_every == 0
 
     @staticmethod
     def _kept_range(targets: torch.Tensor, dropped: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,7 +435,28 @@ class Accuracy(Metric):
     def read_host(self, inputs: StepInputs) -> Sequence[float]:
         outputs, targets = inputs.outputs, inputs.targets
         assert outputs is not None and targets is not None
-        return (self._shape_facts(outputs, targets).classes,)
+        facts = self._shape_facts(outputs, targets)
+        return (facts.classes, facts.notice)
+
+    def warning(self, raw: Sequence[float]) -> str | None:
+        """Once per run: the step's layout was a guess (``[a, b, b]`` scores with ``[a, b]``
+        targets), or its one-hot targets were scored against their argmax."""
+        notice = raw[2 * self._counts + 3]
+        if notice == NO_NOTICE:  # the common case first
+            return None
+        if notice == AMBIGUOUS:
+            return (
+                "Accuracy: outputs [a, b, b] with targets [a, b] fit both [N, C, d] (classes at dim 1, as "
+                "F.cross_entropy and TorchMetrics read them) and [B, T, V] (classes last); classes were taken "
+                "to be last. Pass Accuracy(class_dim=1) or Accuracy(class_dim=-1) to settle it"
+            )
+        if notice == ONE_HOT:
+            where = "the last dim" if self.class_dim in (None, -1) else "dim 1"
+            return (
+                f"Accuracy: targets have the outputs' shape (one-hot or soft labels), not class indices; "
+                f"accuracy is scored against targets.argmax over {where}. Pass class indices to silence this"
+            )
+        return None
 
     def _totals(self, raw: Sequence[float]) -> list[float]:
         """Correct per k, ignored, positions: each count's low and high part joined."""
@@ -398,24 +494,38 @@ class Accuracy(Metric):
         return self._totals_block(raw)[1][:, 0]
 
     def input_suspects(self, raw: np.ndarray) -> np.ndarray:
-        low, high, classes = raw[:, 2 * self._counts], raw[:, 2 * self._counts + 1], raw[:, -1]
+        at = 2 * self._counts
+        low, high, classes = raw[:, at], raw[:, at + 1], raw[:, at + 2]
         with np.errstate(invalid="ignore"):
             return ~((low >= 0) & (high < classes))  # the common case of input_error, for every row
 
     def input_error(self, raw: Sequence[float]) -> str | None:
-        low, high, classes = raw[2 * self._counts], raw[2 * self._counts + 1], raw[-1]
-        if 0 <= low and high < classes:  # in range (or not checked at this step: 0, 0) — the common case first
+        at = 2 * self._counts
+        low, high, classes = raw[at], raw[at + 1], raw[at + 2]
+        if 0 <= low and high < classes:  # in range — the common case first
             return None
         if not self.weight(raw) > 0:  # type: ignore[operator]
             return None  # nothing was counted, so no index was used
         if low < 0 or high >= classes:
-            ignored = "" if self.ignore_index is None else f" (targets equal to {self.ignore_index} left out)"
+            ignore = self.ignore_index
+            ignored = "" if ignore is None else f" (targets equal to {ignore} left out)"
+            bad = int(low) if low < 0 else int(high)
+            fix = (
+                f"if {bad} marks padding, pass Accuracy(ignore_index={bad}) (the value your loss ignores); "
+                "else check the labels"
+                if low < 0
+                else "check the labels, or the model's number of outputs"
+            )
             return (
                 f"targets hold class indices outside [0, {int(classes)}) (smallest {int(low)}, largest "
-                f"{int(high)}) for outputs with {int(classes)} classes{ignored}; check the labels (or the "
-                "model's number of outputs, or Accuracy(ignore_index=...) for the padding value)"
+                f"{int(high)}) for outputs with {int(classes)} classes{ignored}; this step's accuracy is not "
+                f"stored; {fix}"
             )
         return None
+
+
+#: notice codes of the host column (see ``Accuracy.warning``)
+NO_NOTICE, AMBIGUOUS, ONE_HOT = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -425,6 +535,9 @@ class _AccuracyShape:
     key: tuple[Any, ...]  # outputs shape, targets shape, targets dtype, device
     class_dim: int
     classes: float
+    notice: float  # NO_NOTICE, AMBIGUOUS or ONE_HOT: a warning the run gets once
+    one_hot: bool  # floating-point targets of the outputs' shape, scored against their argmax
+    index_shape: tuple[int, ...]  # the class indices' shape (the targets', or one-hot's argmax)
     masked: bool  # ignored targets must be counted (an ignore_index the targets' dtype can hold)
     mask_hits: bool  # ... and left out of the hits (the ignore_index is a class index)
     exact: bool  # few enough targets for exact float32 counts
@@ -434,22 +547,33 @@ class _AccuracyShape:
     counts: torch.Tensor | None  # [2, *targets.shape] bool: hits and ignored, for Accuracy._fused_top1
 
 
-def _class_dim(outputs: torch.Tensor, targets: torch.Tensor) -> int | None:
-    """Where the classes are in ``outputs`` for targets of this shape, or None when they do not fit.
+def _class_dim(outputs: torch.Tensor, targets: torch.Tensor, wanted: int | None = None) -> tuple[int | None, bool]:
+    """Where the classes are in ``outputs`` for targets of this shape (None when they do not fit),
+    and whether both layouts fit (``[a, b, b]`` with ``[a, b]``) and the choice was a guess.
 
-    Classes last wins when both layouts fit (``[B, T, V]`` with ``T == V``): LMs are the common case.
+    ``wanted`` (``Accuracy(class_dim=...)``) settles it; else classes last wins when both fit:
+    LMs are the common case.
     """
     shape = tuple(targets.shape)
-    if outputs.dim() >= 2 and shape == tuple(outputs.shape[:-1]):
-        return -1
-    if outputs.dim() >= 3 and shape == (outputs.shape[0], *outputs.shape[2:]):
-        return 1
-    return None
+    last = outputs.dim() >= 2 and shape == tuple(outputs.shape[:-1])
+    second = outputs.dim() >= 3 and shape == (outputs.shape[0], *outputs.shape[2:])
+    if wanted is not None:
+        fits = last if wanted == -1 else (second or (outputs.dim() == 2 and last))
+        return (wanted if fits else None), False
+    if last:
+        return -1, second
+    if second:
+        return 1, False
+    return None, False
 
 
-def _layout_error(outputs: torch.Tensor, targets: torch.Tensor) -> str:
+def _layout_error(outputs: torch.Tensor, targets: torch.Tensor, wanted: int | None = None) -> str:
     got, out = list(targets.shape), list(outputs.shape)
-    if outputs.dim() == 2:
+    if wanted == -1 and outputs.dim() > 2:
+        fix = f"Accuracy(class_dim=-1) needs targets of shape {out[:-1]} for outputs of shape {out}, got {got}"
+    elif wanted == 1 and outputs.dim() > 2:
+        fix = f"Accuracy(class_dim=1) needs targets of shape {[out[0], *out[2:]]} for outputs of shape {out}, got {got}"
+    elif outputs.dim() == 2:
         fix = f"targets must have shape {out[:1]} for outputs of shape {out}, got {got}"
     else:
         fix = (
@@ -458,8 +582,6 @@ def _layout_error(outputs: torch.Tensor, targets: torch.Tensor) -> str:
             f"{[out[0], *out[2:]]} (classes at dim 1, [N, C, d1, ...] with targets [N, d1, ...] as "
             "for F.cross_entropy)"
         )
-    if got == out:
-        fix += "; for one-hot targets pass targets.argmax(-1)"
     return fix
 
 

@@ -28,7 +28,7 @@ class Layout:
         >>> from batchtap.metrics import Loss, Accuracy, StepTime
         >>> layout = Layout([Loss(), Accuracy(topk=(1, 5)), StepTime()])
         >>> layout.device_width, layout.host_width, layout.guard_column
-        (11, 1, 0)
+        (11, 2, 0)
         >>> layout.names
         ('loss', 'accuracy', 'accuracy_top5', 'step_time')
     """
