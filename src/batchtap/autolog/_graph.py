@@ -1,0 +1,129 @@
+"""The loss of a ``backward()`` call, read from the autograd graph (never from values).
+
+A loop hands ``backward()`` a tensor that is often not the loss it reports: nanoGPT divides it by
+the accumulation count (``(loss / accum).backward()``), the AMP recipe multiplies it by the
+``GradScaler``'s scale (``scaler.scale(loss).backward()``), Accelerate and Lightning divide by
+their accumulation steps. Each of these is a ``Mul``/``Div`` node by a constant (an operand that
+needs no gradient) between the tensor and the loss function's own node. :func:`resolve` walks
+those nodes down to a recorded loss-function call (:class:`LossCall`) and takes that call's
+output; where no recorded call sits under the constants, it undoes them on the device
+(``t / scale``, ``t * 4``) and says what it assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["LossCall", "Resolved", "resolve"]
+
+# a constant factor: the node multiplies or divides the loss by an operand that needs no gradient
+_MUL, _DIV = "MulBackward0", "DivBackward0"
+# nodes that change nothing but the dtype or the view of a 0-dim loss
+_THROUGH = frozenset({"ToCopyBackward0", "ViewBackward0", "SqueezeBackward0", "CloneBackward0"})
+_MAX_NODES = 16
+
+
+@dataclasses.dataclass(slots=True)
+class LossCall:
+    """One call of a recognised loss function whose 0-dim output needs a gradient.
+
+    Attributes:
+        output: the function's output (the loss before any division or scaling).
+        logits: the class scores it saw, when the call is a classification (integer class
+            targets): what accuracy is counted from.
+        targets: the class indices it saw (with ``logits``).
+        ignore_index: the targets' value the loss leaves out.
+        reduction: ``"mean"`` or ``"sum"`` (a summed loss is divided by its kept targets).
+    """
+
+    output: torch.Tensor
+    logits: torch.Tensor | None
+    targets: torch.Tensor | None
+    ignore_index: int
+    reduction: str
+
+
+@dataclasses.dataclass(slots=True)
+class Resolved:
+    """What :func:`resolve` found for one ``backward()`` tensor.
+
+    Attributes:
+        loss: 0-dim, detached, on the tensor's device: the loss with the constants undone.
+        call: the recorded loss call under the constants, if one was found.
+        undone: what was undone, in words (``"x GradScaler scale"``, ``"/ constant"``), root first.
+    """
+
+    loss: torch.Tensor
+    call: LossCall | None
+    undone: tuple[str, ...]
+
+
+def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Tensor | None = None) -> Resolved:
+    """The loss behind ``tensor`` (what was given to ``backward()``). No host read.
+
+    Args:
+        tensor: the 0-dim tensor given to ``backward()``.
+        calls: recorded loss calls, keyed by their output's ``grad_fn``.
+        scale: the ``GradScaler``'s scale tensor, to name it when it is undone.
+
+    Example:
+        >>> logits = torch.randn(4, 3, requires_grad=True); y = torch.tensor([0, 1, 2, 1])
+        >>> loss = torch.nn.functional.cross_entropy(logits, y)
+        >>> call = LossCall(loss, logits, y, -100, "mean")
+        >>> found = resolve(loss / 4, {loss.grad_fn: call})
+        >>> found.call is call, found.loss is loss, found.undone
+        (True, False, ('/ constant',))
+        >>> torch.equal(found.loss, loss.detach())
+        True
+        >>> resolve((loss * 2.0) * 8.0, {}).undone  # no recorded call: the constants undone on the device
+        ('x constant', 'x constant')
+    """
+    node = tensor.grad_fn
+    factors: list[tuple[str, Any]] = []  # (op, constant) from the root down
+    for _ in range(_MAX_NODES):
+        if node is None:
+            break
+        call = calls.get(node)
+        if call is not None:
+            return Resolved(_value_of(call), call, tuple(_describe(op, c, scale) for op, c in factors))
+        name = node.name()
+        following = node.next_functions
+        if name in _THROUGH and following:
+            node = following[0][0]
+            continue
+        if name not in (_MUL, _DIV) or len(following) != 2:
+            break
+        (first, _), (second, _) = following
+        if second is None and first is not None:  # loss (*|/) constant
+            factors.append((name, node._saved_other))
+            node = first
+        elif name == _MUL and first is None and second is not None:  # constant * loss
+            factors.append((name, node._saved_self))
+            node = second
+        else:  # both sides need gradients, or a constant divided by the loss: not a constant factor
+            break
+    value = tensor.detach()
+    for op, constant in reversed(factors):  # innermost factor last applied: undo from the root down
+        value = value / constant if op == _MUL else value * constant
+    return Resolved(value, None, tuple(_describe(op, c, scale) for op, c in factors))
+
+
+def _value_of(call: LossCall) -> torch.Tensor:
+    """The call's loss as a mean: a ``reduction="sum"`` loss (Hugging Face's causal LM loss sums,
+    then divides by the batch's token count itself) is divided by its kept targets, on the device."""
+    loss = call.output.detach()
+    if call.reduction == "sum" and call.targets is not None:
+        kept = call.targets.ne(call.ignore_index).sum()
+        return loss / kept.clamp_min(1)
+    return loss
+
+
+def _describe(op: str, constant: Any, scale: torch.Tensor | None) -> str:
+    sign = "x" if op == _MUL else "/"
+    if scale is not None and isinstance(constant, torch.Tensor) and constant.data_ptr() == scale.data_ptr():
+        return f"{sign} GradScaler scale"
+    return f"{sign} constant"

@@ -1,0 +1,211 @@
+"""One Tap row per optimizer step: micro-batches from ``backward()``, values from the step hooks.
+
+Each ``backward()`` call is a micro-batch of the optimizer step that follows it (its loss, and the
+logits and targets of the classification loss computed for it). With one optimizer (the usual
+loop) a row closes at each of its steps: one micro-batch goes to ``tap.step(loss=, outputs=,
+targets=)``, the Tap's short path; several go to ``tap.accumulate`` (each handed over as soon as
+the next one arrives, so no more than one micro-batch's logits are held beyond the loop's own)
+and ``tap.step()``. With several optimizers (a GAN) a row closes once every optimizer stepped
+(or when one steps a second time before the others did): the first optimizer's micro-batches are
+the Tap's loss and accuracy, the others' losses are ``loss_1``... of :class:`OptimizerFacts`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from batchtap.autolog._facts import FactsRow, OptimizerFacts
+from batchtap.autolog._steps import StepEvent
+from batchtap.metrics.accuracy import Accuracy
+from batchtap.tap import Tap
+
+__all__ = ["MicroBatch", "Rows"]
+
+
+@dataclasses.dataclass(slots=True)
+class MicroBatch:
+    """One ``backward()``: its loss (constants undone) and what its classification loss saw."""
+
+    loss: torch.Tensor
+    outputs: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    ignore_index: int = -100
+
+
+class Rows:
+    """Assembles rows and drives the Tap (training thread only).
+
+    Args:
+        tap: the autolog Tap, its run started before the first row.
+        facts: the Tap's :class:`OptimizerFacts`.
+        accuracy: the Tap's accuracy metric (its ``ignore_index`` follows the loss function's).
+        say: ``say(key, message)`` reports something once per run.
+    """
+
+    def __init__(self, tap: Tap, facts: OptimizerFacts, accuracy: Accuracy, say: Callable[[str, str], None]) -> None:
+        self.tap = tap
+        self.facts = facts
+        self.accuracy = accuracy
+        self.say = say
+        self.optimizers: list[torch.optim.Optimizer] = []  # slot order: the order they were made (or first stepped)
+        self._slots: dict[int, int] = {}
+        self.pending: list[MicroBatch] = []
+        self.events = 0  # optimizer steps seen (the loader watch reads it)
+        self.rows = 0
+        self._row: dict[int, StepEvent] = {}
+        self._direct: MicroBatch | None = None  # the row's one micro-batch, for tap.step(loss=...)
+        self._accumulated = 0
+        self._other_losses: dict[int, torch.Tensor] = {}
+        self._scaler = False
+        self._shape: tuple[bool, bool] | None = None  # (loss, outputs) of the run's first hand-over
+        self._ignore_index: int | None = None
+
+    # ------------------------------------------------------------------ what arrives
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if id(optimizer) in self._slots:
+            return
+        if self.facts.bound:
+            self.say(
+                "late-optimizer",
+                f"an optimizer ({type(optimizer).__name__}) was made after the first recorded step, which "
+                "fixes the columns: its steps close rows but its lr and gradient norm are not recorded; "
+                "make every optimizer before the first step (or pass them: bt.autolog(optimizers=[...]))",
+            )
+            return
+        self._slots[id(optimizer)] = len(self.optimizers)
+        self.optimizers.append(optimizer)
+
+    def on_backward(self, micro: MicroBatch) -> None:
+        self.pending.append(micro)
+        if len(self.optimizers) <= 1 and len(self.pending) > 1:
+            # gradient accumulation: the earlier micro-batch belongs to the coming step of the one optimizer
+            self.say(
+                "accumulation",
+                "several backward() calls before one optimizer step: recorded as gradient-accumulation "
+                "micro-batches (loss = their sample-weighted mean, each with its division by the "
+                "accumulation count undone; accuracy over all their targets)",
+            )
+            self._accumulate(self.pending.pop(0))
+
+    def on_step(self, event: StepEvent) -> None:
+        self.events += 1
+        slot = self._slots.get(id(event.optimizer))
+        if slot is None:
+            if self.facts.bound:
+                self.add_optimizer(event.optimizer)  # says why it is not recorded
+                slot = -1
+            else:
+                self.add_optimizer(event.optimizer)
+                slot = self._slots[id(event.optimizer)]
+        if slot in self._row:
+            self.say(
+                "uneven-optimizers",
+                "an optimizer stepped again before every other optimizer stepped once: its row was "
+                "closed without the others' values (optimizers stepping at different rates)",
+            )
+            self.close()
+        if event.scale is not None:
+            self._scaler = True
+        micro, self.pending = self.pending, []
+        if slot == 0:
+            if len(micro) == 1 and not self._accumulated and len(self.optimizers) == 1:
+                self._direct = micro[0]
+            else:
+                for m in micro:
+                    self._accumulate(m)
+        elif slot > 0 and micro:
+            losses = [m.loss for m in micro]
+            self._other_losses[slot] = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        if slot >= 0:
+            self._row[slot] = event
+        if len(self._row) >= len(self.optimizers):
+            self.close()
+
+    # ------------------------------------------------------------------ to the Tap
+
+    def close(self) -> None:
+        """Write the open row (at every optimizer's step, and at the run's end)."""
+        row, self._row = self._row, {}
+        direct, self._direct = self._direct, None
+        accumulated, self._accumulated = self._accumulated, 0
+        others, self._other_losses = self._other_losses, {}
+        if not row:
+            return
+        facts = self.facts
+        if not facts.bound:
+            facts.bind([len(o.param_groups) for o in self.optimizers], scaler=self._scaler)
+        n = len(facts.groups)
+        scaled = next((e for e in row.values() if e.scale is not None), None)
+        skips = [e.skipped for e in row.values() if e.skipped is not None]
+        facts.set_row(
+            FactsRow(
+                lrs=[row[s].lrs if s in row else None for s in range(n)],
+                grad_norms=[row[s].grad_norm if s in row else None for s in range(n)],
+                losses=[None] + [others.get(s) for s in range(1, n)],
+                scale=scaled.scale if scaled is not None else None,
+                skipped=_any_skip(skips) if facts.scaler else None,
+            )
+        )
+        if direct is not None:
+            if not self._fits(direct, "step"):
+                return
+            outputs, targets = self._classification(direct)
+            self.tap.step(direct.loss, outputs=outputs, targets=targets)
+        else:
+            if not accumulated and not self._fits(None, "step"):
+                return
+            self.tap.step()
+        self.rows += 1
+
+    def _accumulate(self, micro: MicroBatch) -> None:
+        if not self._fits(micro, "accumulate"):
+            return
+        outputs, targets = self._classification(micro)
+        self.tap.accumulate(micro.loss, outputs=outputs, targets=targets)
+        self._accumulated += 1
+
+    def _classification(self, micro: MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if micro.outputs is None or self._shape is None or not self._shape[1]:
+            return None, None
+        if self._ignore_index is None:
+            self._ignore_index = micro.ignore_index
+            self.accuracy.ignore_index = micro.ignore_index  # before the Tap's first step builds its writer
+        elif micro.ignore_index != self._ignore_index:
+            self.say(
+                "ignore-index",
+                f"the loss function's ignore_index changed from {self._ignore_index} to {micro.ignore_index}; "
+                f"accuracy keeps leaving out {self._ignore_index}",
+            )
+        return micro.outputs, micro.targets
+
+    def _fits(self, micro: MicroBatch | None, call: str) -> bool:
+        """Whether this hand-over has what the run's first one had (its columns are fixed)."""
+        shape = (micro is not None, micro is not None and micro.outputs is not None)
+        if self._shape is None:
+            self._shape = shape
+            return True
+        if shape[0] < self._shape[0] or shape[1] < self._shape[1]:
+            self.say(
+                "missing-inputs",
+                "an optimizer step came without the "
+                + ("loss" if shape[0] < self._shape[0] else "classification logits and targets")
+                + " that the run's first step had (no backward() before it, or another loss function): "
+                "such steps are not recorded",
+            )
+            return False
+        return True
+
+
+def _any_skip(skips: list[torch.Tensor | float]) -> torch.Tensor | float | None:
+    if not skips:
+        return None
+    if len(skips) == 1:
+        return skips[0]
+    if all(not isinstance(s, torch.Tensor) for s in skips):
+        return max(float(s) for s in skips)  # type: ignore[arg-type]
+    device = next(s.device for s in skips if isinstance(s, torch.Tensor))
+    return torch.stack([torch.as_tensor(s, dtype=torch.float32, device=device) for s in skips]).amax()

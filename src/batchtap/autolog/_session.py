@@ -1,0 +1,248 @@
+"""An autolog session: the Tap, the patches, the run's life cycle, and what it says once."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from batchtap.autolog._facts import OptimizerFacts
+from batchtap.autolog._graph import resolve
+from batchtap.autolog._loader import LoaderWatch
+from batchtap.autolog._losses import LossCalls
+from batchtap.autolog._patches import PatchRegistry
+from batchtap.autolog._rows import MicroBatch, Rows
+from batchtap.autolog._steps import OptimizerSteps, StepEvent
+from batchtap.metrics.accuracy import Accuracy
+from batchtap.metrics.base import Metric
+from batchtap.metrics.scalars import Loss, Memory
+from batchtap.metrics.timing import DataTime, StepTime, Throughput
+from batchtap.records import RunStatus
+from batchtap.rules.engine import RuleLike
+from batchtap.sinks.base import Sink
+from batchtap.tap import Tap
+
+__all__ = ["Session"]
+
+log = logging.getLogger("batchtap")
+
+
+class Session:
+    """One ``bt.autolog()``: builds the Tap, installs the patches, starts and ends the run.
+
+    Args:
+        name, config: the run's name and stored config.
+        sinks, rules, flush_every, flush_seconds: passed to the :class:`~batchtap.Tap`.
+        optimizers: optimizers made before autolog, in the order their values are named
+            (``lr``, ``lr_1``...); others are added as they are made or first step.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str | None,
+        config: Any,
+        sinks: Sequence[Sink] | None,
+        rules: Sequence[RuleLike],
+        flush_every: int,
+        flush_seconds: float,
+        optimizers: Sequence[torch.optim.Optimizer],
+    ) -> None:
+        self.name, self.config = name, config
+        self.facts = OptimizerFacts()
+        self.accuracy = Accuracy()
+        metrics: list[Metric] = [
+            Loss(nonnegative=False),  # a custom loss may be negative (a GAN's, a log-likelihood's)
+            self.accuracy,
+            self.facts,
+            StepTime(),
+            DataTime(),
+            Throughput(),
+            Memory(),
+        ]
+        self.tap = Tap(
+            metrics, sinks, flush_every=flush_every, flush_seconds=flush_seconds, rules=rules, fit_metrics=True
+        )
+        self.patches = PatchRegistry()
+        self.calls = LossCalls()
+        self.rows = Rows(self.tap, self.facts, self.accuracy, self.say)
+        self.steps = OptimizerSteps(self._on_step, self._on_optimizer, self.guard)
+        self.loaders = LoaderWatch(self._watch, lambda: self.rows.events)
+        self.started = False
+        self.ended = False
+        self.broken = False
+        self._said: set[str] = set()
+        self._waiting: list[str] = []  # said before the run started
+        self._failure: tuple[RunStatus, str] | None = None  # an uncaught exception seen at exit
+        self._excepthook: Any = None
+        for optimizer in optimizers:
+            self.rows.add_optimizer(optimizer)
+
+    # ------------------------------------------------------------------ life cycle
+
+    def install(self) -> None:
+        """Patch, start the run (or wait for the process group torchrun's script makes), hook exit."""
+        try:
+            self.calls.install(self.patches)
+            self.steps.install(self.patches)
+            self.loaders.install(self.patches)
+            self._patch_backward()
+        except BaseException:
+            self.patches.undo()
+            raise
+        if not _process_group_pending():
+            self.start()
+        self._excepthook = sys.excepthook
+        sys.excepthook = self._on_uncaught
+        atexit.register(self._at_exit)
+
+    def start(self) -> None:
+        if self.started or self.ended:
+            return
+        self.started = True
+        self.tap.start(name=self.name, config=self.config)
+        waiting, self._waiting = self._waiting, []
+        for message in waiting:
+            self.tap.warn(message)
+
+    def end(self, status: RunStatus | str = RunStatus.FINISHED, reason: str | None = None) -> None:
+        """Close the last row, end the run with ``status``, undo every patch, close the Tap."""
+        if self.ended:
+            return
+        self.ended = True
+        self.steps.enabled = self.loaders.enabled = False
+        self.patches.undo()
+        if sys.excepthook == self._on_uncaught:
+            sys.excepthook = self._excepthook
+        atexit.unregister(self._at_exit)
+        try:
+            if self.started and not self.broken:
+                self.guard(self.rows.close)
+                if self.rows.rows == 0 and self.rows.events == 0:
+                    self.say("no-step", "no optimizer step was seen: nothing was recorded per step")
+            if self.started and self.tap.run_info is not None:
+                self.tap.finish(RunStatus(status), reason=reason)
+        finally:
+            self.tap.close()
+
+    def _on_uncaught(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            self._failure = (RunStatus.STOPPED, "KeyboardInterrupt")
+        else:
+            self._failure = (RunStatus.FAILED, f"{kind.__name__}: {value}")
+        (self._excepthook or sys.__excepthook__)(kind, value, tb)
+
+    def _at_exit(self) -> None:
+        status, reason = self._failure or (RunStatus.FINISHED, None)
+        try:
+            self.end(status, reason)
+        except Exception:  # never turn interpreter exit into a traceback of ours
+            log.exception("batchtap autolog: ending the run at exit failed")
+
+    # ------------------------------------------------------------------ never crash the user's loop
+
+    def guard(self, action: Callable[[], None]) -> None:
+        """Run ``action``; an error stops autolog's recording (said once), never the training."""
+        if self.broken:
+            return
+        try:
+            action()
+        except Exception as exc:  # noqa: BLE001 - the user's training goes on whatever happened here
+            self.broken = True
+            self.steps.enabled = self.loaders.enabled = False
+            self.say("error", f"autolog stopped recording after an error of its own: {type(exc).__name__}: {exc}")
+            log.debug("batchtap autolog error", exc_info=True)
+
+    def say(self, key: str, message: str) -> None:
+        """Report ``message`` once per run: a warning event with the run, and the log."""
+        if key in self._said:
+            return
+        self._said.add(key)
+        message = f"autolog: {message}"
+        if self.started and self.tap.run_info is not None:
+            self.tap.warn(message)
+        else:
+            log.warning("batchtap: %s", message)
+            self._waiting.append(message)
+
+    # ------------------------------------------------------------------ what the patches report
+
+    def _on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.start()  # a torchrun script made its process group before its optimizer
+        self.rows.add_optimizer(optimizer)
+
+    def _on_step(self, event: StepEvent) -> None:
+        self.start()
+        self.rows.on_step(event)
+
+    def _watch(self, iterator: Any) -> Iterator[Any] | None:
+        if self.broken or not self.started or self.tap.run_info is None:
+            return None
+        return self.tap.watch(iterator)
+
+    def _patch_backward(self) -> None:
+        original = torch.autograd.backward
+        session = self
+
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if not session.broken and not session.ended and not torch.compiler.is_compiling():
+                session.guard(lambda: session._on_backward(tensors))
+            return original(tensors, *args, **kwargs)
+
+        backward.__wrapped__ = original  # type: ignore[attr-defined]
+        backward.__doc__ = original.__doc__
+        self.patches.replace(torch.autograd, "backward", backward)
+
+    def _on_backward(self, tensors: Any) -> None:
+        if isinstance(tensors, (list, tuple)):
+            if len(tensors) != 1:
+                self.say("several-tensors", "backward() of several tensors at once: their losses are not recorded")
+                return
+            tensors = tensors[0]
+        if not isinstance(tensors, torch.Tensor) or tensors.grad_fn is None:
+            return
+        if tensors.dim() != 0:
+            self.say("non-scalar", "backward() of a non-scalar tensor (with a gradient argument): loss not recorded")
+            return
+        calls = self.calls
+        found = resolve(tensors, calls.by_node)
+        call = found.call if found.call is not None and found.call.logits is not None else calls.last_classification()
+        calls.clear()
+        if found.call is None:
+            if found.undone:
+                self.say(
+                    "assumed",
+                    "loss: no recognised loss function (F.cross_entropy, F.nll_loss, nn.CrossEntropyLoss) "
+                    "under the tensor given to backward(); recorded that tensor with its constant factors "
+                    f"undone ({', '.join(found.undone)}), assuming they are accumulation or loss-scale factors",
+                )
+            if call is None:
+                self.say(
+                    "loss-only",
+                    "no classification loss (F.cross_entropy, nn.CrossEntropyLoss, F.nll_loss with class "
+                    "targets) was computed with a gradient: loss only, no accuracy (a custom or regression "
+                    "loss, or a loss function imported by name before bt.autolog() ran)",
+                )
+        micro = MicroBatch(found.loss)
+        if call is not None and call.logits is not None:
+            micro.outputs, micro.targets, micro.ignore_index = call.logits, call.targets, call.ignore_index
+        self.rows.on_backward(micro)
+
+
+def _process_group_pending() -> bool:
+    """torchrun started this process but its script has not made the process group yet: every
+    rank must start the run together, after ``init_process_group``."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return False
+    if world <= 1:
+        return False
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())

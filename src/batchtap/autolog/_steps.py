@@ -1,0 +1,251 @@
+"""What happens at each optimizer step, from PyTorch's own hooks.
+
+The global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook`` /
+``_post_hook``) fire for every optimizer class, fused and foreach included, and for optimizers
+made before they were registered. At the pre-hook the learning rate is the one the step uses,
+wherever the loop calls ``scheduler.step()``; the gradients are the step's own (``zero_grad``
+comes later). Three more seams complete the picture:
+
+* ``clip_grad_norm_`` returns the norm *before* clipping: the step's gradient norm when the loop
+  clips (computed from the gradients otherwise, on the device);
+* ``GradScaler.step``: a step the scaler skips fires no hook with a non-fused optimizer (the
+  scaler decided on the host) but does with a fused one (the kernel skips on the device, the
+  skip flag is the ``found_inf`` tensor handed to the optimizer); so the step is closed when
+  ``GradScaler.step`` returns, with the scale its loss was multiplied by;
+* Lightning's automatic optimization runs the forward and ``backward()`` *inside*
+  ``optimizer.step(closure)``: with a closure, the gradient norm is taken in the post-hook.
+
+An optimizer subclass whose ``step`` calls ``super().step()`` fires the hooks twice: only the
+outermost pair counts. Nothing here reads a device value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from batchtap.autolog._patches import PatchRegistry
+from batchtap.metrics.functional import grads_norm
+
+__all__ = ["StepEvent", "OptimizerSteps"]
+
+
+@dataclasses.dataclass(slots=True)
+class StepEvent:
+    """One optimizer step, as the hooks saw it.
+
+    Attributes:
+        optimizer: the optimizer that stepped (or that the scaler skipped).
+        lrs: each param group's learning rate the step used.
+        grad_norm: the step's gradient norm (0-dim device tensor), None when no gradient existed.
+        skipped: None without a GradScaler; else 0.0 / 1.0 known on the host, or the fused
+            optimizer's ``found_inf`` device tensor.
+        scale: the GradScaler scale the step's loss was multiplied by (a device copy).
+    """
+
+    optimizer: torch.optim.Optimizer
+    lrs: tuple[float, ...]
+    grad_norm: torch.Tensor | None
+    skipped: torch.Tensor | float | None = None
+    scale: torch.Tensor | None = None
+
+
+def learning_rates(optimizer: torch.optim.Optimizer) -> tuple[float, ...]:
+    # A CPU tensor lr (capturable schedulers) is read without any device involvement.
+    return tuple(float(group["lr"]) for group in optimizer.param_groups)
+
+
+class OptimizerSteps:
+    """Turns optimizer steps into :class:`StepEvent` s for ``on_step``.
+
+    Args:
+        on_step: called with each step's event (on the training thread).
+        on_optimizer: called with each optimizer made (``Optimizer.__init__``) or first seen stepping.
+        guard: runs a callback so that an error in it never reaches the user's loop.
+    """
+
+    def __init__(
+        self,
+        on_step: Callable[[StepEvent], None],
+        on_optimizer: Callable[[torch.optim.Optimizer], None],
+        guard: Callable[[Callable[[], None]], None],
+    ) -> None:
+        self._on_step = on_step
+        self._on_optimizer = on_optimizer
+        self._guard = guard
+        self._depth = 0
+        self._open: _OpenStep | None = None
+        self._clip: tuple[torch.Tensor, int] | None = None  # (pre-clip norm, id of its first parameter)
+        self._scaler_step: list[StepEvent] | None = None  # inside GradScaler.step: the hooks' event goes here
+        self._params: weakref.WeakKeyDictionary[torch.optim.Optimizer, frozenset[int]] = weakref.WeakKeyDictionary()
+        self._known: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self.enabled = True
+
+    def install(self, patches: PatchRegistry) -> None:
+        patches.handle(register_optimizer_step_pre_hook(self._pre))
+        patches.handle(register_optimizer_step_post_hook(self._post))
+        self._patch_init(patches)
+        self._patch_clip(patches)
+        self._patch_scaler(patches)
+
+    # ------------------------------------------------------------------ optimizers
+
+    def known(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer not in self._known:
+            self._known.add(optimizer)
+            self._on_optimizer(optimizer)
+
+    def _patch_init(self, patches: PatchRegistry) -> None:
+        original = torch.optim.Optimizer.__init__
+        steps = self
+
+        def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            if steps.enabled:
+                steps._guard(lambda: steps.known(self))
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        patches.replace(torch.optim.Optimizer, "__init__", __init__)
+
+    # ------------------------------------------------------------------ the step hooks
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._depth:
+            self._depth += 1  # super().step() of a subclass, or an optimizer wrapping another
+            return
+        self._depth = 1
+        if not self.enabled or torch.compiler.is_compiling():
+            return
+        self._guard(lambda: self._begin(optimizer, args, kwargs))
+
+    def _begin(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.known(optimizer)
+        closure = (args[0] if args else kwargs.get("closure")) is not None
+        found_inf = getattr(optimizer, "found_inf", None)  # set by GradScaler.step for a fused optimizer
+        grad_scale = getattr(optimizer, "grad_scale", None)
+        open_step = _OpenStep(optimizer, learning_rates(optimizer), closure, found_inf)
+        if not closure:  # the gradients are this step's: take the norm before the step runs
+            open_step.grad_norm = self._norm(optimizer, grad_scale)
+        self._open = open_step
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._depth = max(self._depth - 1, 0)
+        if self._depth:
+            return
+        open_step, self._open = self._open, None
+        if open_step is None or not self.enabled:
+            return
+        self._guard(lambda: self._end(open_step))
+
+    def _end(self, open_step: _OpenStep) -> None:
+        optimizer = open_step.optimizer
+        if open_step.closure:  # the closure ran forward and backward inside the step
+            open_step.grad_norm = self._norm(optimizer, None)
+        event = StepEvent(optimizer, open_step.lrs, open_step.grad_norm)
+        if self._scaler_step is not None:
+            event.skipped = open_step.found_inf if open_step.found_inf is not None else 0.0
+            self._scaler_step.append(event)  # GradScaler.step completes it with the scale
+        else:
+            self._on_step(event)
+
+    def _norm(self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """The pre-clip norm ``clip_grad_norm_`` returned for this optimizer's parameters, else the
+        norm of its gradients (divided by the scale they still carry inside a fused scaler step)."""
+        clip, self._clip = self._clip, None
+        if clip is not None and clip[1] in self._param_ids(optimizer):
+            return clip[0]
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return None
+        norm = grads_norm(grads, grads[0].device)
+        if isinstance(grad_scale, torch.Tensor):
+            norm = norm / grad_scale.to(norm.device, non_blocking=True)
+        return norm
+
+    def _param_ids(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
+        ids = self._params.get(optimizer)
+        if ids is None:
+            ids = frozenset(id(p) for group in optimizer.param_groups for p in group["params"])
+            self._params[optimizer] = ids
+        return ids
+
+    # ------------------------------------------------------------------ clip_grad_norm_
+
+    def _patch_clip(self, patches: PatchRegistry) -> None:
+        import torch.nn.utils as utils
+        import torch.nn.utils.clip_grad as clip_module
+
+        original = clip_module.clip_grad_norm_
+        steps = self
+
+        def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            if isinstance(parameters, torch.Tensor):
+                parameters = [parameters]
+            else:
+                parameters = list(parameters)  # a generator would be used up by the original
+            norm = original(parameters, *args, **kwargs)
+            if steps.enabled and parameters and isinstance(norm, torch.Tensor) and not torch.compiler.is_compiling():
+                steps._clip = (norm, id(parameters[0]))
+            return norm
+
+        clip_grad_norm_.__wrapped__ = original  # type: ignore[attr-defined]
+        clip_grad_norm_.__doc__ = original.__doc__
+        patches.replace(clip_module, "clip_grad_norm_", clip_grad_norm_)
+        if getattr(utils, "clip_grad_norm_", None) is original:
+            patches.replace(utils, "clip_grad_norm_", clip_grad_norm_)
+
+    # ------------------------------------------------------------------ GradScaler
+
+    def _patch_scaler(self, patches: PatchRegistry) -> None:
+        scaler_type = torch.amp.GradScaler
+        original = scaler_type.step
+        steps = self
+
+        def step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if not steps.enabled or not scaler.is_enabled() or steps._scaler_step is not None:
+                return original(scaler, optimizer, *args, **kwargs)
+            lrs = learning_rates(optimizer)  # what a skipped step would have used
+            events: list[StepEvent] = []
+            steps._scaler_step = events
+            try:
+                result = original(scaler, optimizer, *args, **kwargs)
+            finally:
+                steps._scaler_step = None
+            steps._guard(lambda: steps._scaler_done(scaler, optimizer, lrs, events))
+            return result
+
+        step.__wrapped__ = original  # type: ignore[attr-defined]
+        step.__doc__ = original.__doc__
+        patches.replace(scaler_type, "step", step)
+
+    def _scaler_done(
+        self,
+        scaler: torch.amp.GradScaler,
+        optimizer: torch.optim.Optimizer,
+        lrs: tuple[float, ...],
+        events: list[StepEvent],
+    ) -> None:
+        if events:
+            event = events[-1]
+        else:  # no hook fired: the scaler found inf/NaN gradients and skipped optimizer.step()
+            self.known(optimizer)
+            clip, self._clip = self._clip, None
+            event = StepEvent(optimizer, lrs, clip[0] if clip is not None else None, skipped=1.0)
+        scale = scaler._scale
+        # the scale this step's loss was multiplied by; update() changes it in place later
+        event.scale = scale.clone() if isinstance(scale, torch.Tensor) else None
+        self._on_step(event)
+
+
+@dataclasses.dataclass(slots=True)
+class _OpenStep:
+    optimizer: torch.optim.Optimizer
+    lrs: tuple[float, ...]
+    closure: bool
+    found_inf: torch.Tensor | None
+    grad_norm: torch.Tensor | None = None
