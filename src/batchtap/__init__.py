@@ -26,6 +26,7 @@ from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo, RunSt
 
 if TYPE_CHECKING:
     from batchtap import metrics, rules, sinks
+    from batchtap.autolog import autolog
     from batchtap.integrations.callback import MetricsCallback
     from batchtap.recovery import AdaptiveBatchSampler, BatchSizeRule, Rollback, debug_mode, split_on_oom
     from batchtap.rules import NonFinite, Plateau, Spike, StepTimeRegression, Threshold
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 # reading commands start in a fraction of a second instead of waiting for `import torch`.
 _LAZY = {
     "Tap": "batchtap.tap",
+    "autolog": "batchtap.autolog",
     "MetricsCallback": "batchtap.integrations.callback",
     **{name: "batchtap.rules" for name in ("NonFinite", "Plateau", "Spike", "StepTimeRegression", "Threshold")},
     **{
@@ -64,6 +66,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Tap",
+    "autolog",
     "MetricsCallback",
     "metrics",
     "rules",
