@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from batchtap._ending import wait_for_sinks
+from batchtap.pipeline.ending import wait_for_sinks
 from batchtap.capture.flush import BlockData
 from batchtap.errors import InputError
 from batchtap.metrics.layout import Layout
