@@ -20,7 +20,7 @@ FORBIDDEN = {
     "metrics": {"capture", "pipeline", "rules", "recovery", "sinks", "store", "cli", "integrations", "demo", "tap"},
     # host side beside training: reads blocks, decodes, reduces, judges, dispatches to sinks
     "pipeline": {"recovery", "cli", "integrations", "demo", "tap"},
-    # host-only: sees records, never tensors (no torch), never the training state
+    # host-only: sees records, never tensors (no torch), never the training state (not even lazily)
     "rules": {"capture", "metrics", "pipeline", "recovery", "sinks", "store", "cli", "integrations", "demo", "tap"},
     # training-side tools the rules' decisions drive: may read rules and metrics, not the host side
     "recovery": {"capture", "pipeline", "sinks", "store", "cli", "integrations", "demo", "tap"},
@@ -36,10 +36,39 @@ FORBIDDEN = {
     "demo": {"capture", "pipeline", "tap", "cli", "integrations"},
 }
 
-# Public names kept where users import them from, loaded lazily (PEP 562) so that the import does
-# not run at import time: `bt.rules.Rollback` and friends predate batchtap.recovery.
-# test_the_rules_load_neither_recovery_nor_torch checks that importing the rules stays light.
-REEXPORTS = {"rules/__init__.py": {"recovery"}}
+# Packages that sit above the Tap (they drive one, or read what it stored); present or not.
+_ABOVE_TAP = {"cli", "integrations", "demo", "ui", "autolog"}
+
+# Top-level modules: the foundation every package may use imports no package (``_env`` redacts
+# with store.url, the lowest package); the assembly modules (the Tap, its open run, its defaults)
+# import the packages the Tap assembles, never what sits above the Tap.
+_FOUNDATION = {
+    "errors",
+    "records",
+    "hostreads",
+    "devicereads",
+    "_config",
+    "_env",
+    "_exit",
+    "_names",
+    "_optional",
+    "_owner",
+    "_userframes",
+    "_validate",
+    "_format",
+} & TOP_MODULES
+_ASSEMBLY = {"tap", "_run", "_defaults"}
+TOP_FORBIDDEN = {
+    **{name: (PACKAGES - {"store"} if name == "_env" else set(PACKAGES)) | _ASSEMBLY for name in _FOUNDATION},
+    "_defaults": (_ABOVE_TAP & PACKAGES) | {"tap", "_run"},
+    "_run": (_ABOVE_TAP & PACKAGES) | {"tap"},
+    "tap": _ABOVE_TAP & PACKAGES,
+}
+
+#: private attributes of objects batchtap does not own, read on purpose: name -> why
+FOREIGN_PRIVATE = {
+    "_scale": "torch.amp.GradScaler's scale tensor: reading it queues no device op (get_scale() syncs)",
+}
 
 
 def _module_name(path: Path) -> str:
@@ -101,14 +130,183 @@ def test_dependencies_point_one_way(package: str) -> None:
     bad = []
     for path in sorted((SRC / package).rglob("*.py")):
         where = str(path.relative_to(SRC))
-        found = _imports(path) & FORBIDDEN[package] - REEXPORTS.get(where, set())
+        found = _imports(path) & FORBIDDEN[package]
         bad += [f"{where} imports batchtap.{name}" for name in sorted(found)]
     assert not bad, "\n".join(bad)
 
 
-def test_every_reexport_exemption_is_still_needed() -> None:
-    for where, names in REEXPORTS.items():
-        assert names <= _imports(SRC / where), f"{where} no longer imports {sorted(names)}: drop the exemption"
+def test_every_top_level_module_has_an_entry() -> None:
+    assert set(TOP_FORBIDDEN) == TOP_MODULES, (
+        f"top-level modules without an entry in TOP_FORBIDDEN: {sorted(TOP_MODULES - set(TOP_FORBIDDEN))}; "
+        f"entries without a module: {sorted(set(TOP_FORBIDDEN) - TOP_MODULES)}. Say where the new module stands."
+    )
+
+
+@pytest.mark.parametrize("module", sorted(TOP_FORBIDDEN))
+def test_top_level_modules_point_one_way(module: str) -> None:
+    found = _imports(SRC / f"{module}.py") & TOP_FORBIDDEN[module]
+    assert not found, f"{module}.py imports {sorted(found)}"
+
+
+def _deepest_module(dotted: str) -> str | None:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        if _is_module(".".join(parts[:i])):
+            return ".".join(parts[:i])
+    return None
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the batchtap modules it imports: at the top, in functions (lazy) and under
+    ``TYPE_CHECKING`` (type-only) alike."""
+    graph: dict[str, set[str]] = {}
+    for path in SRC.rglob("*.py"):
+        module = _module_name(path)
+        graph[module] = {d for name in _imported(path) if (d := _deepest_module(name)) and d != module}
+    return graph
+
+
+def test_no_import_cycles_between_modules() -> None:
+    cycles = _cycles(_module_graph())
+    assert not cycles, "import cycles (lazy and type-only imports count; move what both need below both): " + "; ".join(
+        " <-> ".join(c) for c in cycles
+    )
+
+
+def test_no_import_cycles_between_packages() -> None:
+    def unit(module: str) -> str:
+        return module.split(".")[1] if module.count(".") else module
+
+    graph: dict[str, set[str]] = {}
+    for module, imported in _module_graph().items():
+        graph.setdefault(unit(module), set()).update(unit(m) for m in imported if unit(m) != unit(module))
+    cycles = _cycles(graph)
+    assert not cycles, "packages that import each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def _unit(path: Path) -> str:
+    """The package a file belongs to, or the top-level module it is."""
+    parts = path.relative_to(SRC).parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_attributes_defined(tree: ast.AST) -> set[str]:
+    """Private names a file gives its own objects: methods and classes, ``self._x`` / ``cls._x``
+    assignments, class and module attributes, ``__slots__`` entries."""
+    defined: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
+            defined.add(node.name)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+            and _private(node.attr)
+        ):
+            defined.add(node.attr)
+    bodies = [tree.body] + [c.body for c in ast.walk(tree) if isinstance(c, ast.ClassDef)]  # type: ignore[attr-defined]
+    for statement in (s for body in bodies for s in body):
+        targets = (
+            statement.targets
+            if isinstance(statement, ast.Assign)
+            else [statement.target]
+            if isinstance(statement, ast.AnnAssign)
+            else []
+        )
+        for target in targets:
+            defined.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name) and _private(n.id))
+            if isinstance(target, ast.Name) and target.id == "__slots__":
+                defined.update(
+                    c.value
+                    for c in ast.walk(statement.value)  # type: ignore[arg-type]
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str) and _private(c.value)
+                )
+    return defined
+
+
+def _foreign_roots(tree: ast.AST) -> set[str]:
+    """Names the file binds by importing something outside batchtap (``torch``, ``np`` ...)."""
+    roots: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots.update((a.asname or a.name).split(".")[0] for a in node.names if not a.name.startswith("batchtap"))
+        elif isinstance(node, ast.ImportFrom) and not node.level and not (node.module or "").startswith("batchtap"):
+            roots.update(a.asname or a.name for a in node.names)
+    return roots
+
+
+def test_no_package_reads_another_packages_private_attributes() -> None:
+    """``obj._name`` outside ``self``/``cls``/``super()`` names something private to the package that
+    defines ``_name``: reading it from elsewhere (``tap._metrics`` from an integration) couples to
+    internals the import rule cannot see. Private attributes of foreign objects (torch's) are listed
+    in FOREIGN_PRIVATE with the reason."""
+    trees = {path: ast.parse(path.read_text()) for path in SRC.rglob("*.py")}
+    defined: dict[str, set[str]] = {}
+    for path, tree in trees.items():
+        defined.setdefault(_unit(path), set()).update(_private_attributes_defined(tree))
+    bad = []
+    for path, tree in trees.items():
+        unit, foreign = _unit(path), _foreign_roots(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)) or node.attr in FOREIGN_PRIVATE:
+                continue
+            if node.attr in ("_replace", "_asdict", "_fields", "_make"):  # the NamedTuple API
+                continue
+            value = node.value
+            if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                continue
+            if isinstance(value, ast.Call) and ast.unparse(value.func) == "super":
+                continue
+            root = value
+            while isinstance(root, (ast.Attribute, ast.Subscript, ast.Call)):
+                root = root.func if isinstance(root, ast.Call) else root.value
+            if isinstance(root, ast.Name) and root.id in foreign:
+                continue  # torch._C, sys._getframe ...
+            if node.attr in defined.get(unit, ()):
+                continue
+            owners = sorted(u for u, names in defined.items() if node.attr in names)
+            if owners:
+                bad.append(
+                    f"{path.relative_to(SRC)}:{node.lineno}: {ast.unparse(node)} (private to {', '.join(owners)})"
+                )
+    assert not bad, "\n".join(bad)
 
 
 def _owner(target: str) -> str:
@@ -140,15 +338,18 @@ def test_no_package_imports_another_packages_private_module() -> None:
 
 
 def test_the_rules_load_neither_recovery_nor_torch() -> None:
-    """The rules are host-only; their lazily re-exported recovery names load on first use."""
+    """The rules are host-only; a name that moved to batchtap.recovery says where it went."""
     import subprocess
     import sys
 
     code = (
         "import sys, batchtap.rules\n"
         "assert 'batchtap.recovery' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)\n"
-        "import batchtap.recovery\n"
-        "assert batchtap.rules.Rollback is batchtap.recovery.Rollback\n"
+        "try:\n"
+        "    batchtap.rules.Rollback\n"
+        "except AttributeError as e:\n"
+        "    assert 'batchtap.recovery' in str(e) and 'bt.Rollback' in str(e), e\n"
+        "assert 'batchtap.recovery' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -99,7 +99,7 @@ def test_every_metric_rules_and_snapshots_on_cuda_no_host_read_no_upload(fake_cu
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         rules = [bt.rules.NonFinite("loss"), bt.rules.Threshold("grad_norm", above=1e9), bt.rules.Spike("loss")]
-        rollback = bt.rules.Rollback(model, opt, every=10, keep=2)
+        rollback = bt.Rollback(model, opt, every=10, keep=2)
         tap = bt.Tap(_all_metrics(model, opt), [sink], flush_every=10, capacity=40, rules=rules, rollback=rollback)
         with tap, tap.run():
             loss, outputs, targets = _forward(model)

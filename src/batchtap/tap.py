@@ -102,7 +102,7 @@ class Tap:
         backpressure: ``"block"`` (lose nothing) or ``"drop_oldest"`` (never wait on sinks).
         rules: anomaly rules (see :mod:`batchtap.rules`), run on the pipeline thread on every
             block of records; their actions are applied on the training thread at its next step.
-        rollback: the :class:`~batchtap.rules.Rollback` that ``rollback`` actions restore from.
+        rollback: the :class:`~batchtap.recovery.Rollback` that ``rollback`` actions restore from.
         spool_dir: wrap every sink in a :class:`~batchtap.sinks.resilient.ResilientSink` that
             spools to this folder while the sink fails and replays when it recovers (or at the next
             start), so an outage loses nothing.
@@ -123,6 +123,8 @@ class Tap:
         pipeline: where decoding, validation, rules and sinks run: ``"thread"`` (a thread of this
             process) or ``"process"`` (a process of their own, fed through shared memory, so
             sinks never hold this process's GIL; see docs/architecture.md "Pipeline process").
+        fit_metrics: drop the metrics whose inputs the run's first step lacks (accuracy of a loss-only
+            loop) instead of raising; default: only for the default metrics (``bt.autolog`` sets it).
 
     In an initialized ``torch.distributed`` process group every rank runs the same code: rows are
     flushed at the same steps (``flush_seconds`` is not used there), reduced over ranks on
@@ -155,6 +157,7 @@ class Tap:
         exit_timeout: float = 10.0,
         end_timeout: float = 60.0,
         pipeline: PipelineKind = "thread",
+        fit_metrics: bool | None = None,
     ) -> None:
         check_int("flush_every", flush_every, 1)
         check_int("sample_every", sample_every, 1)
@@ -189,7 +192,7 @@ class Tap:
         # flushes at once, so the rule's own action (e.g. rollback) follows within a step or two
         self._settings = RunSettings(
             metrics=tuple(chosen),
-            auto_metrics=metrics is None,
+            auto_metrics=metrics is None if fit_metrics is None else bool(fit_metrics),
             declared_extras=declared_extras(extras, chosen),
             capacity=capacity,
             flush_every=flush_every,
@@ -385,21 +388,17 @@ class Tap:
         then the pipeline ends (a pipeline process exits by itself rather than being terminated)."""
         if self._closed:
             return
-        self._end_open_run_at_exit()
+        if self._run is not None:
+            self._sigterm_handler = None  # signal handlers no longer matter at exit
+            try:
+                self._finish(
+                    RunStatus.FAILED,
+                    "the process exited with the run still open (finish() was never called)",
+                    timeout=self.exit_timeout,
+                )
+            except Exception:  # never turn interpreter exit into a traceback of ours
+                log.exception("batchtap: ending the open run at exit failed")
         self._pipeline.at_exit(timeout=self.exit_timeout)
-
-    def _end_open_run_at_exit(self) -> None:
-        if self._run is None:
-            return
-        self._sigterm_handler = None  # signal handlers no longer matter at exit
-        try:
-            self._finish(
-                RunStatus.FAILED,
-                "the process exited with the run still open (finish() was never called)",
-                timeout=self.exit_timeout,
-            )
-        except Exception:  # never turn interpreter exit into a traceback of ours
-            log.exception("batchtap: ending the open run at exit failed")
 
     def close(self) -> None:
         """Stop the pipeline and close every sink. Idempotent."""
@@ -645,6 +644,14 @@ class Tap:
             self._run.request_stop(reason, step=step, metric=metric)
         else:
             self._control.request_stop(reason, step if step is not None else 0)
+
+    def warn(self, message: str) -> None:
+        """Store a warning event with the open run (and log it): what a tool driving this Tap
+        (``bt.autolog``) could not see or had to assume. No-op outside a run."""
+        log.warning("batchtap: %s", message)
+        run = self._run
+        if run is not None:
+            run.send([Event(run.info.id, max(run.step - 1, 0), EventKind.WARNING, message, time.time(), rank=run.rank)])
 
     # ------------------------------------------------------------------ internals
 

@@ -7,15 +7,12 @@ never when the store is opened.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from batchtap._optional import require
 from batchtap.store.errors import StoreError
 
-if TYPE_CHECKING:  # the reader imports this module; the annotation only needs the names
-    from batchtap.store.reader import RunRow, Store
-
-__all__ = ["run_frame", "POSITION_COLUMNS", "CLASH_PREFIX"]
+__all__ = ["run_frame", "RunSource", "POSITION_COLUMNS", "CLASH_PREFIX"]
 
 #: Columns ``frame(..., positions=True)`` adds in front of the metric values.
 POSITION_COLUMNS = ("epoch", "batch", "wall_time")
@@ -24,15 +21,26 @@ POSITION_COLUMNS = ("epoch", "batch", "wall_time")
 CLASH_PREFIX = "metric:"
 
 
+class RunSource(Protocol):
+    """What a frame is read from: the reader's :class:`~batchtap.store.Store` (named here by what it
+    does, so that this module, which the reader imports, imports nothing of the reader)."""
+
+    def run(self, ref: str, /) -> Any: ...
+    def metric_names(self, run: str, /) -> list[str]: ...
+    def sparse_names(self, run: str, /) -> list[str]: ...
+    def series(self, run: str, metric: str, /, rank: int | None = None) -> Sequence[Any]: ...
+
+
 def run_frame(
-    store: Store,
-    run: str | RunRow,
+    store: RunSource,
+    run: Any,
     metrics: Sequence[str] | None = None,
     *,
     rank: int | None = None,
     positions: bool = False,
 ) -> Any:
-    """See :meth:`batchtap.store.Store.frame` (this is its implementation)."""
+    """See :meth:`batchtap.store.Store.frame` (this is its implementation); ``run`` is a name, an id
+    or a prefix of one, or a ``RunRow``."""
     pd = require("pandas", extra="pandas", purpose="batchtap.store.Store.frame")
     row = store.run(run) if isinstance(run, str) else run
     present = store.metric_names(row.id)
