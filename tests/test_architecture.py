@@ -32,8 +32,12 @@ FORBIDDEN = {
     "cli": {"capture", "metrics", "pipeline", "rules", "recovery", "integrations"},
     # frameworks drive a Tap through its public API
     "integrations": {"capture", "pipeline", "cli", "demo"},
+    # one line at the top of a script: patches torch's public hooks and drives a Tap through its public API
+    "autolog": {"capture", "pipeline", "recovery", "store", "cli", "integrations", "demo"},
     # written the way a user's script is: `import batchtap as bt`, never the Tap's internals
     "demo": {"capture", "pipeline", "tap", "cli", "integrations"},
+    # the browser view: reads stores (read-only) and serves them; nothing of training, no torch
+    "ui": {"capture", "metrics", "pipeline", "rules", "recovery", "sinks", "cli", "integrations", "demo", "tap"},
 }
 
 # Packages that sit above the Tap (they drive one, or read what it stored); present or not.
