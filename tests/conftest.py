@@ -51,6 +51,7 @@ OPTIONAL_TEST_DEPENDENCIES = (
     "psycopg", "tensorboard", "matplotlib", "sklearn", "mypy", "hypothesis", "lightning", "transformers",
     "accelerate", "jsonargparse", "pandas", "pyarrow", "mlflow", "sqlalchemy", "alembic", "wandb",
     "prometheus_client",
+    "keras", "tensorflow",
 )  # fmt: skip
 
 

@@ -1,0 +1,240 @@
+"""``BatchtapCallback``: exact per-batch values from Keras 3 ``fit()``, with no added host read.
+
+Keras' own ``logs["loss"]`` at ``on_train_batch_end`` is the running mean since the epoch began,
+not the batch's loss, and turning the logs into Python floats is a host read per value per call.
+This callback records each batch's own values instead, the way batchtap records a PyTorch loop:
+
+* it hooks ``model.compute_loss`` (loss, y, y_pred) and ``model.optimizer.apply`` (gradients) on
+  the instances for the length of ``fit()``, and never overrides ``on_train_batch_end`` (that would
+  make Keras convert every log value in the training thread, on every backend);
+* on the **torch** backend each step goes straight to ``tap.step()`` (batchtap's metrics, the NaN
+  guard at the same step, ``model.stop_training`` when the Tap asks to stop);
+* on the **TensorFlow** backend each step writes one row into a ``tf.Variable`` ring inside the
+  compiled step (``jit_compile`` and ``steps_per_execution`` included: still one row per batch),
+  read back once per flush and handed to the same pipeline; a non-finite loss freezes the
+  optimizer in the graph from the next step on.
+
+JAX is not supported yet (its train step is a pure function: a ring would have to travel in the
+state Keras threads through it). Needs ``pip install 'batchtap[keras]'``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from batchtap._optional import require
+from batchtap.errors import ConfigError
+from batchtap.integrations._lifecycle import finish_as
+from batchtap.integrations._tf_ring import TFCapture
+from batchtap.metrics import Loss
+from batchtap.tap import Tap
+
+_keras: Any = require("keras", extra="keras", purpose="batchtap.integrations.keras")
+
+__all__ = ["BatchtapCallback", "TFCapture"]
+
+log = logging.getLogger("batchtap")
+
+#: exceptions Keras raises inside the train function to end an epoch's data, and catches itself
+_END_OF_DATA = ("OutOfRangeError", "StopIteration")
+
+
+class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
+    """Record every training batch of ``model.fit()`` into a :class:`~batchtap.Tap`.
+
+    Per batch: ``loss`` (what ``compute_loss`` returned: sample-weighted as Keras weights it,
+    regularization included), ``accuracy`` (top-1, for class scores ``[..., C]`` with class-index
+    or one-hot targets; unweighted), ``lr`` (the rate the step used, schedules included),
+    ``grad_norm`` (global L2 norm, unscaled under ``LossScaleOptimizer``), ``step_time`` and
+    ``throughput``. Validation results (``val_*``) are stored as sparse values at each epoch end;
+    ``evaluate(..., callbacks=[cb])`` results too (as ``eval_*``) while a run is open.
+
+    The run: if no run of the Tap is open when ``fit()`` starts, the callback starts one (named
+    after the model) and ends it when ``fit()`` ends — ``failed`` on an exception in a training
+    step, ``stopped`` on Ctrl-C or a stop request. Inside ``with tap.run(...)`` it uses that run
+    and leaves ending it to you (then ``fit`` and ``evaluate`` share the run).
+
+    Args:
+        tap: the Tap to feed. Default: a Tap with the default sinks (``bt.Tap()`` on the torch
+            backend; ``bt.Tap(metrics=[bt.metrics.Loss()])`` on TensorFlow, where the values
+            come from the step itself).
+        name: run name when the callback starts the run (default: ``model.name``).
+        config: run config to store when the callback starts the run.
+        flush_every: TensorFlow only: read the device ring after about this many steps
+            (default: ``tap.flush_every``); a NaN stop reaches ``model.stop_training`` then.
+
+    Example (not run here: it trains)::
+
+        tap = bt.Tap(metrics=[bt.metrics.Loss()], sinks=[bt.sinks.SQLite("runs/batchtap.db")])
+        model.fit(x, y, epochs=3, callbacks=[BatchtapCallback(tap)])
+    """
+
+    def __init__(
+        self,
+        tap: Tap | None = None,
+        *,
+        name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        flush_every: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.backend = _keras.backend.backend()
+        if self.backend not in ("tensorflow", "torch"):
+            raise ConfigError(
+                f"batchtap.integrations.keras supports the 'tensorflow' and 'torch' Keras backends, got "
+                f"{self.backend!r}; set KERAS_BACKEND=tensorflow or KERAS_BACKEND=torch"
+            )
+        self.tap = tap
+        self._own_tap = tap is None
+        self.name = name
+        self.config = config
+        self.flush_every = flush_every
+        self._recorder: Any = None
+        self._own_run = False
+        self._in_fit = False
+        self._epoch = 0
+        self._batch = 0
+        self._last_reads = 0
+
+    # ------------------------------------------------------------------ fit
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        model = self.model
+        if getattr(model, "optimizer", None) is None:
+            raise ConfigError(
+                "BatchtapCallback needs a compiled model with an optimizer; call model.compile(...) first"
+            )
+        if self.tap is None:
+            self.tap = Tap(metrics=[Loss()]) if self.backend == "tensorflow" else Tap()
+        tap = self.tap
+        self._finish_stale_run()
+        if tap.run_info is None:
+            tap.start(name=self.name or getattr(model, "name", None), config=self.config)
+            self._own_run = True
+        self._in_fit = True
+        self._epoch = self._batch = 0
+        if self.backend == "torch":
+            from batchtap.integrations._keras_torch import TorchRecorder
+
+            self._recorder = TorchRecorder(model, tap, self._next_position)
+        else:
+            from batchtap.integrations._keras_tf import TFRecorder
+
+            self._recorder = TFRecorder(model, tap, flush_every=self.flush_every, freeze_on_nan=tap.nan_guard)
+        # Keras made its train function before this hook: make it again so it traces our hooks
+        model.make_train_function(force=True)
+        self._wrap_train_function(model)
+
+    def _wrap_train_function(self, model: Any) -> None:
+        original = model.train_function
+        capture = self._recorder.capture if self.backend == "tensorflow" else None
+
+        def train_function(*args: Any, **kwargs: Any) -> Any:
+            if capture is not None:
+                capture.call_started()
+            try:
+                out = original(*args, **kwargs)
+            except BaseException as exc:
+                if type(exc).__name__ not in _END_OF_DATA:
+                    self._end(exc)
+                elif capture is not None:
+                    capture.advance()
+                raise
+            if capture is not None:
+                capture.advance()
+                if capture.should_stop:
+                    model.stop_training = True
+            return out
+
+        model.train_function = train_function
+
+    def _next_position(self) -> tuple[int, int]:
+        position = (self._epoch, self._batch)
+        self._batch += 1
+        return position
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._epoch, self._batch = epoch, 0
+        if self.backend == "tensorflow" and self._recorder is not None:
+            self._recorder.capture.new_epoch(epoch)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._drain()
+        tap = self.tap
+        if tap is None or tap.run_info is None:
+            return
+        # Keras already turned these into Python floats (its own read, made with or without us)
+        values = {k: v for k, v in (logs or {}).items() if k.startswith("val_") and isinstance(v, (int, float))}
+        if values:
+            tap.log(values)
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self._end(None)
+
+    def on_test_end(self, logs: Any = None) -> None:
+        if self._in_fit:
+            return  # validation inside fit(): stored with the epoch's end as val_*
+        tap = self.tap
+        values = {f"eval_{k}": v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
+        if tap is None or tap.run_info is None:
+            if values:
+                log.warning(
+                    "batchtap: evaluate() results not stored: no run is open; run fit() and evaluate() inside "
+                    "`with tap.run(...)` to store them with the run"
+                )
+            return
+        if values:
+            tap.log(values)
+
+    # ------------------------------------------------------------------ internals
+
+    def _drain(self) -> None:
+        """TensorFlow: hand the ring's rows to the Tap (one read of the ring)."""
+        if self.backend == "tensorflow" and self._recorder is not None and self.tap is not None:
+            if self.tap.run_info is not None:
+                self._recorder.capture.flush()
+            if self.tap.should_stop and self.model is not None:
+                self.model.stop_training = True
+
+    @property
+    def host_reads(self) -> int:
+        """Device reads this callback made (TensorFlow: two per flush that found rows; torch: 0)."""
+        capture = getattr(self._recorder, "capture", None)
+        return capture.host_reads if capture is not None else self._last_reads
+
+    def _end(self, exc: BaseException | None) -> None:
+        """End of fit(), however it ended: rows stored, hooks off, the run ended if it is ours."""
+        if not self._in_fit:
+            return
+        self._in_fit = False
+        tap = self.tap
+        try:
+            if exc is None or not isinstance(exc, KeyboardInterrupt):
+                self._drain()
+        finally:
+            recorder, self._recorder = self._recorder, None
+            if recorder is not None:
+                recorder.remove()
+                self._keep_reads(recorder)
+            model = self.model
+            if model is not None:
+                model.train_function = None  # rebuilt without the hooks by the next fit()
+            if self._own_run and tap is not None and tap.run_info is not None:
+                self._own_run = False
+                finish_as(tap, exc)
+            if self._own_tap and tap is not None and exc is not None:
+                tap.close()
+                self.tap = None
+
+    def _keep_reads(self, recorder: Any) -> None:
+        capture = getattr(recorder, "capture", None)
+        self._last_reads = capture.host_reads if capture is not None else 0
+
+    def _finish_stale_run(self) -> None:
+        """A run this callback started whose fit() ended by an exception outside a training step
+        (a callback's, the data pipeline's on the torch backend): end it as failed now."""
+        if self._own_run and self.tap is not None and self.tap.run_info is not None:
+            self._own_run = False
+            self.tap.finish("failed", reason="the previous fit() ended by an exception outside a training step")
