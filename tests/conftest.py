@@ -50,7 +50,7 @@ class ListSink(Sink):
 OPTIONAL_TEST_DEPENDENCIES = (
     "psycopg", "tensorboard", "matplotlib", "sklearn", "mypy", "hypothesis", "lightning", "transformers",
     "accelerate", "jsonargparse", "pandas", "pyarrow", "mlflow", "sqlalchemy", "alembic", "wandb",
-    "prometheus_client",
+    "prometheus_client", "starlette", "uvicorn", "bokeh", "playwright",
     "keras", "tensorflow",
 )  # fmt: skip
 

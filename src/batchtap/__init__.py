@@ -44,7 +44,7 @@ _LAZY = {
         for name in ("AdaptiveBatchSampler", "BatchSizeRule", "Rollback", "debug_mode", "split_on_oom")
     },
 }
-_SUBMODULES = frozenset({"metrics", "rules", "sinks"})
+_SUBMODULES = frozenset({"metrics", "rules", "sinks", "ui"})
 
 
 def __getattr__(name: str) -> Any:

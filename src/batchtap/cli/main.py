@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from batchtap.cli import audit, compare, demo, export, plot, runs, show, tail, tensorboard
+from batchtap.cli import audit, compare, demo, export, plot, runs, show, tail, tensorboard, ui
 from batchtap.cli._common import CLIError
 
 __all__ = ["main", "build_parser"]
@@ -18,6 +18,7 @@ EXAMPLES = """examples:
   batchtap tail demo                          # follow a run live until it ends
   batchtap plot demo -m loss -m accuracy -o loss.png
   batchtap audit train.py                     # find hidden .item() / if loss > x: syncs
+  batchtap ui                                 # browse the runs live in a browser (batchtap[ui])
 
 Store: --db URL on each subcommand, else $BATCHTAP_DB, else runs/batchtap.db.
 Exit status: 0 ok, 1 user error (unknown run, not a batchtap store, ...), 2 usage error."""
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=demo.main)
-    for module in (runs, show, tail, plot, compare, export, tensorboard, audit):
+    for module in (runs, show, tail, plot, compare, export, tensorboard, audit, ui):
         module.register(commands)
     return parser
 

@@ -1,0 +1,258 @@
+"""How fast `batchtap ui` opens a 1,000,000-step run, how many bytes that takes, and how soon a
+live run's new steps reach an open page.
+
+1. Writes a SQLite store (with the SQLite sink's schema and its upsert, not by training 10^6 steps):
+   one finished run of ``--steps`` steps with the seven metrics of a default CPU run (loss,
+   accuracy, grad_norm, lr, step_time, data_time, throughput), a one-step loss spike and a few
+   anomaly events.
+2. Starts ``batchtap ui --db STORE --port 0`` as its own process and opens the run's page in
+   headless Chromium (Debian's ``chromium``, driven by Playwright), ``--repeat`` times: the load time
+   is from navigation to every chart drawn (``body[data-ready]``, the page's own clock), and the
+   bytes are the response bodies the page received (BokehJS apart: the browser caches it).
+3. Zoomed in: the time of one series request for a 1,000-step window (raw points).
+4. Live: a second run written by the SQLite sink at 10 flushes a second (10 steps each) while its
+   page is open for ``--live-seconds``: the delay from each flush's commit to the page having that
+   step, and the page's long tasks (over 50 ms) meanwhile.
+
+Run: ``.venv/bin/python bench/ui_load.py`` (``--quick``: 20,000 steps, 1 repeat, 3 s live).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus
+from batchtap.sinks.sqlite import SQLite
+from batchtap.store.connect import connect_sqlite
+from batchtap.store.schema import SQLITE, UPSERT_METRICS, transaction
+
+METRICS = ("loss", "accuracy", "grad_norm", "lr", "step_time", "data_time", "throughput")
+CHROMIUM = "/usr/bin/chromium"
+
+
+def write_big_run(path: Path, steps: int, *, run_id: str = "b" * 32, spike_at: int | None = None) -> str:
+    """A finished run of ``steps`` steps, written with the SQLite sink's schema and upsert."""
+    sink = SQLite(path)
+    started = 1.7e9
+    info = RunInfo(run_id, "big", {"lr": 0.1, "batch_size": 64}, started_at=started, metrics=METRICS)
+    sink.start_run(info)
+    spike_at = steps // 2 + 123 if spike_at is None else spike_at
+    events = [
+        Event(run_id, step, EventKind.ANOMALY, f"loss=nan at step {step}", started + step * 0.01, "loss", float("nan"))
+        for step in (steps // 5, steps // 3)
+    ]
+    sink.write([], events)
+    sink.close()
+    rng = np.random.default_rng(0)
+    conn = connect_sqlite(path, create=True)
+    chunk = 200_000
+    for lo in range(0, steps, chunk):
+        s = np.arange(lo, min(steps, lo + chunk))
+        wall = started + s * 0.01
+        values = {
+            "loss": 2.0 / np.sqrt(1 + s / 1000) + rng.normal(0, 0.02, len(s)),
+            "accuracy": np.clip(1 - 1 / np.sqrt(1 + s / 1000) + rng.normal(0, 0.02, len(s)), 0, 1),
+            "grad_norm": 1 + rng.random(len(s)),
+            "lr": 0.1 * 0.5 ** (s // (steps // 4 + 1)),
+            "step_time": 0.008 + rng.random(len(s)) * 0.002,
+            "data_time": 0.001 + rng.random(len(s)) * 0.001,
+            "throughput": 6000 + rng.random(len(s)) * 500,
+        }
+        if lo <= spike_at < lo + len(s):
+            values["loss"][spike_at - lo] = 50.0  # one step: decimation must keep it
+        with transaction(conn, SQLITE):
+            for name in METRICS:
+                v = values[name]
+                conn.executemany(
+                    UPSERT_METRICS,
+                    zip(
+                        [run_id] * len(s),
+                        [name] * len(s),
+                        s.tolist(),
+                        [0] * len(s),
+                        [0] * len(s),
+                        s.tolist(),
+                        wall.tolist(),
+                        v.tolist(),
+                    ),
+                )
+    conn.close()
+    sink = SQLite(path)
+    info.status, info.ended_at = RunStatus.FINISHED, started + steps * 0.01
+    sink.end_run(info)
+    sink.close()
+    return run_id
+
+
+def start_ui(db: Path) -> tuple[subprocess.Popen[str], str]:
+    """``batchtap ui --db DB --port 0`` in its own process; its base URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchtap.cli.main", "ui", "--db", str(db), "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    url = line.split(" at ", 1)[1].strip().rstrip("/")
+    return proc, url
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--live-seconds", type=float, default=10.0)
+    parser.add_argument("--quick", action="store_true", help="20,000 steps, 1 repeat, 3 s live (a smoke run)")
+    parser.add_argument("--keep", default=None, help="write the store here and keep it (default: a temporary folder)")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.repeat, args.live_seconds = 20_000, 1, 3.0
+    from playwright.sync_api import sync_playwright
+
+    folder = Path(args.keep or tempfile.mkdtemp(prefix="bt-ui-bench-"))
+    db = folder / "ui_bench.db"
+    if db.exists() and not args.keep:
+        db.unlink()
+    t0 = time.perf_counter()
+    run_id = write_big_run(db, args.steps) if not db.exists() else "b" * 32
+    print(
+        f"store: {db} ({db.stat().st_size / 1e6:.0f} MB, {args.steps:,} steps x {len(METRICS)} metrics, "
+        f"written in {time.perf_counter() - t0:.1f} s)"
+    )
+    proc, base = start_ui(db)
+    results: dict[str, object] = {"steps": args.steps, "metrics": len(METRICS)}
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM)
+            loads, data_bytes, js_bytes, requests = [], [], [], []
+            for _ in range(args.repeat):
+                page = browser.new_page(viewport={"width": 1400, "height": 900})
+                seen: list = []
+                page.on("requestfinished", lambda r, seen=seen: seen.append(r))
+                page.goto(f"{base}/run/{run_id}")
+                page.wait_for_selector("body[data-ready='1']", timeout=120_000)
+                loads.append(page.evaluate("() => bt.readyAt") / 1000)
+                sizes = [(r.url, r.sizes()["responseBodySize"]) for r in seen]
+                js_bytes.append(sum(n for u, n in sizes if "/bokeh/" in u))
+                data_bytes.append(sum(n for u, n in sizes if "/bokeh/" not in u))
+                requests.append(len(sizes))
+                points = page.evaluate("() => bt.charts.loss.lines[0].source.data.value.length")
+                spike = page.evaluate(
+                    "() => Math.max(...bt.charts.loss.lines[0].source.data.value.filter(Number.isFinite))"
+                )
+                page.close()
+            results.update(
+                load_s_median=statistics.median(loads),
+                load_s_all=[round(x, 3) for x in loads],
+                bytes_without_bokehjs=statistics.median(data_bytes),
+                bokehjs_bytes=statistics.median(js_bytes),
+                requests=requests[0],
+                loss_points=points,
+                loss_max_shown=spike,
+            )
+            # zoomed in: one raw window of 1,000 steps
+            times = []
+            for i in range(5):
+                start = args.steps // 3 + i * 1000
+                t = time.perf_counter()
+                with urllib.request.urlopen(
+                    f"{base}/api/runs/{run_id}/series?metric=loss&start={start}&end={start + 999}&width=700"
+                ) as r:
+                    body = json.loads(r.read())
+                times.append(time.perf_counter() - t)
+            results.update(
+                zoom_1000_steps_s_median=statistics.median(times), zoom_mode=body["mode"], zoom_points=len(body["step"])
+            )
+            results.update(live(browser, base, db, args.live_seconds))
+            browser.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    print(json.dumps(results, indent=2))
+
+
+def live(browser, base: str, db: Path, seconds: float) -> dict[str, object]:
+    """A run written at 10 flushes/s while its page is open: flush-to-page delays, long tasks."""
+    run_id = "c" * 32
+    sink = SQLite(db)
+    sink.start_run(RunInfo(run_id, "live", {}, started_at=time.time(), metrics=METRICS))
+    step = 0
+
+    def flush(n: int) -> float:
+        nonlocal step
+        now = time.time()
+        records = [
+            Record(
+                run_id,
+                step=step + i,
+                epoch=0,
+                batch=step + i,
+                rank=0,
+                wall_time=now,
+                values={m: 1.0 / (1 + step + i) for m in METRICS},
+            )
+            for i in range(n)
+        ]
+        sink.write(records)
+        step += n
+        return time.time()
+
+    flush(10)
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(f"{base}/run/{run_id}")
+    page.wait_for_selector("body[data-ready='1']", timeout=60_000)
+    committed: dict[int, float] = {}
+    stop = threading.Event()
+
+    def writer() -> None:
+        while not stop.is_set():
+            at = flush(10)
+            committed[step - 1] = at
+            time.sleep(0.1)
+
+    page.evaluate("() => { bt.longTasks.length = 0; }")  # only the tasks while the run writes
+    thread = threading.Thread(target=writer)
+    thread.start()
+    delays = []
+    seen_step = -1
+    end = time.time() + seconds
+    while time.time() < end:
+        got = page.evaluate("() => bt.lastUpdate")
+        if got and got["lastStep"] is not None and got["lastStep"] > seen_step and got["lastStep"] in committed:
+            seen_step = got["lastStep"]
+            delays.append(got["at"] / 1000 - committed[seen_step])
+        time.sleep(0.02)
+    stop.set()
+    thread.join()
+    long_tasks = page.evaluate("() => bt.longTasks")
+    page.close()
+    info = RunInfo(
+        run_id, "live", {}, started_at=time.time(), metrics=METRICS, status=RunStatus.FINISHED, ended_at=time.time()
+    )
+    sink.end_run(info)
+    sink.close()
+    return {
+        "live_flushes": len(committed),
+        "live_delay_s_median": statistics.median(delays) if delays else None,
+        "live_delay_s_max": max(delays) if delays else None,
+        "live_samples": len(delays),
+        "long_tasks_over_50ms": len(long_tasks),
+        "longest_task_ms": max(long_tasks, default=0),
+    }
+
+
+if __name__ == "__main__":
+    main()

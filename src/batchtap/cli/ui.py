@@ -1,0 +1,68 @@
+"""``batchtap ui``: serve a live browser view of the store's runs (read-only)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from batchtap.cli._common import CLIError, add_db_arguments, db_url
+
+__all__ = ["register", "main"]
+
+EXAMPLE = """examples:
+  batchtap ui                                   # runs/batchtap.db at http://127.0.0.1:8080/
+  batchtap ui --db runs/batchtap.db --port 9000
+  batchtap ui --db postgresql://postgres@db/train --host 0.0.0.0    # prints a link with ?token=...
+
+Needs: pip install 'batchtap[ui]'. The store is opened read-only; a running run's charts grow as it
+trains. Any --host but loopback requires a token (generated and printed, or --token)."""
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``ui`` subcommand."""
+    parser = commands.add_parser(
+        "ui",
+        help="browse the runs in a browser: live charts, events, compare",
+        description="Serve a browser view of a store's runs (SQLite or PostgreSQL, read-only): a runs table, "
+        "one page per run with live charts and events, and runs overlaid to compare.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_db_arguments(parser)
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1; any other needs a token)"
+    )
+    parser.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="require this token on every request (default: generated when --host is not loopback)",
+    )
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Serve until Ctrl-C."""
+    from batchtap.store import StoreError
+
+    try:
+        import batchtap.ui
+    except ImportError as exc:  # pragma: no cover - the message names the extra
+        raise CLIError(str(exc)) from None
+    if args.token is not None and not args.token:
+        raise CLIError("--token must not be empty; fix: give a token, or leave --token out to have one generated")
+    try:
+        batchtap.ui.serve(
+            db_url(args),
+            host=args.host,
+            port=args.port,
+            token=args.token,
+            schema=args.schema or os.environ.get("BATCHTAP_DB_SCHEMA") or None,
+        )
+    except StoreError as exc:
+        raise CLIError(str(exc)) from None
+    except ImportError as exc:
+        raise CLIError(str(exc)) from None
+    except OSError as exc:
+        raise CLIError(f"cannot serve on {args.host}:{args.port}: {exc}; fix: pick another --port") from None
+    return 0

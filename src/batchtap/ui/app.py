@@ -1,0 +1,140 @@
+"""The web application: one page, a JSON API over :class:`~batchtap.ui.data.ReadOnlyStore`, the
+live stream, and the chart library's JavaScript served from its installed ``bokeh`` package.
+
+Routes:
+
+* ``/``, ``/run/{id}``, ``/compare?runs=a,b`` — the page (``static/index.html``; ``static/app.js``
+  draws the runs table, a run, or a comparison from the path).
+* ``/api/runs`` — every run with its summary; ``/api/runs/{id}`` — one run with its metrics.
+* ``/api/runs/{id}/series?metric=&rank=&start=&end=&width=`` — one line, decimated to ``width``.
+* ``/api/runs/{id}/events``, ``/api/runs/{id}/ranks?metric=`` — events; the per-rank spread.
+* ``/api/runs/{id}/live?after=&events=`` — server-sent events while the run is running.
+* ``/static/...`` (this package), ``/bokeh/js/...`` (BokehJS from the ``bokeh`` wheel).
+
+Every response carries a Content-Security-Policy that allows scripts, styles and connections from
+this server only: even a name that slipped through as HTML could not run or fetch anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.gzip import GZipMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from batchtap.ui.auth import TokenGate
+from batchtap.ui.data import ReadOnlyStore
+from batchtap.ui.live import stream_run
+
+__all__ = ["make_app", "CSP"]
+
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "font-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+_HEADERS = {"content-security-policy": CSP, "x-content-type-options": "nosniff", "referrer-policy": "no-referrer"}
+
+
+class BadRequest(Exception):
+    """A query parameter that is missing or malformed."""
+
+
+def _int(request: Request, name: str) -> int | None:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(float(raw))
+    except ValueError:
+        raise BadRequest(f"query parameter {name!r} must be an integer, got {raw[:40]!r}") from None
+
+
+def _int_or(request: Request, name: str, default: int) -> int:
+    value = _int(request, name)
+    return default if value is None else value
+
+
+def _json(data: Any, status: int = 200) -> JSONResponse:
+    return JSONResponse(data, status_code=status, headers={"cache-control": "no-store"})
+
+
+def make_app(store: ReadOnlyStore, *, token: str | None = None, stopping: Callable[[], bool] = lambda: False) -> Any:
+    """The ASGI application over an open store.
+
+    Args:
+        store: the store, opened read-only.
+        token: when set, every request must carry it (``?token=``, the cookie, or a bearer header).
+        stopping: true once the server shuts down (ends the live streams).
+    """
+    page = resources.files("batchtap.ui").joinpath("static", "index.html").read_text(encoding="utf-8")
+
+    def index(request: Request) -> Response:
+        return HTMLResponse(page, headers={**_HEADERS, "cache-control": "no-store"})
+
+    def runs(request: Request) -> Response:
+        return _json({"store": store.where, "runs": store.runs()})
+
+    def run(request: Request) -> Response:
+        found = store.run(request.path_params["run_id"])
+        if found is None:
+            return _json({"error": f"no run with id {request.path_params['run_id'][:64]!r} in {store.where}"}, 404)
+        return _json(found)
+
+    def series(request: Request) -> Response:
+        metric = request.query_params.get("metric")
+        if not metric:
+            raise BadRequest("query parameter 'metric' is required (a metric name)")
+        data = store.series(
+            request.path_params["run_id"],
+            metric,
+            rank=_int(request, "rank"),
+            start=_int(request, "start"),
+            end=_int(request, "end"),
+            width=_int_or(request, "width", 1000),
+        )
+        return _json(data)
+
+    def events(request: Request) -> Response:
+        return _json({"events": store.events(request.path_params["run_id"])})
+
+    def ranks(request: Request) -> Response:
+        metric = request.query_params.get("metric") or "step_time"
+        return _json(store.rank_spread(request.path_params["run_id"], metric, width=_int_or(request, "width", 1000)))
+
+    def live(request: Request) -> Response:
+        after, seen = _int_or(request, "after", -(2**62)), _int_or(request, "events", 0)
+        body = stream_run(store, request.path_params["run_id"], after, seen, stopping)
+        return StreamingResponse(body, media_type="text/event-stream", headers={"cache-control": "no-store"})
+
+    async def bad_request(request: Request, exc: Exception) -> Response:
+        return _json({"error": str(exc)}, 400)
+
+    routes = [
+        Route("/", index),
+        Route("/run/{run_id:str}", index),
+        Route("/compare", index),
+        Route("/favicon.ico", lambda request: Response(status_code=204)),
+        Route("/api/runs", runs),
+        Route("/api/runs/{run_id:str}", run),
+        Route("/api/runs/{run_id:str}/series", series),
+        Route("/api/runs/{run_id:str}/events", events),
+        Route("/api/runs/{run_id:str}/ranks", ranks),
+        Route("/api/runs/{run_id:str}/live", live),
+        Mount("/static", StaticFiles(packages=[("batchtap.ui", "static")]), name="static"),
+        # BokehJS as the installed bokeh wheel ships it: nothing vendored here, nothing from a CDN.
+        Mount("/bokeh", StaticFiles(packages=[("bokeh", "server/static")]), name="bokeh"),
+    ]
+    # gzip: JSON series of long runs shrink ~4x (Starlette leaves text/event-stream alone)
+    app = Starlette(
+        routes=routes,
+        exception_handlers={BadRequest: bad_request},
+        middleware=[Middleware(GZipMiddleware, minimum_size=2048)],
+    )
+    return TokenGate(app, token)

@@ -1,0 +1,107 @@
+"""Live updates as server-sent events: a running run's new points, events and status, pushed.
+
+One stream per open run page. Every ``interval`` seconds it reads, per line shown, the points past
+the last step it sent (a key-range probe of the store: cheap while nothing is new), the event count
+and the run's status, and sends what changed as one ``update`` message. A block of records is
+committed whole, so a point seen is a complete step. When the run has ended the stream sends the
+last points and an ``end`` message and closes (the page then closes its ``EventSource``, which would
+otherwise reconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio.to_thread
+
+from batchtap.ui.data import ReadOnlyStore
+
+__all__ = ["stream_run", "sse"]
+
+#: Seconds between two reads of the store (what bounds the delay from a flush to the page).
+INTERVAL = 0.2
+#: A comment line this often keeps proxies from closing an idle stream.
+KEEPALIVE = 15.0
+
+
+def sse(event: str, data: Any) -> bytes:
+    """One server-sent event (``data`` as one line of JSON).
+
+    Example:
+        >>> sse("end", {"status": "finished"})
+        b'event: end\\ndata: {"status": "finished"}\\n\\n'
+    """
+    return f"event: {event}\ndata: {json.dumps(data, allow_nan=False)}\n\n".encode()
+
+
+async def stream_run(
+    store: ReadOnlyStore,
+    run_id: str,
+    after: int,
+    events_seen: int,
+    stopping: Callable[[], bool],
+    interval: float = INTERVAL,
+) -> AsyncIterator[bytes]:
+    """Server-sent events for one run: ``update`` messages, then ``end`` once the run ended.
+
+    Args:
+        store: the store.
+        run_id: the run.
+        after: the last step the page has; points after it are sent.
+        events_seen: how many events the page has; the whole list is sent again when it grows.
+        stopping: true once the server shuts down (the stream then ends at once, so shutting
+            down never waits on an open page).
+        interval: seconds between reads.
+    """
+    last: dict[str, int] = {}
+    status: str | None = None
+    idle = 0.0
+    yield b"retry: 1000\n\n"
+    while not stopping():
+        update, status, events_seen = await anyio.to_thread.run_sync(
+            _read, store, run_id, after, last, status, events_seen
+        )
+        if len(update) > 1:
+            idle = 0.0
+            yield sse("update", update)
+        if status != "running":
+            yield sse("end", {"status": status})
+            return
+        await asyncio.sleep(interval)
+        idle += interval
+        if idle >= KEEPALIVE:
+            idle = 0.0
+            yield b": keepalive\n\n"
+
+
+def _read(
+    store: ReadOnlyStore, run_id: str, after: int, last: dict[str, int], status: str | None, events_seen: int
+) -> tuple[dict[str, Any], str | None, int]:
+    """One poll: what changed since the last one (read the status first, so that a run seen as
+    ended has every point it will ever have read after it)."""
+    update: dict[str, Any] = {"run": run_id}
+    now = store.status(run_id)
+    new_status = None if now is None else now[0]
+    if new_status != status:
+        update["status"] = new_status
+        update["ended_at"] = None if now is None else now[1]
+        update["stop_reason"] = None if now is None else now[2]
+    lines: dict[str, Any] = {}
+    for metric in store.metric_names(run_id):
+        rank = store.ranks(run_id, metric)[:1]
+        if not rank:
+            continue
+        got = store.after(run_id, metric, rank[0], last.get(metric, after))
+        if got["step"]:
+            last[metric] = got["step"][-1]
+            lines[metric] = got
+    if lines:
+        update["lines"] = lines
+    count = store.event_count(run_id)
+    if count != events_seen:
+        update["events"] = store.events(run_id)
+        events_seen = count
+    return update, new_status, events_seen

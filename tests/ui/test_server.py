@@ -1,0 +1,288 @@
+"""The UI's server without a browser: read-only store access, decimation, the API, tokens, streams.
+
+Stores are made by real training runs (tests/cli/_train.py) or written by the SQLite/PostgreSQL
+sinks; the server is the real one (uvicorn in a thread, or ``batchtap ui`` as a process).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("bokeh")
+
+import batchtap.store  # noqa: E402
+import batchtap.ui  # noqa: E402
+from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus  # noqa: E402
+from batchtap.sinks.sqlite import SQLite  # noqa: E402
+from batchtap.store import StoreError  # noqa: E402
+from batchtap.store.schema import SQLITE  # noqa: E402
+from batchtap.ui.data import ReadOnlyStore, SeriesKey, clean  # noqa: E402
+from tests.cli.conftest import cli_env  # noqa: E402
+from tests.store._helpers import PG_DSN, make_store_at_version, pg_schema_fixture  # noqa: E402
+from tests.ui.conftest import HOSTILE, Runs  # noqa: E402
+
+SPIKE_AT = 12_345
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = r.read()
+            return (
+                r.status,
+                json.loads(body) if r.headers.get_content_type() == "application/json" else body,
+                dict(r.headers),
+            )
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        return (
+            exc.code,
+            json.loads(body) if exc.headers.get_content_type() == "application/json" else body,
+            dict(exc.headers),
+        )
+
+
+def write_long_run(sink: Any, run_id: str = "long0001", steps: int = 20_000) -> None:
+    """A run of ``steps`` steps with one spike and one NaN, through a real sink."""
+    sink.start_run(RunInfo(run_id, "long", {"lr": 0.01}, started_at=1000.0, metrics=("loss",)))
+    records = [
+        Record(
+            run_id,
+            step=s,
+            epoch=0,
+            batch=s,
+            rank=0,
+            wall_time=1000.0 + s,
+            values={"loss": 100.0 if s == SPIKE_AT else (float("nan") if s == 500 else 1.0 + (s % 7) * 0.01)},
+        )
+        for s in range(steps)
+    ]
+    for i in range(0, steps, 5000):
+        sink.write(records[i : i + 5000])
+    sink.write([], [Event(run_id, 500, EventKind.ANOMALY, "loss=nan at step 500", 1500.0, "loss", float("nan"))])
+    sink.end_run(
+        RunInfo(run_id, "long", {"lr": 0.01}, started_at=1000.0, status=RunStatus.FINISHED, ended_at=1000.0 + steps)
+    )
+    sink.close()
+
+
+@pytest.fixture(scope="module")
+def long_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    db = tmp_path_factory.mktemp("long") / "long.db"
+    write_long_run(SQLite(db))
+    return db
+
+
+@pytest.fixture
+def pg_schema() -> Iterator[str]:
+    yield from pg_schema_fixture()
+
+
+# -- reading ------------------------------------------------------------------------------------
+def test_runs_match_the_store(runs: Runs) -> None:
+    ro = ReadOnlyStore(runs.db)
+    try:
+        listed = {r["id"]: r for r in ro.runs()}
+        with batchtap.store.open(runs.db) as st:
+            for run in st.runs():
+                got = listed[run.id]
+                assert (got["name"], got["status"], got["steps"], got["config"]) == (
+                    run.name,
+                    run.status.value,
+                    run.steps,
+                    run.config,
+                )
+                assert got["anomalies"] == sum(e.kind is EventKind.ANOMALY for e in st.events(run.id))
+                assert got["last_value"] == clean(st.series(run.id, "loss")[-1].value)
+        assert listed[runs.stopped]["status"] == "stopped" and listed[runs.hostile]["name"] == HOSTILE
+        assert listed[runs.anomalies]["anomalies"] >= 1
+    finally:
+        ro.close()
+
+
+def test_the_store_is_opened_read_only(runs: Runs) -> None:
+    ro = ReadOnlyStore(runs.db)
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            ro._all("DELETE FROM runs")
+    finally:
+        ro.close()
+
+
+def test_decimation_keeps_a_one_step_spike_and_gives_detail_when_zoomed(long_db: Path) -> None:
+    ro = ReadOnlyStore(long_db)
+    try:
+        whole = ro.series("long0001", "loss", width=500)
+        assert whole["mode"] == "minmax" and len(whole["step"]) <= 2 * 500
+        assert max(v for v in whole["value"] if v is not None) == 100.0  # never averaged away
+        spike_point = whole["value"].index(100.0)
+        assert whole["lo"][spike_point] <= SPIKE_AT <= whole["hi"][spike_point]
+        zoomed = ro.series("long0001", "loss", start=SPIKE_AT - 100, end=SPIKE_AT + 100, width=500)
+        assert zoomed["mode"] == "raw" and zoomed["step"] == list(range(SPIKE_AT - 100, SPIKE_AT + 101))
+        assert zoomed["value"][100] == 100.0
+        nan = ro.series("long0001", "loss", start=490, end=510, width=500)
+        assert nan["value"][10] is None  # NaN travels as null (JSON has no NaN)
+    finally:
+        ro.close()
+
+
+def test_sqlite_bucket_ranges_agree_with_one_group_by(long_db: Path) -> None:
+    """The SQLite path (one key-range aggregate per bucket) against PostgreSQL's GROUP BY, on one store."""
+    ro = ReadOnlyStore(long_db)
+    try:
+        key = SeriesKey("long0001", "loss", 0)
+        assert ro._buckets_by_range(key, 0, 19_999, 47) == ro.buckets_grouped(key, 0, 19_999, 47)
+    finally:
+        ro.close()
+
+
+def test_postgresql_store_reads_as_sqlite_does(long_db: Path, pg_schema: str) -> None:
+    from batchtap.sinks.postgres import Postgres
+
+    write_long_run(Postgres(PG_DSN, schema=pg_schema))
+    pg = ReadOnlyStore(PG_DSN, schema=pg_schema)
+    lite = ReadOnlyStore(long_db)
+    try:
+        for kwargs in ({"width": 300}, {"start": 100, "end": 400, "width": 300}):
+            a, b = pg.series("long0001", "loss", **kwargs), lite.series("long0001", "loss", **kwargs)
+            assert a["mode"] == b["mode"] and a["step"] == b["step"]
+            assert a["value"] == pytest.approx(b["value"])
+        assert [r["steps"] for r in pg.runs()] == [r["steps"] for r in lite.runs()]
+        assert pg.events("long0001") == lite.events("long0001")
+        with pytest.raises(Exception, match="read-only"):
+            pg._all("DELETE FROM runs")
+    finally:
+        pg.close()
+        lite.close()
+
+
+def test_an_older_store_is_refused_not_migrated(tmp_path: Path) -> None:
+    db = tmp_path / "v1.db"
+    conn = sqlite3.connect(db, isolation_level=None)
+    make_store_at_version(conn, SQLITE, 1)
+    conn.close()
+    before = db.read_bytes()
+    with pytest.raises(StoreError, match=r"schema version 1.*does not migrate.*batchtap runs"):
+        ReadOnlyStore(db)
+    assert db.read_bytes() == before
+
+
+def test_a_missing_store_names_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="no batchtap store.*fix"):
+        ReadOnlyStore(tmp_path / "nope.db")
+    assert not (tmp_path / "nope.db").exists()
+
+
+# -- the API ------------------------------------------------------------------------------------
+def test_api_refuses_bad_parameters_and_unknown_runs(server: Any, runs: Runs) -> None:
+    status, body, _ = get(f"{server.base}/api/runs/{runs.anomalies}/series?metric=loss&start=1;DROP%20TABLE%20runs")
+    assert status == 400 and "'start' must be an integer" in body["error"]
+    status, body, _ = get(f"{server.base}/api/runs/{runs.anomalies}/series")
+    assert status == 400 and "metric" in body["error"]
+    status, body, _ = get(f"{server.base}/api/runs/nope")
+    assert status == 404 and "no run" in body["error"]
+    # a name full of SQL is only ever a parameter
+    status, body, _ = get(f"{server.base}/api/runs/{runs.anomalies}/series?metric=loss'%20OR%201=1--")
+    assert status == 200 and body["step"] == []
+
+
+def test_page_carries_a_content_security_policy(server: Any) -> None:
+    status, _, headers = get(server.base + "/")
+    csp = {k.lower(): v for k, v in headers.items()}["content-security-policy"]
+    assert status == 200 and "script-src 'self'" in csp and "connect-src 'self'" in csp
+
+
+def test_bokehjs_is_served_from_the_installed_package(server: Any) -> None:
+    import bokeh
+
+    status, body, _ = get(server.base + "/bokeh/js/bokeh.min.js")
+    shipped = Path(bokeh.__file__).parent / "server" / "static" / "js" / "bokeh.min.js"
+    assert status == 200 and body == shipped.read_bytes()
+
+
+def test_token_is_required_on_every_request(runs: Runs) -> None:
+    with batchtap.ui.start(runs.db, token="s3cret-token") as srv:
+        for path in ("/", "/api/runs", f"/api/runs/{runs.anomalies}/live", "/static/app.js", "/bokeh/js/bokeh.min.js"):
+            assert get(srv.base + path)[0] == 401, path
+            assert get(srv.base + path + ("&" if "?" in path else "?") + "token=wrong")[0] == 401, path
+        status, body, headers = get(srv.base + "/api/runs?token=s3cret-token")
+        assert status == 200 and len(body["runs"]) == 3
+        cookie = headers["set-cookie"].split(";")[0]
+        assert "HttpOnly" in headers["set-cookie"] and "SameSite=Strict" in headers["set-cookie"]
+        assert get(srv.base + "/api/runs", {"Cookie": cookie})[0] == 200
+        assert get(srv.base + "/api/runs", {"Authorization": "Bearer s3cret-token"})[0] == 200
+
+
+def test_without_a_token_only_loopback_host_names_are_answered(server: Any) -> None:
+    assert get(server.base + "/api/runs")[0] == 200
+    assert get(server.base + "/api/runs", {"Host": "evil.example:8080"})[0] == 403  # DNS rebinding
+
+
+def test_live_stream_sends_the_rest_and_ends_for_a_finished_run(server: Any, runs: Runs) -> None:
+    with urllib.request.urlopen(f"{server.base}/api/runs/{runs.anomalies}/live?after=30", timeout=30) as r:
+        text = r.read().decode()
+    events = [block for block in text.split("\n\n") if block.startswith("event:")]
+    update = json.loads(events[0].split("data: ", 1)[1])
+    assert update["status"] == "finished" and update["lines"]["loss"]["step"] == [31, 32, 33, 34, 35]
+    assert events[-1].startswith("event: end")
+
+
+def test_cli_serves_the_store_and_stops_at_once_with_a_page_streaming(tmp_path: Path) -> None:
+    """`batchtap ui --db` as a process, a live stream held open on a running run, then SIGINT:
+    the server exits without waiting for the stream."""
+    db = tmp_path / "bt.db"
+    sink = SQLite(db)
+    sink.start_run(RunInfo("run00001", "open", {}, started_at=1.0))
+    sink.write([Record("run00001", step=0, epoch=0, batch=0, rank=0, wall_time=1.0, values={"loss": 1.0})])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchtap.cli.main", "ui", "--db", str(db), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "(read-only) at http://127.0.0.1:" in line, line + proc.stderr.read() if proc.stderr else ""
+        base = line.split(" at ", 1)[1].strip().rstrip("/")
+        stream = urllib.request.urlopen(f"{base}/api/runs/run00001/live?after=-1", timeout=30)
+        assert stream.readline().startswith(b"retry:")
+        proc.send_signal(2)
+        assert proc.wait(timeout=20) in (0, 130)  # 130: ended by SIGINT, as Ctrl-C ends any command
+    finally:
+        proc.kill() if proc.poll() is None else None
+        sink.close()
+
+
+def test_cli_reports_a_bad_store_as_a_user_error(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "batchtap.cli.main", "ui", "--db", str(tmp_path / "missing.db"), "--port", "0"],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1 and "no batchtap store" in done.stderr
+
+
+def test_non_loopback_host_generates_and_prints_a_token(runs: Runs) -> None:
+    with batchtap.ui.start(runs.db, host="0.0.0.0") as srv:
+        assert srv.token and srv.url.endswith(f"?token={srv.token}")
+        local = srv.base.replace("0.0.0.0", "127.0.0.1")
+        assert get(local + "/api/runs")[0] == 401
+        assert get(local + f"/api/runs?token={srv.token}")[0] == 200
