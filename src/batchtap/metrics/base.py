@@ -145,11 +145,26 @@ def write_values(row: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
 class Metric(abc.ABC):
     """Base class of all metrics.
 
-    Subclasses set :attr:`requires`, :attr:`device_width` and :attr:`host_width`, return their
-    :meth:`outputs`, and override the stages they use. ``finalize`` may return ``None`` for a value
-    that does not exist at this step (e.g. data wait without a watched loader): it is left out of the
-    record rather than stored as an anomaly.
+    **The contract** (what every metric defines; together it says what the metric is):
+    :attr:`requires`, :attr:`device_width`, :attr:`host_width`, :meth:`outputs`, :meth:`compute`
+    (training thread, device ops only), :meth:`read_host` (training thread, host facts only) and
+    :meth:`finalize` (pipeline thread: raw columns, device then host, to the reported values).
+    ``finalize`` may return ``None`` for a value that does not exist at this step (e.g. data wait
+    without a watched loader): it is left out of the record rather than stored as an anomaly.
+
+    **Optional behaviour** (defaults fit most metrics): :meth:`check`, :meth:`applies`,
+    :attr:`per_micro_batch`, :meth:`combine`, :meth:`on_flush`, :meth:`warning`, :meth:`weight`,
+    :meth:`skipped`, :meth:`input_error`, :attr:`gradient_based`, :attr:`watched_by_nan_guard`.
+
+    **Optional speed-ups** (each must give exactly what the contract gives; leave them out and
+    nothing changes but the cost): :meth:`row_writer` and :attr:`host_fixed_by_metadata` (the short
+    step path; held to :meth:`compute` by ``tests/metrics/test_row_writers.py`` and
+    ``tests/capture/test_short_path.py``), :meth:`finalize_block`, :meth:`weight_block` and
+    :meth:`input_suspects` (the block decoder; held to the row-by-row hooks by
+    ``tests/pipeline/test_decode_blocks.py``).
     """
+
+    # ------------------------------------------------------------------ the contract
 
     #: the ``Tap.step()`` arguments this metric needs
     requires: ClassVar[frozenset[Requirement]] = frozenset()
@@ -157,12 +172,42 @@ class Metric(abc.ABC):
     device_width: int = 0
     #: number of floats returned by :meth:`read_host`
     host_width: int = 0
+
+    @abc.abstractmethod
+    def outputs(self) -> tuple[Output, ...]:
+        """The values this metric reports, in the order :meth:`finalize` returns them."""
+
+    def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
+        """``device_width`` float32 0-dim device tensors. No host reads."""
+        return ()
+
+    def read_host(self, inputs: StepInputs) -> Sequence[float]:
+        """``host_width`` floats from host-only state (shapes, Python floats). No tensor reads."""
+        return ()
+
+    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
+        """Turn raw columns (device then host) into the reported values."""
+        return list(raw)
+
+    # ------------------------------------------------------------------ optional behaviour
+
     #: the value is computed from gradients: on a step the AMP GradScaler skipped (inf/NaN
     #: gradients), a non-finite value is expected and left out of the record instead of flagged
     gradient_based: ClassVar[bool] = False
     #: the metric's first device column is the step's loss: the NaN guard copies it to the host
     #: every step (the first such metric of a run is the one watched)
     watched_by_nan_guard: ClassVar[bool] = False
+
+    def check(self, inputs: StepInputs) -> None:
+        """Reject unusable inputs from their metadata (shape, dtype, device) with an InputError.
+
+        Runs before anything of the step is written. Must not read tensor values.
+        """
+
+    def applies(self, inputs: StepInputs) -> bool:
+        """Whether this metric makes sense for inputs like these (used to pick the *default*
+        metrics at a run's first step, e.g. no accuracy for regression targets). Metadata only."""
+        return self.requires <= {k for k in ("loss", "outputs", "targets") if getattr(inputs, k) is not None}
 
     @property
     def per_micro_batch(self) -> bool:
@@ -177,28 +222,41 @@ class Metric(abc.ABC):
         """
         return (Combine.MEAN,) * self.device_width
 
-    def applies(self, inputs: StepInputs) -> bool:
-        """Whether this metric makes sense for inputs like these (used to pick the *default*
-        metrics at a run's first step, e.g. no accuracy for regression targets). Metadata only."""
-        return self.requires <= {k for k in ("loss", "outputs", "targets") if getattr(inputs, k) is not None}
+    def on_flush(self) -> None:
+        """Called on the training thread each time the Tap flushes captured rows (e.g. to reset a
+        per-interval counter). Must not read device values."""
 
-    @abc.abstractmethod
-    def outputs(self) -> tuple[Output, ...]:
-        """The values this metric reports, in the order :meth:`finalize` returns them."""
+    def warning(self, raw: Sequence[float]) -> str | None:
+        """A message when the raw columns show the value could not be measured at this step for a
+        reason the user should fix (e.g. no gradient existed when ``Tap.step`` ran), else None.
 
-    def check(self, inputs: StepInputs) -> None:
-        """Reject unusable inputs from their metadata (shape, dtype, device) with an InputError.
-
-        Runs before anything of the step is written. Must not read tensor values.
+        Reported as one warning event per run and metric; :meth:`finalize` leaves the value out.
         """
+        return None
 
-    def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
-        """``device_width`` float32 0-dim device tensors. No host reads."""
-        return ()
+    def weight(self, raw: Sequence[float]) -> float | None:
+        """What this metric's ``MEAN`` values of this row average over, when that is not the step's
+        samples (e.g. accuracy over the targets kept after ``ignore_index``); None: the samples.
 
-    def read_host(self, inputs: StepInputs) -> Sequence[float]:
-        """``host_width`` floats from host-only state (shapes, Python floats). No tensor reads."""
-        return ()
+        The cross-rank reduction weights each rank's value by it, so uneven counts combine exactly.
+        """
+        return None
+
+    def skipped(self, raw: Sequence[float]) -> bool:
+        """Whether the raw columns show the optimizer skipped this step (AMP GradScaler found
+        inf/NaN gradients). Such a step is reported as a ``skip`` event, not as anomalies."""
+        return False
+
+    def input_error(self, raw: Sequence[float]) -> str | None:
+        """A message when the raw columns show the step's inputs were invalid in a way only their
+        values reveal (e.g. class indices out of range), else None.
+
+        Checked on the host after the row arrived: the step's values from this metric become NaN
+        with an anomaly event, and the next ``Tap.step()`` raises :class:`~batchtap.InputError`.
+        """
+        return None
+
+    # ------------------------------------------------------------------ optional speed-ups: must agree with the contract
 
     #: :meth:`read_host` depends on nothing but the inputs' metadata (e.g. a number of classes):
     #: the short step path reads it once per input signature instead of at every step
@@ -230,14 +288,6 @@ class Metric(abc.ABC):
 
         return write
 
-    def on_flush(self) -> None:
-        """Called on the training thread each time the Tap flushes captured rows (e.g. to reset a
-        per-interval counter). Must not read device values."""
-
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        """Turn raw columns (device then host) into the reported values."""
-        return list(raw)
-
     def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray] | None:
         """:meth:`finalize` of a whole block at once, for metrics that can do it with array math.
 
@@ -260,36 +310,6 @@ class Metric(abc.ABC):
     def input_suspects(self, raw: np.ndarray) -> np.ndarray | None:
         """The rows of a block whose :meth:`input_error` may not be None (``[n]`` bool), so that
         only those are asked; None (the default): every row is asked."""
-        return None
-
-    def warning(self, raw: Sequence[float]) -> str | None:
-        """A message when the raw columns show the value could not be measured at this step for a
-        reason the user should fix (e.g. no gradient existed when ``Tap.step`` ran), else None.
-
-        Reported as one warning event per run and metric; :meth:`finalize` leaves the value out.
-        """
-        return None
-
-    def weight(self, raw: Sequence[float]) -> float | None:
-        """What this metric's ``MEAN`` values of this row average over, when that is not the step's
-        samples (e.g. accuracy over the targets kept after ``ignore_index``); None: the samples.
-
-        The cross-rank reduction weights each rank's value by it, so uneven counts combine exactly.
-        """
-        return None
-
-    def skipped(self, raw: Sequence[float]) -> bool:
-        """Whether the raw columns show the optimizer skipped this step (AMP GradScaler found
-        inf/NaN gradients). Such a step is reported as a ``skip`` event, not as anomalies."""
-        return False
-
-    def input_error(self, raw: Sequence[float]) -> str | None:
-        """A message when the raw columns show the step's inputs were invalid in a way only their
-        values reveal (e.g. class indices out of range), else None.
-
-        Checked on the host after the row arrived: the step's values from this metric become NaN
-        with an anomaly event, and the next ``Tap.step()`` raises :class:`~batchtap.InputError`.
-        """
         return None
 
     def __repr__(self) -> str:
