@@ -1,0 +1,121 @@
+"""Keras ``fit()`` time per step: without batchtap, with ``BatchtapCallback``, and with the common
+per-batch recipe (a callback doing ``float(logs["loss"])`` in ``on_train_batch_end``), side by side.
+
+A tiny MLP (the issue's ~1 ms step). Each variant runs ``--epochs`` epochs; the first epoch (tracing,
+compilation) is left out and the step time is the median over the remaining epochs of
+(epoch time / batches). Variants are interleaved, ``--repeats`` rounds, and the medians reported.
+One backend per process (Keras picks it once): run it once per backend.
+
+    KERAS_BACKEND=tensorflow .venv/bin/python bench/keras_fit.py
+    KERAS_BACKEND=torch .venv/bin/python bench/keras_fit.py
+    KERAS_BACKEND=tensorflow .venv/bin/python bench/keras_fit.py --jit --steps-per-execution 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import batchtap as bt  # noqa: E402
+from batchtap.integrations.keras import BatchtapCallback  # noqa: E402
+
+
+class EpochClock(keras.callbacks.Callback):  # type: ignore[misc]
+    """Host time of each epoch (epoch hooks only: no per-batch hook, so it adds no read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+class FloatLoss(keras.callbacks.Callback):  # type: ignore[misc]
+    """The per-batch recipe: read the loss on the host every batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.losses.append(float(logs["loss"]))
+
+
+def fit_once(variant: str, x: np.ndarray, y: np.ndarray, args: argparse.Namespace) -> float:
+    model = keras.Sequential(
+        [
+            keras.Input((x.shape[1],)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01),
+        loss="sparse_categorical_crossentropy",
+        jit_compile=args.jit,
+        steps_per_execution=args.steps_per_execution,
+    )
+    clock = EpochClock()
+    callbacks: list[Any] = [clock]
+    tap = None
+    if variant == "batchtap":
+        metrics = [bt.metrics.Loss()] if keras.backend.backend() == "tensorflow" else None
+        tap = bt.Tap(metrics=metrics, sinks=[], flush_every=50)
+        callbacks.append(BatchtapCallback(tap))
+    elif variant == "float(loss)":
+        callbacks.append(FloatLoss())
+    model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
+    if tap is not None:
+        tap.close()
+    batches = len(x) // args.batch_size
+    return statistics.median(clock.seconds[1:]) / batches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--jit", action="store_true")
+    parser.add_argument("--steps-per-execution", type=int, default=1)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.batches * args.batch_size, 32)).astype("float32")
+    y = rng.integers(0, 10, size=len(x))
+    variants = ("plain", "batchtap", "float(loss)")
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.repeats):
+        for variant in variants:
+            times[variant].append(fit_once(variant, x, y, args))
+    base = statistics.median(times["plain"])
+    print(
+        f"keras {keras.__version__}, backend {keras.backend.backend()}, jit_compile={args.jit}, "
+        f"steps_per_execution={args.steps_per_execution}, {args.batches} batches of {args.batch_size}, "
+        f"median of {args.repeats} interleaved rounds (epochs 2-{args.epochs})"
+    )
+    print("| variant | us per step (median) | vs plain | runs (us) |")
+    print("|---|---|---|---|")
+    for variant in variants:
+        med = statistics.median(times[variant])
+        runs = ", ".join(f"{t * 1e6:.0f}" for t in times[variant])
+        print(f"| {variant} | {med * 1e6:.0f} | {med / base:.3f}x | {runs} |")
+
+
+if __name__ == "__main__":
+    main()
