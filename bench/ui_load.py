@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -181,12 +182,13 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+    results["load_average_1min"] = os.getloadavg()[0]
     print(json.dumps(results, indent=2))
 
 
 def live(browser, base: str, db: Path, seconds: float) -> dict[str, object]:
     """A run written at 10 flushes/s while its page is open: flush-to-page delays, long tasks."""
-    run_id = "c" * 32
+    run_id = uuid.uuid4().hex  # a new run each time (a kept store already has earlier ones)
     sink = SQLite(db)
     sink.start_run(RunInfo(run_id, "live", {}, started_at=time.time(), metrics=METRICS))
     step = 0

@@ -286,3 +286,38 @@ def test_non_loopback_host_generates_and_prints_a_token(runs: Runs) -> None:
         local = srv.base.replace("0.0.0.0", "127.0.0.1")
         assert get(local + "/api/runs")[0] == 401
         assert get(local + f"/api/runs?token={srv.token}")[0] == 200
+
+
+def test_rank_spread_names_the_slowest_rank_per_step(tmp_path: Path) -> None:
+    """Rows as a 2-rank run with per_rank_rows stores them: reduced (-1) and each rank's own."""
+    sink = SQLite(tmp_path / "ranks.db")
+    sink.start_run(RunInfo("rk000001", "ranks", {}, started_at=0.0, world_size=2))
+    times = {0: [0.10, 0.10, 0.10, 0.40], 1: [0.20, 0.30, 0.10, 0.10]}
+    records = [
+        Record("rk000001", step=s, epoch=0, batch=s, rank=r, wall_time=float(s), values={"step_time": times[r][s]})
+        for s in range(4)
+        for r in (0, 1)
+    ] + [
+        Record(
+            "rk000001",
+            step=s,
+            epoch=0,
+            batch=s,
+            rank=-1,
+            wall_time=float(s),
+            values={"step_time": max(times[0][s], times[1][s])},
+        )
+        for s in range(4)
+    ]
+    sink.write(records)
+    sink.close()
+    ro = ReadOnlyStore(tmp_path / "ranks.db")
+    try:
+        run = ro.run("rk000001")
+        assert run is not None and run["ranks"]["step_time"] == [-1, 0, 1]
+        assert ro.series("rk000001", "step_time")["rank"] == -1  # the reduced line is the one shown
+        spread = ro.rank_spread("rk000001", "step_time")
+        assert spread["slowest"] == [1, 1, 0, 0] and spread["ranks"] == [0, 1]
+        assert spread["spread"] == pytest.approx([0.1, 0.2, 0.0, 0.3])
+    finally:
+        ro.close()
