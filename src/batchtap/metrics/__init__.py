@@ -13,6 +13,7 @@ from batchtap.metrics.defaults import default_metrics
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Output, Reduce
 from batchtap.metrics.gradients import GradNorm, LossScale
 from batchtap.metrics.scalars import Custom, Extra, LearningRate, Loss, Memory
+from batchtap.metrics.system import System
 from batchtap.metrics.timing import DataTime, StepTime, Throughput
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "DataTime",
     "Throughput",
     "Memory",
+    "System",
     "Custom",
     "Extra",
     "default_metrics",

@@ -12,6 +12,7 @@ from batchtap.metrics.base import (
 )
 from batchtap.metrics.gradients import GradNorm, LossScale
 from batchtap.metrics.scalars import LearningRate, Loss, Memory
+from batchtap.metrics.system import System, nvml_available
 from batchtap.metrics.timing import DataTime, StepTime, Throughput
 
 
@@ -23,7 +24,8 @@ def default_metrics(
 ) -> list[Metric]:
     """The metric set a ``Tap`` uses when none is given.
 
-    Loss, top-1 accuracy, step time, data wait, throughput and (on CUDA) memory; plus the learning
+    Loss, top-1 accuracy, step time, data wait, throughput, (on CUDA) memory and, where NVML sees a
+    GPU, :class:`~batchtap.metrics.System` (GPU utilisation, power, ..., CPU and RAM); plus the learning
     rate and gradient norm when an optimizer or model is given, and the AMP loss scale with a
     ``scaler`` (which also makes the gradient norm unscaled). Metrics that do not fit a step's
     inputs (accuracy without targets, or of floating-point targets) are dropped at the first step
@@ -36,7 +38,7 @@ def default_metrics(
         scaler: an AMP ``GradScaler``: adds :class:`LossScale`.
 
     Example:
-        >>> [type(m).__name__ for m in default_metrics()]
+        >>> [type(m).__name__ for m in default_metrics()][:6]
         ['Loss', 'Accuracy', 'StepTime', 'DataTime', 'Throughput', 'Memory']
         >>> g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
         >>> opts = {"g": torch.optim.SGD(g.parameters(), lr=0.1), "d": torch.optim.SGD(d.parameters(), lr=0.2)}
@@ -57,4 +59,6 @@ def default_metrics(
         else:
             metrics.append(LearningRate(optimizer))
     metrics += [StepTime(), DataTime(), Throughput(), Memory()]
+    if nvml_available():  # GPU utilisation and host load, sampled off the training thread
+        metrics.append(System())
     return metrics

@@ -23,7 +23,7 @@ from batchtap.rules.base import (
     Rule,
     RuleFn,
 )
-from batchtap.rules.builtin import NonFinite, Plateau, Spike, StepTimeRegression, Threshold
+from batchtap.rules.builtin import GpuStarved, NonFinite, Plateau, Spike, StepTimeRegression, Threshold
 from batchtap.rules.engine import Agreement, RuleEngine, RuleLike
 
 # The training-side tools (Rollback, BatchSizeRule, ActionRunner ...) lived here before
@@ -68,6 +68,7 @@ __all__ = [
     "BatchSizeTarget",
     "CallableRule",
     "Decision",
+    "GpuStarved",
     "History",
     "NonFinite",
     "Plateau",

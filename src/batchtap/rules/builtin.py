@@ -1,4 +1,5 @@
-"""The built-in rules: non-finite values, thresholds, spikes, plateaus, step-time regressions.
+"""The built-in rules: non-finite values, thresholds, spikes, plateaus, step-time regressions, a GPU
+starved by its data loader.
 
 Shared conventions:
 
@@ -23,7 +24,7 @@ from batchtap.errors import ConfigError
 from batchtap.records import Record
 from batchtap.rules.base import Action, ActionsArg, AlertHook, Anomaly, History, Rule
 
-__all__ = ["NonFinite", "Plateau", "Spike", "StepTimeRegression", "Threshold"]
+__all__ = ["GpuStarved", "NonFinite", "Plateau", "Spike", "StepTimeRegression", "Threshold"]
 
 
 class NonFinite(Rule):
@@ -455,4 +456,94 @@ class StepTimeRegression(Rule):
 
     def reset(self) -> None:
         self._recent.clear()
+        self._streak = 0
+
+
+class GpuStarved(Rule):
+    """Fires when the GPU idles waiting for data: its utilisation stays below ``util_below`` percent
+    while the data loader's wait is at least ``data_share`` of each step, for ``patience``
+    consecutive records. The event names the data loader as the bottleneck and what to change.
+
+    Needs ``gpu{device}_util`` (from :class:`~batchtap.metrics.System`, on by default where NVML
+    sees a GPU) and ``data_time`` / ``step_time`` (``tap.watch(loader)``); records without them
+    neither count nor break a streak.
+
+    Args:
+        device: the NVML index of the GPU to watch (its values are ``gpu{device}_*``).
+        util_below: utilisation in percent under which the GPU counts as starved.
+        data_share: the share of the step (``data_time / (data_time + step_time)``) spent waiting
+            for the batch from which the wait counts as the cause.
+        patience: consecutive starved records needed.
+        action: what to do when it fires (default: an alert event).
+        warmup: no firing on steps before this (the first batches wait for the workers to start).
+        on_alert: hook for the ``alert`` action.
+
+    Example:
+        >>> rule = GpuStarved(patience=1)
+        >>> values = {"gpu0_util": 12.0, "data_time": 0.035, "step_time": 0.015}
+        >>> r = Record("r", step=120, epoch=0, batch=120, rank=0, wall_time=0.0, values=values)
+        >>> rule.check(r, History()).message.split(":")[0]
+        'GPU 0 utilisation 12% while the data loader wait is 70% of the step (data_time 35.00ms, step_time 15.00ms) at step 120'
+    """
+
+    def __init__(
+        self,
+        *,
+        device: int = 0,
+        util_below: float = 50.0,
+        data_share: float = 0.3,
+        patience: int = 5,
+        action: ActionsArg = Action.ALERT,
+        warmup: int = 10,
+        on_alert: AlertHook | None = None,
+        name: str | None = None,
+    ) -> None:
+        label = name or f"gpu_starved(gpu{device})"
+        super().__init__(name=label, metric=f"gpu{device}_util", action=action, warmup=warmup, on_alert=on_alert)
+        require_int(label, "device", device, minimum=0)
+        self.device = device
+        self.util_below = require_number(label, "util_below", util_below)
+        self.data_share = require_number(label, "data_share", data_share)
+        if not 0.0 < self.data_share < 1.0:
+            raise ConfigError(
+                f"{label}: data_share must be a share of the step in (0, 1), got {data_share}. "
+                "Fix: e.g. data_share=0.3 (the loader's wait is 30% of the step or more)."
+            )
+        require_int(label, "patience", patience, minimum=1)
+        self.patience = patience
+        self._streak = 0
+
+    def _starved(self, record: Record) -> tuple[float, float, float, float] | None:
+        """(utilisation, share, data_time, step_time) when the record shows a starved GPU."""
+        values = record.values
+        util, data, step = values.get(self.metric), values.get("data_time"), values.get("step_time")
+        if util is None or data is None or step is None or not (data + step > 0):
+            return None
+        share = data / (data + step)
+        if math.isnan(util) or math.isnan(share) or util >= self.util_below or share < self.data_share:
+            return None
+        return util, share, data, step
+
+    def check(self, record: Record, history: History) -> Anomaly | None:
+        starved = self._starved(record)
+        if starved is None or self._streak + 1 < self.patience:
+            return None
+        util, share, data, step = starved
+        run = f" for {self.patience} consecutive records" if self.patience > 1 else ""
+        return Anomaly(
+            self.metric,
+            f"GPU {self.device} utilisation {util:.0f}% while the data loader wait is {share:.0%} of the step "
+            f"(data_time {data * 1e3:.2f}ms, step_time {step * 1e3:.2f}ms){run} at step {record.step}: the data "
+            "loader is the bottleneck; fix: more DataLoader workers (num_workers=), pin_memory=True, "
+            "persistent_workers=True, prefetch_factor=, or lighter per-batch transforms",
+            util,
+        )
+
+    def update(self, record: Record, *, fired: bool) -> None:
+        values = record.values
+        if "data_time" not in values or "step_time" not in values or math.isnan(values[self.metric]):
+            return  # neither counts nor breaks the streak
+        self._streak = 0 if fired or self._starved(record) is None else self._streak + 1
+
+    def reset(self) -> None:
         self._streak = 0
