@@ -449,4 +449,5 @@ def test_every_built_in_sink_is_checked_here() -> None:
     import batchtap as bt
 
     checked = {"SQLite", "Postgres", "JSONL", "CSV", "TensorBoard", "MLflow", "Console", "WandB", "Prometheus"}
+    checked.add("Webhook")  # tests/sinks/test_webhook.py: delivers from the pipeline process
     assert set(bt.sinks.__all__) - {"Sink"} == checked

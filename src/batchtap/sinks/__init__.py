@@ -15,5 +15,18 @@ from batchtap.sinks.prometheus import Prometheus
 from batchtap.sinks.sqlite import SQLite
 from batchtap.sinks.tensorboard import TensorBoard
 from batchtap.sinks.wandb import WandB
+from batchtap.sinks.webhook import Webhook
 
-__all__ = ["Sink", "Console", "JSONL", "CSV", "SQLite", "Postgres", "TensorBoard", "MLflow", "Prometheus", "WandB"]
+__all__ = [
+    "Sink",
+    "Console",
+    "JSONL",
+    "CSV",
+    "SQLite",
+    "Postgres",
+    "TensorBoard",
+    "MLflow",
+    "Prometheus",
+    "WandB",
+    "Webhook",
+]
