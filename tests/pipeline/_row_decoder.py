@@ -10,10 +10,20 @@ from math import isfinite
 from batchtap.capture.flush import BlockData
 from batchtap.metrics.base import StepTiming
 from batchtap.metrics.layout import Layout
-from batchtap.pipeline.decode import Decoded, Decoder
+from batchtap.pipeline.decode import Decoder
 from batchtap.records import Event, EventKind, Record
 
-__all__ = ["RowDecoder"]
+__all__ = ["RowDecoder", "Decoded"]
+
+
+class Decoded:
+    """What the row decoder returns: records, events, input errors, and per record the MEAN weights."""
+
+    def __init__(self) -> None:
+        self.weights: list[dict[str, float]] = []
+        self.records: list[Record] = []
+        self.events: list[Event] = []
+        self.input_errors: list[str] = []
 
 
 class RowDecoder(Decoder):
@@ -29,7 +39,7 @@ class RowDecoder(Decoder):
             [(o, o.domain.low, o.domain.high, o.domain.finite) for o in span.outputs] for span in layout.spans
         ]
 
-    def decode(self, data: BlockData) -> Decoded:
+    def decode(self, data: BlockData) -> Decoded:  # type: ignore[override]
         out = Decoded()
         dev, host = data.device_values.tolist(), data.host_values.tolist()  # numpy, host memory
         steps, epochs, batches = data.step.tolist(), data.epoch.tolist(), data.batch.tolist()

@@ -15,7 +15,7 @@ import batchtap as bt
 from batchtap.capture.flush import BlockData
 from batchtap.metrics import StepInputs
 from batchtap.metrics.layout import Layout
-from batchtap.pipeline.decode import Decoder
+from batchtap.pipeline.decode import DecodedBlock, Decoder
 from tests.pipeline._row_decoder import RowDecoder
 
 VALUES = [0.0, 1.0, 2.0, 0.5, 3.0, -1.0, 7.0, math.nan, math.inf, -math.inf, 1e9, 16.0]
@@ -70,13 +70,25 @@ def _block(layout: Layout, n: int, seed: int, *, timings_absent: bool) -> BlockD
     )
 
 
+def _weights(decoded: object) -> list[dict[str, float]]:
+    """Per record, the MEAN weights that are not the samples (a NaN weight and no weight both mean
+    the samples to the reducer)."""
+    if isinstance(decoded, DecodedBlock):
+        if decoded.weights is None:
+            return [{} for _ in range(len(decoded))]
+        return [
+            {name: w for name, w in zip(decoded.names, row) if not math.isnan(w)} for row in decoded.weights.tolist()
+        ]
+    return [{k: w for k, w in d.items() if not math.isnan(w)} for d in decoded.weights]  # type: ignore[attr-defined]
+
+
 def _seen(decoded: object) -> tuple[object, ...]:
     d = decoded
     return (
         [(r.step, r.epoch, r.batch, r.rank, r.wall_time, str(r.values)) for r in d.records],  # type: ignore[attr-defined]
         [(e.step, e.kind, e.message, e.metric, str(e.raw_value)) for e in d.events],  # type: ignore[attr-defined]
         d.input_errors,  # type: ignore[attr-defined]
-        [str(w) for w in d.weights],  # type: ignore[attr-defined]
+        [str(w) for w in _weights(d)],
     )
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from batchtap.metrics.domain import Output, Reduce
-from batchtap.pipeline.decode import Decoded
+from batchtap.pipeline.decode import DecodedBlock
 from batchtap.pipeline.reduce import STRAGGLER_FIELDS, Reducer
 from batchtap.records import ALL_RANKS, Event, EventKind, Record
 
@@ -81,13 +81,13 @@ RANKS = [
 
 def _block(
     rank: int, steps: list[int], *, per_rank_rows: bool = False, drop: str | None = None
-) -> tuple[Reducer, Decoded, np.ndarray, np.ndarray]:
+) -> tuple[Reducer, DecodedBlock, np.ndarray, np.ndarray]:
     samples, step_time, values, kept = RANKS[rank]
-    decoded = Decoded()
-    for step in steps:
-        row = {k: v for k, v in values.items() if k != drop}
-        decoded.records.append(Record("run", step, 0, step, rank, 100.0 + step, row))
-        decoded.weights.append({"accuracy": kept})
+    records = [
+        Record("run", step, 0, step, rank, 100.0 + step, {k: v for k, v in values.items() if k != drop})
+        for step in steps
+    ]
+    decoded = DecodedBlock.from_records(records, [o.name for o in OUTPUTS], weights=[{"accuracy": kept}] * len(steps))
     decoded.events.append(Event("run", steps[0], EventKind.ANOMALY, f"from rank {rank}", 0.0, rank=rank))
     reducer = Reducer(OUTPUTS, group=None, rank=rank, world_size=len(RANKS), per_rank_rows=per_rank_rows)
     n = len(steps)
@@ -127,7 +127,7 @@ class _InProcessGroup:
         reducer._net_all_gather = all_gather  # type: ignore[method-assign]
 
 
-def _run(blocks: list[tuple[Reducer, Decoded, np.ndarray, np.ndarray]]) -> list[Decoded]:
+def _run(blocks: list[tuple[Reducer, DecodedBlock, np.ndarray, np.ndarray]]) -> list[DecodedBlock]:
     """Every rank's ``reduce()`` of its block, run together as the ranks would."""
     group = _InProcessGroup(len(blocks))
     outs: list[Any] = [None] * len(blocks)
@@ -148,7 +148,7 @@ def _run(blocks: list[tuple[Reducer, Decoded, np.ndarray, np.ndarray]]) -> list[
     return outs
 
 
-def _reduce(world: int, steps: list[int], **kw: object) -> list[Decoded]:
+def _reduce(world: int, steps: list[int], **kw: object) -> list[DecodedBlock]:
     """What every rank computes from the same collectives."""
     return _run([_block(rank, steps, **kw) for rank in range(world)])  # type: ignore[arg-type]
 

@@ -12,17 +12,18 @@ import numpy as np
 import pytest
 
 from batchtap.metrics.domain import Reduce
-from batchtap.pipeline.decode import Decoded
+from batchtap.pipeline.decode import DecodedBlock
 from batchtap.pipeline.reduce import Reducer
-from batchtap.records import Record
+from batchtap.records import ALL_RANKS, Record
 from tests.pipeline.test_reduce import OUTPUTS  # one of each reduction kind
 
 
-def _rank_block(rank: int, rows: list[dict], world: int) -> tuple[Reducer, Decoded, np.ndarray, np.ndarray]:
+def _rank_block(rank: int, rows: list[dict], world: int) -> tuple[Reducer, DecodedBlock, np.ndarray, np.ndarray]:
     reducer = Reducer(OUTPUTS, group=None, rank=rank, world_size=world, per_rank_rows=False)
-    decoded = Decoded()
-    decoded.records = [Record("run", i, 0, i, rank, 0.0, row["values"]) for i, row in enumerate(rows)]
-    decoded.weights = [row.get("weights", {}) for row in rows]
+    records = [Record("run", i, 0, i, rank, 0.0, row["values"]) for i, row in enumerate(rows)]
+    decoded = DecodedBlock.from_records(
+        records, [o.name for o in OUTPUTS], weights=[row.get("weights", {}) for row in rows]
+    )
     samples = np.array([row["samples"] for row in rows], dtype=float)
     times = np.array([row["time"] for row in rows], dtype=float)
     return reducer, decoded, samples, times
@@ -37,7 +38,20 @@ def _reduce(ranks: list[list[dict]]) -> list[Record]:
     sums = np.sum([s for s, _ in packed], axis=0)  # what all_reduce(SUM) gives every rank
     maxima = np.max([m for _, m in packed], axis=0)  # ... and all_reduce(MAX)
     reducer0, decoded0, _, _ = _rank_block(0, ranks[0], world)
-    return [reducer0._global_record(r, sums[i], maxima[i]) for i, r in enumerate(decoded0.records)]
+    values, present = reducer0._global_values(sums, maxima)
+    names = reducer0.names
+    return [
+        Record(
+            "run",
+            r.step,
+            r.epoch,
+            r.batch,
+            ALL_RANKS,
+            r.wall_time,
+            {n: float(v) for n, v, p in zip(names, row, flags) if p},
+        )
+        for r, row, flags in zip(decoded0.records, values.tolist(), present.tolist())
+    ]
 
 
 def _reference(ranks: list[list[dict]], i: int) -> dict[str, float]:

@@ -113,13 +113,14 @@ class RunChain:
         return dict(self.decoder.anomaly_counts)
 
     def process(self, data: BlockData) -> Processed:
-        decoded = self.decoder.decode(data)
+        block = self.decoder.decode(data)
         if self._held:
-            decoded.events[:0], self._held = self._held, []
+            block.events[:0], self._held = self._held, []
         if self.reducer is not None:
-            decoded = self.reducer.reduce(decoded, data.samples, data.step_time)
-        verdict = self.rules.judge(decoded.records, decoded.events) if self.rules is not None else None
-        return Processed(decoded.records, decoded.events, verdict, decoded.input_errors)
+            block = self.reducer.reduce(block, data.samples, data.step_time)
+        records = block.records  # made once, here, for the rules and the sinks
+        verdict = self.rules.judge(records, block.events) if self.rules is not None else None
+        return Processed(records, block.events, verdict, block.input_errors)
 
     def route_events(self, events: list[Event]) -> list[Event]:
         """Events from the training side: held for the next block's exchange in a working process

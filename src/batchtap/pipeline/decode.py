@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -25,21 +25,149 @@ from batchtap.metrics.base import BlockTiming, Metric, StepTiming
 from batchtap.metrics.layout import Layout
 from batchtap.records import Event, EventKind, Record, step_records
 
-__all__ = ["Decoder", "Decoded"]
+__all__ = ["Decoder", "DecodedBlock"]
 
 
-class Decoded:
-    """Result of decoding one block."""
+class DecodedBlock:
+    """One block of a run's rows, decoded and validated, as arrays until records are asked for.
 
-    __slots__ = ("records", "events", "input_errors", "weights")
+    The decoder fills it; the cross-rank reducer reads its arrays and returns another; records are
+    built once, by :attr:`records`, for the rules and the sinks.
 
-    def __init__(self) -> None:
-        #: per record: value name -> what its MEAN averages over, where that is not the samples
-        #: (empty when the decoder was asked for no weights)
-        self.weights: list[dict[str, float]] = []
-        self.records: list[Record] = []
-        self.events: list[Event] = []
-        self.input_errors: list[str] = []
+    Attributes:
+        run_id: the run.
+        rank: the rank the rows come from (``ALL_RANKS`` after reduction).
+        names: value names, one per column.
+        values: ``[n, len(names)]`` float64; NaN for a value that failed validation.
+        present: ``[n, len(names)]`` bool: the row has the value (False: left out of its record).
+        weights: ``[n, len(names)]`` float64, what each ``MEAN`` value averages over where that is
+            not the step's samples (NaN: the samples), or None when nobody asked for weights.
+        steps, epochs, batches, walls: the rows' positions and wall times.
+        events: anomalies, warnings, skips and held training-side events, in row order.
+        input_errors: messages of inputs only the values showed to be invalid.
+        extra: records that travel with the block as they are, ahead of its own (every rank's own
+            rows, gathered by the reducer with ``per_rank_rows``).
+    """
+
+    __slots__ = (
+        "run_id",
+        "rank",
+        "names",
+        "values",
+        "present",
+        "weights",
+        "steps",
+        "epochs",
+        "batches",
+        "walls",
+        "events",
+        "input_errors",
+        "extra",
+        "_records",
+    )
+
+    def __init__(
+        self,
+        run_id: str,
+        rank: int,
+        names: Sequence[str],
+        values: np.ndarray,
+        present: np.ndarray,
+        steps: Sequence[int],
+        epochs: Sequence[int],
+        batches: Sequence[int],
+        walls: Sequence[float],
+        *,
+        weights: np.ndarray | None = None,
+        events: list[Event] | None = None,
+        input_errors: list[str] | None = None,
+        extra: list[Record] | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.rank = rank
+        self.names = tuple(names)
+        self.values = values
+        self.present = present
+        self.weights = weights
+        self.steps, self.epochs, self.batches, self.walls = list(steps), list(epochs), list(batches), list(walls)
+        self.events: list[Event] = events if events is not None else []
+        self.input_errors: list[str] = input_errors if input_errors is not None else []
+        self.extra: list[Record] = extra if extra is not None else []
+        self._records: list[Record] | None = None
+
+    @classmethod
+    def empty(cls, run_id: str, rank: int, names: Sequence[str]) -> DecodedBlock:
+        width = len(names)
+        return cls(run_id, rank, names, np.zeros((0, width)), np.zeros((0, width), dtype=bool), [], [], [], [])
+
+    @classmethod
+    def from_records(
+        cls,
+        records: Sequence[Record],
+        names: Sequence[str],
+        *,
+        run_id: str = "",
+        rank: int = 0,
+        weights: Sequence[Mapping[str, float]] | None = None,
+    ) -> DecodedBlock:
+        """The block these records were decoded from (tests and the reducer's fallback build
+        blocks this way); ``weights``: per record, value name -> what its MEAN averages over."""
+        n, width = len(records), len(names)
+        values = np.full((n, width), math.nan)
+        present = np.zeros((n, width), dtype=bool)
+        weighed = np.full((n, width), math.nan) if weights is not None else None
+        for i, record in enumerate(records):
+            for j, name in enumerate(names):
+                value = record.values.get(name)
+                if value is not None:
+                    values[i, j], present[i, j] = value, True
+                    if weighed is not None and weights is not None:
+                        weighed[i, j] = weights[i].get(name, math.nan)
+        if records:
+            run_id, rank = records[0].run_id, records[0].rank
+        return cls(
+            run_id,
+            rank,
+            names,
+            values,
+            present,
+            [r.step for r in records],
+            [r.epoch for r in records],
+            [r.batch for r in records],
+            [r.wall_time for r in records],
+            weights=weighed,
+        )
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    @property
+    def records(self) -> list[Record]:
+        """:attr:`extra`, then the block's own records (made once). A column no row has (data wait
+        without a watched loader) appears in none; NaN values are the one ``math.nan`` object, as a
+        row-by-row decode stores them (records then compare equal wherever their NaNs sit)."""
+        if self._records is None:
+            self._records = self.extra + self._make_records()
+        return self._records
+
+    def _make_records(self) -> list[Record]:
+        if not self.steps:
+            return []
+        values, present, names = self.values, self.present, list(self.names)
+        somewhere = present.any(axis=0)
+        if not somewhere.all():
+            keep = np.flatnonzero(somewhere)
+            values, present, names = values[:, keep], present[:, keep], [names[k] for k in keep.tolist()]
+        table = values.tolist()
+        for i, j in zip(*np.nonzero(np.isnan(values))):
+            table[i][j] = math.nan
+        if present.all():
+            rows = [dict(zip(names, row)) for row in table]
+        else:
+            rows = [
+                {name: v for name, v, p in zip(names, row, flags) if p} for row, flags in zip(table, present.tolist())
+            ]
+        return step_records(self.run_id, self.rank, self.steps, self.epochs, self.batches, self.walls, rows)
 
 
 class _Columns:
@@ -101,11 +229,10 @@ class Decoder:
         self._high = np.array([d.high for d in domains], dtype=np.float64)
         self._infinite_ok = np.array([not d.finite for d in domains], dtype=bool)
 
-    def decode(self, data: BlockData) -> Decoded:
-        out = Decoded()
+    def decode(self, data: BlockData) -> DecodedBlock:
         n = len(data.step)
         if n == 0:
-            return out
+            return DecodedBlock.empty(self.run_id, self.rank, self._names)
         steps, walls = data.step.tolist(), data.wall_time.tolist()
         timing = BlockTiming(data.samples, data.step_time, data.data_time, data.tokens)
         raws = [
@@ -150,13 +277,16 @@ class Decoder:
 
         columns: list[_Columns] = []
         problems_of: list[dict[int, str]] = []  # per metric: rows whose inputs it found invalid
-        weights: list[tuple[tuple[str, ...], list[float | None]]] = []
+        weights = np.full((n, len(self._names)), math.nan) if any(self._weighs) else None
+        first_column = 0
         for index, (metric, outputs, _, _) in enumerate(self._spans):
             raw = raws[index]
-            if self._weighs[index]:
+            if self._weighs[index] and weights is not None:
                 block = metric.weight_block(raw)
-                row_weights = block.tolist() if block is not None else [metric.weight(r) for r in raw_rows(index)]
-                weights.append((tuple(o.name for o in outputs), row_weights))
+                if block is None:
+                    block = np.array([math.nan if (w := metric.weight(r)) is None else w for r in raw_rows(index)])
+                weights[:, first_column : first_column + len(outputs)] = np.asarray(block, dtype=np.float64)[:, None]
+            first_column += len(outputs)
             problems: dict[int, str] = {}
             if self._checks_inputs[index]:
                 suspects = metric.input_suspects(raw)
@@ -200,16 +330,21 @@ class Decoder:
             block_values, present = np.zeros((n, 0)), np.zeros((n, 0), dtype=bool)
         self._validate(block_values, present, problems_of, skipped, steps, walls, events)
         events.sort(key=lambda keyed: keyed[0])
-        out.events = [event for _, event in events]
         input_errors.sort(key=lambda keyed: keyed[0])
-        out.input_errors = [message for _, message in input_errors]
-        out.records = self._records(data, block_values, present, steps, walls)
-        if weights:
-            out.weights = [
-                {name: w for names, row_weights in weights if (w := row_weights[i]) is not None for name in names}
-                for i in range(n)
-            ]
-        return out
+        return DecodedBlock(
+            self.run_id,
+            self.rank,
+            self._names,
+            block_values,
+            present,
+            steps,
+            data.epoch.tolist(),
+            data.batch.tolist(),
+            walls,
+            weights=weights,
+            events=[event for _, event in events],
+            input_errors=[message for _, message in input_errors],
+        )
 
     def _finalize(
         self,
@@ -285,28 +420,6 @@ class Decoder:
                 f"{output.name}={value!r} at step {steps[i]} is {why} (expected {domain.describe()}); stored as NaN"
             )
             events.append(((i, index, place), self._event(steps[i], walls[i], output.name, value, message)))
-
-    def _records(
-        self, data: BlockData, values: np.ndarray, present: np.ndarray, steps: list[int], walls: list[float]
-    ) -> list[Record]:
-        epochs, batches = data.epoch.tolist(), data.batch.tolist()
-        names = self._names
-        somewhere = present.any(axis=0)
-        if not somewhere.all():  # a value no row has (data wait without a watched loader): dropped
-            keep = np.flatnonzero(somewhere)
-            values, present, names = values[:, keep], present[:, keep], [names[k] for k in keep.tolist()]
-        table = values.tolist()
-        # NaN values as the one math.nan object, as a row-by-row decode stores them (records then
-        # compare equal with == wherever their NaNs sit)
-        for i, j in zip(*np.nonzero(np.isnan(values))):
-            table[i][j] = math.nan
-        if present.all():
-            rows = [dict(zip(names, row)) for row in table]
-        else:
-            rows = [
-                {name: v for name, v, p in zip(names, row, flags) if p} for row, flags in zip(table, present.tolist())
-            ]
-        return step_records(self.run_id, self.rank, steps, epochs, batches, walls, rows)
 
     def _event(self, step: int, wall: float, metric: str, raw: float | None, message: str) -> Event:
         return Event(self.run_id, step, EventKind.ANOMALY, message, wall, metric=metric, raw_value=raw, rank=self.rank)

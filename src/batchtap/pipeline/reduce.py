@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from batchtap.metrics.domain import Output, Reduce
-from batchtap.pipeline.decode import Decoded
+from batchtap.pipeline.decode import DecodedBlock
 from batchtap.records import ALL_RANKS, Event, EventKind, Record
 
 __all__ = ["Reducer", "STRAGGLER_FIELDS"]
@@ -112,24 +112,21 @@ class Reducer:
         self._s2_col = {int(j): v + len(self._s1_of) + i for i, j in enumerate(self._s2_of)}
         self._ext_col = {int(j): i for i, j in enumerate(self._ext_of)}
 
-    def reduce(self, decoded: Decoded, samples: np.ndarray, step_time: np.ndarray) -> Decoded:
-        """Global records (plus, on rank 0, per-rank rows when asked) and, on rank 0, every rank's events."""
+    def reduce(self, block: DecodedBlock, samples: np.ndarray, step_time: np.ndarray) -> DecodedBlock:
+        """The global rows (plus, on rank 0, every rank's own records in ``extra`` when asked) and,
+        on rank 0, every rank's events."""
         if self.broken is not None:
-            return decoded
+            return block
         try:
             self.traffic["flushes"] += 1
-            return self._exchange(decoded, samples, step_time)
+            return self._exchange(block, samples, step_time)
         except Exception as exc:  # a dead peer, a timeout: degrade, never hang or lose local rows
             self.broken = f"{type(exc).__name__}: {exc}"
-            out = Decoded()
-            out.records, out.input_errors = decoded.records, decoded.input_errors
-            out.events = list(decoded.events)
-            if decoded.records:
-                r = decoded.records[-1]
-                out.events.append(
+            if len(block):
+                block.events.append(
                     Event(
-                        r.run_id,
-                        r.step,
+                        block.run_id,
+                        block.steps[-1],
                         EventKind.WARNING,
                         f"rank {self.rank}: reducing over ranks failed ({self.broken}); storing this rank's "
                         "rows unreduced from here on",
@@ -137,59 +134,83 @@ class Reducer:
                         rank=self.rank,
                     )
                 )
-            return out
+            return block
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The value names of a global row: every output, then the straggler fields (several ranks)."""
+        straggler = STRAGGLER_FIELDS if self.world_size > 1 else ()
+        return tuple(o.name for o in self.outputs) + straggler
 
     # ----------------------------------------------------------------- the fixed-size exchange
 
-    def _exchange(self, decoded: Decoded, samples: np.ndarray, step_time: np.ndarray) -> Decoded:
-        records = decoded.records
-        n = len(records)
-        first, last = (records[0].step, records[-1].step) if n else (-1, -1)
+    def _exchange(self, block: DecodedBlock, samples: np.ndarray, step_time: np.ndarray) -> DecodedBlock:
+        n = len(block)
+        first, last = (block.steps[0], block.steps[-1]) if n else (-1, -1)
         header = self._all_reduce(
-            np.array([n, -n, first, -first, last, -last, float(bool(decoded.events)), 0.0]), dist.ReduceOp.MAX
+            np.array([n, -n, first, -first, last, -last, float(bool(block.events)), 0.0]), dist.ReduceOp.MAX
         )
         if header[0] != -header[1] or header[2] != -header[3] or header[4] != -header[5]:
-            return self._exchange_objects(decoded, samples, step_time)  # blocks do not line up
-        out = Decoded()
-        out.input_errors = decoded.input_errors
+            return self._exchange_objects(block, samples, step_time)  # blocks do not line up
         if n:
-            sums, maxima = self._pack(decoded, samples, step_time)
+            sums, maxima = self._pack(block, samples, step_time)
             sums = self._all_reduce(sums, dist.ReduceOp.SUM)
             maxima = self._all_reduce(maxima, dist.ReduceOp.MAX)
-            globals_ = [self._global_record(r, sums[i], maxima[i]) for i, r in enumerate(records)]
+            values, present = self._global_values(sums, maxima)
         else:
-            globals_ = []
+            values, present = np.zeros((0, len(self.names))), np.zeros((0, len(self.names)), dtype=bool)
         if header[6] > 0:  # some rank has events: rank 0 gathers them (rare)
-            gathered = self._gather(decoded.events)
-            out.events = [e for events in gathered for e in events] if gathered is not None else list(decoded.events)
+            gathered = self._gather(block.events)
+            events = [e for events in gathered for e in events] if gathered is not None else list(block.events)
         else:
-            out.events = list(decoded.events)
+            events = list(block.events)
+        extra: list[Record] = []
         if self.per_rank_rows:
-            gathered_rows = self._gather(records)
+            gathered_rows = self._gather(block.records)
             if gathered_rows is not None:
-                out.records.extend(r for rows in gathered_rows for r in rows)
-        out.records.extend(globals_)
-        return out
+                extra = [r for rows in gathered_rows for r in rows]
+        return DecodedBlock(
+            block.run_id,
+            ALL_RANKS,
+            self.names,
+            values,
+            present,
+            block.steps,
+            block.epochs,
+            block.batches,
+            block.walls,
+            events=events,
+            input_errors=block.input_errors,
+            extra=extra,
+        )
 
-    def _pack(self, decoded: Decoded, samples: np.ndarray, step_time: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's share of the SUM and MAX tensors, one row per record (columns: see __init__).
+    def _columns(self, block: DecodedBlock) -> list[int]:
+        """Where each of the reducer's outputs sits among the block's columns."""
+        if block.names[: len(self.outputs)] == tuple(o.name for o in self.outputs):
+            return list(range(len(self.outputs)))
+        where = {name: j for j, name in enumerate(block.names)}
+        return [where.get(o.name, -1) for o in self.outputs]
+
+    def _pack(self, block: DecodedBlock, samples: np.ndarray, step_time: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's share of the SUM and MAX tensors, one row per block row (columns: see __init__).
 
         A value's code is ``present + NaN * 2**24`` (ranks that have it, ranks where it is NaN);
         its sum is value x weight (MEAN), value (SUM) or value squared (L2) over the ranks where it
         is a number. The slowest-rank key is ``time_ns * 2**16 + (2**16 - 1 - rank)``.
         """
-        n, v = len(decoded.records), len(self.outputs)
-        values = np.full((n, v), np.nan)
-        present = np.zeros((n, v), dtype=bool)
-        weights = np.full((n, v), np.nan)
-        per_record = decoded.weights if len(decoded.weights) == n else [{}] * n
-        for i, record in enumerate(decoded.records):
-            for j, output in enumerate(self.outputs):
-                value = record.values.get(output.name)
-                if value is not None:
-                    values[i, j] = value
-                    present[i, j] = True
-                    weights[i, j] = per_record[i].get(output.name, math.nan)
+        n, v = len(block), len(self.outputs)
+        columns = self._columns(block)
+        if columns == list(range(v)) and block.values.shape[1] == v:
+            values, present = block.values, block.present
+            weights = block.weights if block.weights is not None else np.full((n, v), np.nan)
+        else:  # a value the block does not have is absent on this rank
+            take = np.array([max(c, 0) for c in columns], dtype=np.intp)
+            has = np.array([c >= 0 for c in columns], dtype=bool)
+            values = np.where(has, block.values[:, take], np.nan) if n else np.zeros((0, v))
+            present = (block.present[:, take] & has) if n else np.zeros((0, v), dtype=bool)
+            weights = np.full((n, v), np.nan)
+            if block.weights is not None and n:
+                weights = np.where(has, block.weights[:, take], np.nan)
         rows_samples = np.where(np.isnan(samples[:n]), 1.0, samples[:n])
         # a MEAN averages over its own count where the metric gives one (kept targets), else samples
         w = np.where(np.isnan(weights), rows_samples[:, None], weights)
@@ -216,30 +237,35 @@ class Reducer:
         maxima[:, -1] = np.where(known, nanos * 65536.0 + (65535 - self.rank), -np.inf)
         return sums, maxima
 
-    def _global_record(self, like: Record, sums: np.ndarray, maxima: np.ndarray) -> Record:
-        values: dict[str, float] = {}
-        for j, output in enumerate(self.outputs):
-            nans, count = divmod(int(sums[j]), _NAN_UNIT)
-            if count == 0:
-                continue
-            if nans > 0:
-                values[output.name] = math.nan
-            elif output.reduce is Reduce.MEAN:
-                weight = sums[self._s2_col[j]]
-                values[output.name] = float(sums[self._s1_col[j]] / weight) if weight else math.nan
-            elif output.reduce is Reduce.SUM:
-                values[output.name] = float(sums[self._s1_col[j]])
-            elif output.reduce is Reduce.L2:
-                values[output.name] = float(math.sqrt(sums[self._s1_col[j]]))
-            elif output.reduce is Reduce.MAX:
-                values[output.name] = float(maxima[self._ext_col[j]])
-            else:
-                values[output.name] = float(-maxima[self._ext_col[j]])
-        if self.world_size > 1 and sums[-1] == 0:  # every rank measured the step's time
-            slowest, fastest = maxima[-3], -maxima[-2]
-            values["slowest_rank"] = float(65535 - int(maxima[-1]) % 65536)
-            values["step_time_spread"] = float(slowest / fastest) if fastest > 0 else math.inf
-        return Record(like.run_id, like.step, like.epoch, like.batch, ALL_RANKS, like.wall_time, values)
+    def _global_values(self, sums: np.ndarray, maxima: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The global rows' values and presence (``[n, len(names)]``) from the reduced tensors."""
+        n, v = sums.shape[0], len(self.outputs)
+        codes = sums[:, :v].astype(np.int64)
+        nans, counts = codes // _NAN_UNIT, codes % _NAN_UNIT
+        values = np.full((n, len(self.names)), math.nan)
+        present = np.zeros((n, len(self.names)), dtype=bool)
+        present[:, :v] = counts > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for j, output in enumerate(self.outputs):
+                if output.reduce is Reduce.MEAN:
+                    weight = sums[:, self._s2_col[j]]
+                    values[:, j] = np.where(weight != 0, sums[:, self._s1_col[j]] / weight, math.nan)
+                elif output.reduce is Reduce.SUM:
+                    values[:, j] = sums[:, self._s1_col[j]]
+                elif output.reduce is Reduce.L2:
+                    values[:, j] = np.sqrt(sums[:, self._s1_col[j]])
+                elif output.reduce is Reduce.MAX:
+                    values[:, j] = maxima[:, self._ext_col[j]]
+                else:
+                    values[:, j] = -maxima[:, self._ext_col[j]]
+            values[:, :v][nans > 0] = math.nan
+            if self.world_size > 1:  # where every rank measured the step's time
+                timed = sums[:, -1] == 0
+                slowest, fastest = maxima[:, -3], -maxima[:, -2]
+                values[:, v] = 65535 - maxima[:, -1].astype(np.int64) % 65536
+                values[:, v + 1] = np.where(fastest > 0, slowest / fastest, math.inf)
+                present[:, v : v + 2] = timed[:, None]
+        return values, present
 
     # Each collective is counted here and carried out by a ``_net_*`` method: the network part, the
     # one thing tests replace to run several ranks' reducers in one process.
@@ -279,34 +305,45 @@ class Reducer:
 
     # ----------------------------------------------------------------- the fallback: whole rows
 
-    def _exchange_objects(self, decoded: Decoded, samples: np.ndarray, step_time: np.ndarray) -> Decoded:
+    def _exchange_objects(self, block: DecodedBlock, samples: np.ndarray, step_time: np.ndarray) -> DecodedBlock:
         """Blocks that do not line up: one ``all_gather_object`` of every rank's rows, reduced by step
         with the same packing (each row's SUM and MAX parts combined on the host)."""
-        n = len(decoded.records)
-        local = []
-        for i, record in enumerate(decoded.records):
-            one = Decoded()
-            one.records = [record]
-            one.weights = [decoded.weights[i]] if len(decoded.weights) == n else []
-            local.append(self._pack(one, samples[i : i + 1], step_time[i : i + 1]))
-        gathered = self._all_gather((local, decoded.records, decoded.events))
-        out = Decoded()
-        out.input_errors = decoded.input_errors
-        out.events = [e for _, _, events in gathered for e in events] if self.rank == 0 else list(decoded.events)
+        sums, maxima = self._pack(block, samples, step_time)
+        positions = list(zip(block.steps, block.epochs, block.batches, block.walls))
+        own = block.records if self.per_rank_rows else []
+        gathered = self._all_gather((sums, maxima, positions, own, block.events))
+        events = [e for *_, events in gathered for e in events] if self.rank == 0 else list(block.events)
         by_step: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-        template: dict[int, Record] = {}
-        for packed, records, _ in gathered:
-            for (sums, maxima), record in zip(packed, records):
-                by_step.setdefault(record.step, []).append((sums[0], maxima[0]))
-                template.setdefault(record.step, record)
-                if self.per_rank_rows and self.rank == 0:
-                    out.records.append(record)
-        for step in sorted(by_step):
-            rows = by_step[step]
-            total = np.sum([sums for sums, _ in rows], axis=0)
-            top = np.max([maxima for _, maxima in rows], axis=0)
-            out.records.append(self._global_record(template[step], total, top))
-        return out
+        where: dict[int, tuple[int, int, int, float]] = {}
+        extra: list[Record] = []
+        for rank_sums, rank_maxima, rank_positions, records, _ in gathered:
+            for i, position in enumerate(rank_positions):
+                by_step.setdefault(position[0], []).append((rank_sums[i], rank_maxima[i]))
+                where.setdefault(position[0], position)
+            if self.per_rank_rows and self.rank == 0:
+                extra.extend(records)
+        steps = sorted(by_step)
+        total = np.array([np.sum([s for s, _ in by_step[step]], axis=0) for step in steps]).reshape(
+            len(steps), self._sum_width
+        )
+        top = np.array([np.max([m for _, m in by_step[step]], axis=0) for step in steps]).reshape(
+            len(steps), self._max_width
+        )
+        values, present = self._global_values(total, top)
+        return DecodedBlock(
+            block.run_id,
+            ALL_RANKS,
+            self.names,
+            values,
+            present,
+            steps,
+            [where[step][1] for step in steps],
+            [where[step][2] for step in steps],
+            [where[step][3] for step in steps],
+            events=events,
+            input_errors=block.input_errors,
+            extra=extra,
+        )
 
 
 def new_group(timeout_s: float) -> Any:
