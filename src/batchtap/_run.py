@@ -359,7 +359,7 @@ class ActiveRun:
         if block is not None:
             # log() values travel with the block of the steps they follow: stored in one write, so
             # a reader never sees those steps without them (nor them before those steps).
-            self.pipeline.submit(capture.flusher, block, self.chain, pending)
+            self.pipeline.submit(block, self.chain, pending)
         else:
             for logged in pending:
                 self.pipeline.logged(logged, run_id=self.info.id, rank=self.rank, writes=self.writes)

@@ -59,7 +59,8 @@ from batchtap.pipeline.agreement import ProcessGroups, RankAgreement
 from batchtap.pipeline.control import Control
 from batchtap.pipeline.core import PipelineSettings
 from batchtap.pipeline.dispatch import Backpressure
-from batchtap.pipeline.host import PipelineHost, PipelineKind, make_pipeline
+from batchtap.pipeline.host import PipelineHost, PipelineKind
+from batchtap.pipeline.make import make_pipeline
 from batchtap.records import Event, EventKind, RunInfo, RunStatus
 from batchtap.recovery.actions import ActionRunner
 from batchtap.recovery.rollback import Rollback

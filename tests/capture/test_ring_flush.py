@@ -16,7 +16,6 @@ from batchtap.capture.guard import LossGuard
 from batchtap.capture.loader import timed_batches
 from batchtap.capture.ring import MetricRing
 from batchtap.metrics.base import with_settle
-from batchtap.pipeline.harvest import read_block
 
 CPU = torch.device("cpu")
 
@@ -96,7 +95,7 @@ def test_rows_survive_many_wraps_and_come_back_in_step_order() -> None:
         if flusher.due():
             block = flusher.flush()
             assert block is not None
-            data = read_block(flusher, block)
+            data = block.read()
             assert data.device_values[:, 0].tolist() == [s / 2 for s in data.step.tolist()]
             assert data.device_values[:, 1].tolist() == data.step.tolist()
             assert data.host_values[:, 0].tolist() == [s * 10.0 for s in data.step.tolist()]
@@ -104,7 +103,7 @@ def test_rows_survive_many_wraps_and_come_back_in_step_order() -> None:
             seen += data.step.tolist()
     last = flusher.flush()
     assert last is not None
-    seen += read_block(flusher, last).step.tolist()
+    seen += last.read().step.tolist()
     assert seen == list(range(23))
 
 
@@ -124,7 +123,7 @@ def test_a_slot_is_not_reused_before_its_row_was_released() -> None:
     writer = threading.Thread(target=third_row)
     writer.start()
     assert not claimed.wait(0.2), "claim() handed out a slot whose row was never read"
-    data = read_block(flusher, block)
+    data = block.read()
     assert claimed.wait(5)
     writer.join()
     assert data.step.tolist() == [0, 1] and flusher.waits == 1
@@ -177,7 +176,7 @@ def test_flush_with_nothing_new_returns_none_unless_asked_for_an_empty_block() -
     flusher = Flusher(_ring(), HostClock(4), flush_every=2, flush_seconds=None)
     assert flusher.flush() is None
     empty = flusher.flush(empty_ok=True)
-    assert empty is not None and len(read_block(flusher, empty)) == 0
+    assert empty is not None and len(empty.read()) == 0
 
 
 def test_a_step_without_a_start_mark_has_no_step_time() -> None:
@@ -201,7 +200,7 @@ def test_a_step_without_a_start_mark_has_no_step_time() -> None:
     _write(ring, flusher, 1, 1.0)
     block = flusher.flush()
     assert block is not None
-    times = read_block(flusher, block).step_time
+    times = block.read().step_time
     assert math.isnan(times[0]) and times[1] >= 0
 
 
@@ -264,7 +263,7 @@ def test_guard_checks_a_slots_old_row_before_a_lagging_device_gets_it_overwritte
         if flusher.due():
             block = flusher.flush()
             assert block is not None
-            read_block(flusher, block)
+            block.read()
         hits.append(guard.poll())
     # row 5 reused row 1's slot: the NaN of step 1 was checked just before it was overwritten
     assert hits[:5] == [None] * 5
@@ -342,7 +341,7 @@ def test_guard_settles_a_wrapped_row_only_once_a_whole_ring_has_passed_it() -> N
         if flusher.due():
             block = flusher.flush()
             assert block is not None
-            read_block(flusher, block)
+            block.read()
         hits.append(guard.poll())
     assert hits[:10] == [None] * 10
     step, value = hits[10]  # type: ignore[misc]
@@ -379,5 +378,5 @@ def test_guard_polls_the_end_mark_of_a_rows_slot_after_the_ring_wrapped() -> Non
         if flusher.due():
             block = flusher.flush()
             assert block is not None
-            read_block(flusher, block)
+            block.read()
     assert hits == [None] * 5 + [(5, math.inf), None]  # step 5 lives in slot 1

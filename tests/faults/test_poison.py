@@ -10,9 +10,9 @@ import torch
 
 import batchtap as bt
 from batchtap.errors import InputError
-from batchtap.records import Event, Record, RunInfo
+from batchtap.records import Event, Record, RunInfo, RunStart, Write
 from batchtap.sinks.base import Sink
-from batchtap.sinks.resilient import ResilientSink, encode_entry
+from batchtap.sinks.resilient import ResilientSink, SpoolEntry, encode_entry
 from tests.conftest import ListSink
 from tests.store._helpers import PG_DSN, make_records, make_run, pg_schema_fixture
 
@@ -76,8 +76,8 @@ def test_postgres_stores_the_rest_of_a_block_and_reports_the_refused_rows(schema
     assert len(reports) == 1 and "refused 20 of" in reports[0].message and "bad\\x00name" in reports[0].message
 
 
-def _spool_with(path: Path, ops: Sequence[tuple[str, object]]) -> None:
-    path.write_text("".join(encode_entry(op) + "\n" for op in ops), encoding="utf-8")  # type: ignore[arg-type]
+def _spool_with(path: Path, entries: Sequence[SpoolEntry]) -> None:
+    path.write_text("".join(encode_entry(entry) + "\n" for entry in entries), encoding="utf-8")
 
 
 def test_a_poisoned_spool_left_behind_is_replayed_into_postgres_not_retried_forever(
@@ -91,10 +91,10 @@ def test_a_poisoned_spool_left_behind_is_replayed_into_postgres_not_retried_fore
     _spool_with(
         spool,
         [
-            ("start_run", poisoned),
-            ("write", (make_records(poisoned.id, range(10), ["loss", NUL], rng), [])),
-            ("start_run", clean),
-            ("write", (make_records(clean.id, range(10), ["loss"], rng), [])),
+            RunStart(poisoned),
+            Write(make_records(poisoned.id, range(10), ["loss", NUL], rng)),
+            RunStart(clean),
+            Write(make_records(clean.id, range(10), ["loss"], rng)),
         ],
     )
     sink = ResilientSink(bt.sinks.Postgres(PG_DSN, schema=schema), spool_path=spool, retry_initial=0.0)
@@ -133,7 +133,7 @@ def test_a_refused_spooled_block_is_quarantined_after_bounded_tries_and_the_rest
     bad, good = make_run(), make_run()
     bad_block = make_records(bad.id, range(5), ["loss", NUL], rng)
     good_block = make_records(good.id, range(5), ["loss"], rng)
-    _spool_with(spool, [("write", (bad_block, [])), ("write", (good_block, []))])
+    _spool_with(spool, [Write(bad_block), Write(good_block)])
     inner = _RefusesPoison()
     sink = ResilientSink(inner, spool_path=spool, retry_initial=0.0, retry_max=0.0)
     for _ in range(10):  # bounded: far fewer tries than this are needed

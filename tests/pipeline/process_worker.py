@@ -42,7 +42,7 @@ def _train(tap: bt.Tap, how: str, out: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    pipeline_pid = tap._pipeline._proc.pid  # type: ignore[attr-defined]
+    pipeline_pid = tap._pipeline.link.process.pid  # type: ignore[attr-defined]
     (out / "pids.json").write_text(json.dumps({"worker": os.getpid(), "pipeline": pipeline_pid}))
     for step in range(STEPS):
         x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))

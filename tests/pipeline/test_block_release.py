@@ -14,12 +14,12 @@ import threading
 import pytest
 import torch
 
+from batchtap.capture import flush
 from batchtap.capture.clock import HostClock
 from batchtap.capture.flush import Block, BlockData, Flusher
 from batchtap.capture.ring import MetricRing
 from batchtap.metrics import Loss
 from batchtap.metrics.layout import Layout
-from batchtap.pipeline import harvest
 from batchtap.pipeline.control import Control
 from batchtap.pipeline.thread import ThreadPipeline
 from tests.conftest import ListSink
@@ -78,7 +78,7 @@ def test_every_block_is_read_before_its_slots_are_released(monkeypatch: pytest.M
         flusher.note("read done")  # every row copied
         return data
 
-    monkeypatch.setattr(harvest, "BlockData", logged_block_data)
+    monkeypatch.setattr(flush, "BlockData", logged_block_data)
     sink = ListSink()
     pipeline = ThreadPipeline([sink], Control())
     run = pipeline.open_chain(layout, run_id="r", rank=0, writes=True, reduce=None)
@@ -101,7 +101,7 @@ def test_every_block_is_read_before_its_slots_are_released(monkeypatch: pytest.M
                 block = flusher.flush()
                 assert block is not None
                 clock.blocks[block.marker] = block.first_row
-                pipeline.submit(flusher, block, run)
+                pipeline.submit(block, run)
         assert pipeline.drain(30)
         assert pipeline.flush_sinks(30)
     finally:

@@ -143,7 +143,7 @@ def test_no_pipeline_process_outlives_any_exit(tmp_path: Path, how: str, status:
 
 
 def _kill_pipeline(tap: bt.Tap) -> None:
-    proc = tap._pipeline._proc  # type: ignore[attr-defined]
+    proc = tap._pipeline.link.process  # type: ignore[attr-defined]
     try:
         os.kill(proc.pid, signal.SIGKILL)
     except ProcessLookupError:  # already reaped (a restart racing this call): it is gone either way
@@ -155,7 +155,7 @@ def test_a_dead_pipeline_process_is_restarted_once_then_replaced_by_a_thread(tmp
     path = tmp_path / "p.pkl"
     torch.manual_seed(0)
     with bt.Tap(sinks=[FileListSink(path)], flush_every=4, flush_seconds=3600, pipeline="process") as tap:
-        first = tap._pipeline._proc.pid  # type: ignore[attr-defined]
+        first = tap._pipeline.link.process.pid  # type: ignore[attr-defined]
         with tap.run(name="crashes"):
             for step in range(90):
                 tap.step(loss=torch.tensor(float(step)))
@@ -163,7 +163,7 @@ def test_a_dead_pipeline_process_is_restarted_once_then_replaced_by_a_thread(tmp
                     tap.log({"val": torch.tensor(step / 100)})  # travels with the block the kill hits
                 if step in (29, 59):
                     _kill_pipeline(tap)
-        second = tap._pipeline._proc.pid  # type: ignore[attr-defined]
+        second = tap._pipeline.link.process.pid  # type: ignore[attr-defined]
     sink, pids = received(path)
     assert second != first and {first, second, os.getpid()} >= pids  # restarted once, then the thread
     assert os.getpid() in pids

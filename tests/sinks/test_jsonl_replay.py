@@ -168,7 +168,7 @@ def test_a_spool_file_replays_by_hand(tmp_path: Path) -> None:
     run = RunInfo("r", "spooled", {}, 0.0)
     block = [Record("r", s, 0, s, 0, 0.0, {"loss": 0.5}) for s in range(3)]
     path = tmp_path / "s.jsonl"
-    path.write_text("".join(encode_entry(op) + "\n" for op in [("start_run", run), ("write", (block, []))]))
+    path.write_text("".join(encode_entry(entry) + "\n" for entry in [RunStart(run), Write(block)]))
     assert [type(m) for m in read_jsonl(path)] == [RunStart, Write]
     into = ListSink()
     replay(path, into)

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchtap.errors import ConfigError, SinkError
-from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus
+from batchtap.records import Event, EventKind, Record, RunEnd, RunInfo, RunStatus, Write
 from batchtap.sinks.base import Sink
 from batchtap.sinks.resilient import ResilientSink, decode_entry, encode_entry
 from batchtap.sinks.sqlite import SQLite
@@ -206,8 +206,8 @@ def test_partial_replay_keeps_only_the_undelivered_tail(tmp_path: Path) -> None:
 
 def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path: Path) -> None:
     spool = tmp_path / "s.jsonl"
-    good = encode_entry(("write", (make_records("r", [0], ["loss"], random.Random(55)), [])))
-    torn = encode_entry(("write", (make_records("r", [1], ["loss"], random.Random(56)), [])))[:40]
+    good = encode_entry(Write(make_records("r", [0], ["loss"], random.Random(55))))
+    torn = encode_entry(Write(make_records("r", [1], ["loss"], random.Random(56))))[:40]
     spool.write_text(good + "\n" + "{not json}\n" + torn)
     inner = Collect()
     sink = ResilientSink(inner, spool_path=spool)
@@ -224,7 +224,7 @@ def test_a_line_of_the_spool_format_before_the_codec_is_set_aside_and_the_rest_d
         '{"v":1,"op":"write","records":[{"run_id":"r","step":0,"epoch":0,"batch":0,"rank":0,"wall_time":1.0,'
         '"values":{"loss":0.5}}],"events":[]}'
     )
-    new = encode_entry(("write", (make_records("r", [1], ["loss"], random.Random(60)), [])))
+    new = encode_entry(Write(make_records("r", [1], ["loss"], random.Random(60))))
     spool.write_text(old + "\n" + new + "\n")
     inner = Collect()
     sink = ResilientSink(inner, spool_path=spool)
@@ -298,17 +298,17 @@ def test_spool_entries_round_trip_exactly(
 ) -> None:
     rec = Record("rün", step=step, epoch=1, batch=2, rank=-1, wall_time=wall, values=values)
     ev = Event("rün", step, EventKind.ANOMALY, message, wall, metric=next(iter(values)), raw_value=raw, rank=3)
-    line = encode_entry(("write", ([rec], [ev])))
+    line = encode_entry(Write([rec], [ev]))
     json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
-    kind, (recs, evs) = decode_entry(line)
-    assert kind == "write"
-    (back,) = recs
+    entry = decode_entry(line)
+    assert isinstance(entry, Write)
+    (back,) = entry.records
     assert (back.run_id, back.step, back.epoch, back.batch, back.rank, back.wall_time) == ("rün", step, 1, 2, -1, wall)
     assert list(back.values) == list(values)
     for k, v in values.items():
         got = back.values[k]
         assert (math.isnan(v) and math.isnan(got)) or (got == v and math.copysign(1, got) == math.copysign(1, v))
-    (eb,) = evs
+    (eb,) = entry.events
     assert (eb.message, eb.metric, eb.rank, eb.kind) == (message, ev.metric, 3, EventKind.ANOMALY)
     assert (
         (raw is None and eb.raw_value is None) or (math.isnan(raw) and math.isnan(eb.raw_value)) or eb.raw_value == raw
@@ -317,8 +317,7 @@ def test_spool_entries_round_trip_exactly(
 
 def test_run_info_round_trips() -> None:
     run = replace(make_run(), status=RunStatus.FAILED, ended_at=12.5, stop_reason="boom", world_size=4)
-    kind, back = decode_entry(encode_entry(("end_run", run)))
-    assert kind == "end_run" and back == run
+    assert decode_entry(encode_entry(RunEnd(run))) == RunEnd(run)
 
 
 def test_a_logged_record_replays_as_a_logged_record(tmp_path: Path) -> None:
@@ -334,7 +333,7 @@ def test_a_logged_record_replays_as_a_logged_record(tmp_path: Path) -> None:
     logged = Record(run.id, 4, 0, -1, 0, 1.5, {"val_acc": 0.75}, sparse=True)
     sink.write([step, logged])
     assert sink.pending
-    assert decode_entry(sink.spool_path.read_text().splitlines()[-1])[1][0] == [step, logged]  # type: ignore[index]
+    assert decode_entry(sink.spool_path.read_text().splitlines()[-1]) == Write([step, logged], [])
     inner.down = False
     sink.close()
     assert not sink.pending

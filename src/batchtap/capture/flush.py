@@ -1,10 +1,14 @@
-"""When to flush, what a flushed block is, and when a ring slot may be reused.
+"""When to flush, what a flushed block is, how it is read back, and when a ring slot may be reused.
 
 The training thread calls :meth:`Flusher.claim` before it writes a row and :meth:`Flusher.flush`
-when :meth:`Flusher.due`; the pipeline reads each block back (``batchtap.pipeline.harvest``) and
-then calls :meth:`Flusher.release`. The only place the training thread can wait is ``claim``, and only when the
-pipeline is a whole ring behind (the device lags by ``capacity`` steps, or the sinks apply
-backpressure).
+when :meth:`Flusher.due`. The :class:`Block` a flush returns is the whole hand-over: the pipeline
+polls :meth:`Block.ready` (a non-blocking device query) every :data:`POLL_INTERVAL` seconds, then
+calls :meth:`Block.read`, which copies the rows out of the ring into a :class:`BlockData` and
+releases their slots. Nothing beyond this module knows the ring's layout, its markers or its slots.
+The only place the training thread can wait is ``claim``, and only when the pipeline is a whole
+ring behind (the device lags by ``capacity`` steps, or the sinks apply backpressure).
+
+This module does not import torch (the pipeline process reads :class:`BlockData` without it).
 """
 
 from __future__ import annotations
@@ -12,27 +16,28 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from batchtap.capture.clock import StepClock
-from batchtap.capture.ring import MetricRing
+if TYPE_CHECKING:
+    from batchtap.capture.clock import DeviceGate, StepClock
+    from batchtap.capture.ring import MetricRing
 
-__all__ = ["Block", "BlockData", "Flusher"]
+__all__ = ["Block", "BlockData", "FACTS", "Flusher", "INTEGER_FACTS", "POLL_INTERVAL", "SLOT_FACTS", "wait_until"]
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Block:
-    """Rows ``[first_row, last_row)`` whose device->host copy was queued before ``marker``."""
-
-    first_row: int
-    last_row: int
-    marker: object
+#: seconds between polls of a device marker (a block's copy, ``log()`` values) or of a full
+#: shared-memory segment: short sleeps that leave the GIL to the training thread
+POLL_INTERVAL = 2e-4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockData:
-    """A block's rows read back on the host (copies, safe to keep after the slots are reused)."""
+    """A block's rows read back on the host (copies, safe to keep after the slots are reused).
+
+    The fields after the two value tables are the row facts (:data:`FACTS`, in this order).
+    """
 
     device_values: np.ndarray  # [n, device_width] float64
     host_values: np.ndarray  # [n, host_width] float64
@@ -42,11 +47,100 @@ class BlockData:
     wall_time: np.ndarray
     samples: np.ndarray
     data_time: np.ndarray
-    step_time: np.ndarray
     tokens: np.ndarray
+    step_time: np.ndarray  # from the step clock, not the ring: last
 
     def __len__(self) -> int:
         return len(self.step)
+
+
+#: a row's facts besides its values, in :class:`BlockData`'s order (defined by its fields, once)
+FACTS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(BlockData))[2:]
+#: the facts the ring keeps per slot, as one tuple in this order (``MetricRing.facts``)
+SLOT_FACTS = FACTS[:-1]
+#: facts that are integers (exact in float64 up to 2**53)
+INTEGER_FACTS = ("step", "epoch", "batch")
+
+
+def wait_until(ready: Callable[[], bool], gate: DeviceGate | None = None) -> None:
+    """Poll (never block on) the device until ``ready()``; each query inside ``gate``."""
+    while True:
+        if gate is None:
+            if ready():
+                return
+        else:
+            with gate.querying():
+                if ready():
+                    return
+        time.sleep(POLL_INTERVAL)  # polling keeps the GIL free for the training thread
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Block:
+    """Rows ``[first_row, last_row)`` of ``source``'s ring whose device->host copy was queued
+    before ``marker``: what a flush hands to the pipeline."""
+
+    first_row: int
+    last_row: int
+    marker: object
+    source: Flusher = dataclasses.field(repr=False, compare=False)
+
+    def __len__(self) -> int:
+        return self.last_row - self.first_row
+
+    def ready(self) -> bool:
+        """Whether the copy completed (one non-blocking device query; call inside the gate)."""
+        return self.source.clock.marker_done(self.marker)
+
+    def read(self, gate: DeviceGate | None = None) -> BlockData:
+        """Wait (polling) until the copy completed, read the rows, and release their slots.
+
+        Every device query runs inside ``gate``. The slots are released even when reading fails,
+        or the training thread would wait for them forever.
+        """
+        try:
+            wait_until(self.ready, gate)
+            return self._rows(gate)
+        finally:
+            self.release()
+
+    def read_now(self, gate: DeviceGate) -> BlockData | None:
+        """The rows (slots released) when the copy completed and ``gate`` is open now, else None
+        at once (for callers that must not wait)."""
+        with gate.open_now() as open_:
+            if not (open_ and self.ready()):
+                return None
+            try:
+                return self._rows(gate)
+            finally:
+                self.release()
+
+    def release(self) -> None:
+        """The rows were read (or cannot be): their slots may be reused."""
+        self.source.release(self)
+
+    def _rows(self, gate: DeviceGate | None) -> BlockData:
+        ring, clock = self.source.ring, self.source.clock
+        first, last = self.first_row, self.last_row
+        slots = ring.slots(first, last)
+        order = slots.tolist()  # sync: none — host ints of the slot indices, no device value
+        if gate is None:
+            elapsed = clock.take_elapsed(order)
+        else:
+            with gate.querying():
+                elapsed = clock.take_elapsed(order)
+        # the facts as one float64 table (steps are exact in it up to 2**53), integers cast back
+        table = np.array([ring.facts[s] for s in order], dtype=np.float64).reshape(len(order), len(SLOT_FACTS))
+        facts = {name: table[:, i] for i, name in enumerate(SLOT_FACTS)}
+        for name in INTEGER_FACTS:
+            facts[name] = facts[name].astype(np.int64)
+        host = np.array([ring.host_rows[s] for s in order], dtype=np.float64).reshape(len(order), ring.host_width)
+        return BlockData(
+            device_values=ring.pinned_np[slots].astype(np.float64),
+            host_values=host,
+            step_time=np.array(elapsed, dtype=np.float64),
+            **facts,
+        )
 
 
 class Flusher:
@@ -58,7 +152,6 @@ class Flusher:
         flush_every: flush after this many unflushed rows.
         flush_seconds: flush when the oldest unflushed row is this old; None flushes on the count
             only (in a process group every rank must flush at the same steps).
-        poll_interval: pipeline-thread sleep between marker polls, seconds.
     """
 
     def __init__(
@@ -68,14 +161,12 @@ class Flusher:
         *,
         flush_every: int,
         flush_seconds: float | None,
-        poll_interval: float = 2e-4,
     ) -> None:
         self.ring = ring
         self.capacity = ring.capacity  # read at every claim()
         self.clock = clock
         self.flush_every = flush_every
         self.flush_seconds = flush_seconds
-        self.poll_interval = poll_interval
         self.rows = 0  # rows written so far
         self.flushed = 0  # rows whose copy has been queued
         self.released = (
@@ -119,7 +210,7 @@ class Flusher:
             return None
         first, last = self.flushed, self.rows
         self.ring.copy_rows(first, last)
-        block = Block(first, last, self.clock.block_marker())
+        block = Block(first, last, self.clock.block_marker(), self)
         self.flushed = last
         return block
 

@@ -8,9 +8,10 @@
   non-blocking copy per step), so the host learns of a NaN within the device's lag instead of at the
   next flush.
 * host facts — per slot, one tuple of step, epoch, batch, wall time, samples, data wait and tokens
-  (:data:`FACTS`), and the metrics' host values: Python objects stored by reference, the cheapest
-  write there is (a numpy element write costs several times a list store, and a step makes eight).
-  The pipeline turns a block's tuples into arrays when it reads the block back.
+  (``batchtap.capture.flush.SLOT_FACTS``), and the metrics' host values: Python objects stored by
+  reference, the cheapest write there is (a numpy element write costs several times a list store,
+  and a step makes eight). A flushed :class:`~batchtap.capture.flush.Block` turns its tuples into
+  arrays when the pipeline reads it back.
 
 A slot is reused ``capacity`` rows later, only once its previous row was harvested (see
 :class:`~batchtap.capture.flush.Flusher`), so neither the device row, the pinned slot, the host
@@ -28,10 +29,7 @@ import torch
 
 from batchtap.metrics.base import RowWriter, StepInputs, settle_of, write_values
 
-__all__ = ["FACTS", "MetricRing", "SlotWriters"]
-
-#: the order of the per-slot host facts tuple (``MetricRing.facts``)
-FACTS = ("step", "epoch", "batch", "wall_time", "samples", "data_time", "tokens")
+__all__ = ["MetricRing", "SlotWriters"]
 
 
 class SlotWriters:
@@ -86,7 +84,7 @@ class MetricRing:
             # numpy views made once here; later host reads go through them, never through torch.
             self.pinned_np = self.pinned.numpy()
             self.guard_np = self.guard.numpy()
-        # (step, epoch, batch, wall_time, samples, data_time, tokens) per slot, see FACTS
+        # (step, epoch, batch, wall_time, samples, data_time, tokens) per slot: flush.SLOT_FACTS
         self.facts: list[tuple[int, int, int, float, float, float, float]] = [_NO_FACTS] * capacity
         self.host_rows: list[Sequence[float]] = [(0.0,) * host_width] * capacity
         # Views made once: slicing costs a dispatcher call per view, and step() runs every batch.
@@ -175,19 +173,6 @@ class MetricRing:
     def step_of(self, slot: int) -> int:
         """The step whose row ``slot`` holds now."""
         return self.facts[slot][0]
-
-    def read_host(self, first_row: int, last_row: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The host values (``[n, host_width]`` float64) and each host fact (see :data:`FACTS`) of
-        rows ``[first_row, last_row)``, as new arrays (safe to keep after the slots are reused)."""
-        order = [row % self.capacity for row in range(first_row, last_row)]
-        facts = [self.facts[s] for s in order]
-        # one float64 table (steps are exact in it up to 2**53), then the integer columns cast back
-        table = np.array(facts, dtype=np.float64).reshape(len(facts), len(FACTS))
-        columns = {name: table[:, i] for i, name in enumerate(FACTS)}
-        for name in ("step", "epoch", "batch"):
-            columns[name] = columns[name].astype(np.int64)
-        host = np.array([self.host_rows[s] for s in order], dtype=np.float64)
-        return host.reshape(len(facts), self.host_width), columns
 
     def copy_rows(self, first_row: int, last_row: int) -> None:
         """Queue the device->pinned copy of rows ``[first_row, last_row)`` (at most ``capacity``)."""

@@ -9,6 +9,8 @@ reads here at step boundaries. Nothing else holds stop state or rule verdicts:
 * verdicts: the rules' decisions, in order, applied by the training thread (at its next step, or
   at the flush step the ranks agree on).
 * the first pipeline failure or value-revealed input error, raised by the next ``step()``.
+* ``anomaly_counts``: the decoder's counts of values out of their domain, as a snapshot the
+  pipeline hands over after each block that changed them (never an object it goes on mutating).
 
 Posting appends to deques and sets attributes (atomic under the GIL); the training thread never
 waits here.
@@ -52,6 +54,10 @@ class Control:
 
     def post(self, verdict: Verdict) -> None:
         self._verdicts.append(verdict)
+
+    def count_anomalies(self, counts: Mapping[str, int]) -> None:
+        """The run's anomaly counts so far (copied: the caller may go on counting in its own)."""
+        self.anomaly_counts = dict(counts)
 
     def fail(self, error: BaseException) -> None:
         """Keep the first error for the training thread (later ones are logged where they happen)."""

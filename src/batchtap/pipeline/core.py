@@ -1,27 +1,48 @@
 """What a pipeline does with each thing handed to it, wherever it runs.
 
 :class:`PipelineCore` holds the sink workers (:class:`~batchtap.pipeline.dispatch.Dispatcher`), the
-rules stage and the :class:`~batchtap.pipeline.control.Control` it posts to, and handles each kind of
-hand-over: a block's rows, ``log()`` values, events, a run's start and end. Both hosts drive one:
-the pipeline thread (:mod:`batchtap.pipeline.thread`) and the pipeline process's main loop
-(:mod:`batchtap.pipeline.process`). Calls come from one thread at a time.
+rules stage, the open runs' chains and the :class:`~batchtap.pipeline.control.Control` it posts to.
+:meth:`PipelineCore.handle` takes every message of :mod:`batchtap.pipeline.messages`, in order, from
+whichever host feeds it: the pipeline thread (:mod:`batchtap.pipeline.thread`), the pipeline
+process (:mod:`batchtap.pipeline.child`), or the thread a failed pipeline process hands over to.
+Calls come from one thread at a time.
+
+The core imports torch only when a chain opens (the metrics' decoding needs it), so a pipeline
+process answers a run's start without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from batchtap.pipeline.ending import wait_for_sinks
-from batchtap.capture.flush import BlockData
 from batchtap.errors import InputError
-from batchtap.metrics.layout import Layout
-from batchtap.pipeline.chain import ReduceSpec, RulesStage, RunChain
 from batchtap.pipeline.control import Control
 from batchtap.pipeline.dispatch import Backpressure, Dispatcher
-from batchtap.records import Event, Record, RunInfo
-from batchtap.rules.engine import RuleEngine
+from batchtap.pipeline.ending import wait_for_sinks
+from batchtap.pipeline.messages import (
+    Barrier,
+    BlockRows,
+    Close,
+    EpochStart,
+    Events,
+    FinishRun,
+    FlushSinks,
+    Handover,
+    LoggedValues,
+    OpenChain,
+    RanksFailed,
+    Request,
+    RunEnd,
+    RunStart,
+    StoredPosition,
+)
 from batchtap.sinks.base import Sink
+
+if TYPE_CHECKING:
+    from batchtap.pipeline.chain import ReduceSpec, RulesStage, RunChain
+    from batchtap.rules.engine import RuleEngine
 
 __all__ = ["PipelineCore", "PipelineSettings"]
 
@@ -41,6 +62,11 @@ class PipelineSettings:
     rules: RuleEngine | None = None
 
 
+def _handled(timeout: float | None) -> bool:
+    """The drain of a core fed in order: everything before a request was handled already."""
+    return True
+
+
 class PipelineCore:
     """See the module docstring.
 
@@ -48,69 +74,125 @@ class PipelineCore:
         sinks: where records go (each gets a worker thread and a bounded queue).
         control: where verdicts, errors and anomaly counts go.
         settings: queues, backpressure and rules.
+        join: turns an :class:`OpenChain`'s reduction into one with a live group (a pipeline
+            process joins its own group there); default: used as it comes.
     """
 
-    def __init__(self, sinks: Sequence[Sink], control: Control, settings: PipelineSettings | None = None) -> None:
+    def __init__(
+        self,
+        sinks: Sequence[Sink],
+        control: Control,
+        settings: PipelineSettings | None = None,
+        *,
+        join: Callable[[ReduceSpec], ReduceSpec] | None = None,
+    ) -> None:
         settings = settings or PipelineSettings()
         self.sinks = list(sinks)
         self.control = control
         self.dispatcher = Dispatcher(self.sinks, maxsize=settings.queue_size, policy=settings.backpressure)
-        self.rules = RulesStage(settings.rules) if settings.rules is not None else None
+        self.engine = settings.rules
+        self.chains: dict[int, RunChain] = {}
+        self._rules: RulesStage | None = None
+        self._join = join
+        self._counts: dict[str, int] = {}  # the anomaly counts last handed to the control
 
-    def open_chain(
-        self, layout: Layout, *, run_id: str, rank: int, writes: bool, reduce: ReduceSpec | None, max_rows: int = 0
-    ) -> RunChain:
-        """The chain of a run whose capture was just made (the rules start afresh)."""
-        if self.rules is not None:
-            self.rules.engine.reset()
-        chain = RunChain(layout, run_id=run_id, rank=rank, writes=writes, reduce=reduce, rules=self.rules)
-        self.control.anomaly_counts = chain.decoder.anomaly_counts  # live: read as the pipeline counts
-        return chain
+    def handle(self, message: Handover | Request) -> Any:
+        """Do what ``message`` asks; a request's answer is returned (None for the rest)."""
+        match message:
+            case BlockRows():
+                self._block(message)
+            case LoggedValues(record=record, writes=writes):
+                if writes:
+                    self.dispatcher.write([record], [])
+            case Events():
+                self._events(message)
+            case OpenChain():
+                self._open_chain(message)
+            case RanksFailed(chain=chain, reason=reason):
+                self.chains[chain].ranks_failed(reason)
+            case RunStart(run=run):
+                self.dispatcher.start_run(run)
+            case RunEnd(run=run):
+                self.dispatcher.end_run(run)
+            case EpochStart(run_id=run_id, epoch=epoch, total=total):
+                self.dispatcher.start_epoch(run_id, epoch, total)
+            case Barrier():
+                return True
+            case FlushSinks(timeout=timeout):
+                return self.flush_sinks(timeout)
+            case FinishRun():
+                return self.finish_run(message, drain=_handled)
+            case StoredPosition(run_id=run_id):
+                return self.stored_position(run_id)
+            case Close(timeout=timeout):
+                self.close(timeout)
+                return True
+            case _:
+                raise TypeError(f"expected a pipeline message (batchtap.pipeline.messages), got {message!r}")
+        return None
 
-    def block(self, data: BlockData, chain: RunChain, logged: Sequence[Record] = ()) -> None:
-        """Run a block through the chain, post what the training side needs, dispatch the rest.
+    # ------------------------------------------------------------------ the hand-overs
 
-        ``logged``: the sparse records of ``log()`` calls made during the block's steps, written
-        with its rows in one hand-over so that no reader sees the rows after them without them.
-        """
-        processed = chain.process(data)
+    def _open_chain(self, message: OpenChain) -> None:
+        # Imported here, not at the top: the metrics' decoding needs torch, which a pipeline
+        # process loads only once a run has a chain (it answers the run's start without it).
+        from batchtap.metrics.layout import Layout
+        from batchtap.pipeline.chain import RulesStage, RunChain
+
+        if self.engine is not None:
+            if self._rules is None:
+                self._rules = RulesStage(self.engine)
+            self.engine.reset()  # the rules start afresh with each run
+        reduce = message.reduce
+        if reduce is not None and self._join is not None:
+            reduce = self._join(reduce)
+        chain = RunChain(
+            Layout(list(message.metrics)),
+            run_id=message.run_id,
+            rank=message.rank,
+            writes=message.writes,
+            reduce=reduce,
+            rules=self._rules,
+        )
+        self.chains = {message.chain: chain}  # one run at a time: the last run's chain is done
+        self._counts = {}
+        self.control.count_anomalies({})
+
+    def _block(self, message: BlockRows) -> None:
+        """Run a block through its chain, post what the training side needs, dispatch the rest."""
+        chain = self.chains[message.chain]
+        processed = chain.process(message.data)
         if processed.input_errors:
             self.control.fail(InputError(processed.input_errors[0]))
         if processed.verdict is not None:
             self.control.post(processed.verdict)
+        counts = chain.anomaly_counts
+        if counts != self._counts:
+            self._counts = counts
+            self.control.count_anomalies(counts)
         if chain.writes:
-            records = [*processed.records, *logged] if logged else processed.records
+            # the log() records of the block's steps go in the same write: no reader sees the rows without them
+            records = [*processed.records, *message.logged] if message.logged else processed.records
             self.dispatcher.write(records, processed.events)
 
-    def sparse(self, record: Record, *, writes: bool) -> None:
-        """A sparse record (``log()`` values) where this rank writes."""
-        if writes:
-            self.dispatcher.write([record], [])
-
-    def events(self, events: list[Event], chain: RunChain | None, writes: bool) -> None:
-        """Events from the training side: through the chain's reducer when it has one."""
-        events = chain.route_events(events) if chain is not None else (events if writes else [])
+    def _events(self, message: Events) -> None:
+        chain = self.chains.get(message.chain) if message.chain is not None else None
+        events = list(message.events)
+        events = chain.route_events(events) if chain is not None else (events if message.writes else [])
         if events:
             self.dispatcher.write([], events)
 
-    def start_run(self, run: RunInfo) -> None:
-        self.dispatcher.start_run(run)
-
-    def end_run(self, run: RunInfo) -> None:
-        self.dispatcher.end_run(run)
-
-    def start_epoch(self, run_id: str, epoch: int, total: int | None) -> None:
-        self.dispatcher.start_epoch(run_id, epoch, total)
+    # ------------------------------------------------------------------ the requests
 
     def flush_sinks(self, timeout: float | None = None) -> bool:
         # sync: run start/end, explicit flush — the sinks store what they were handed (bounded).
         return self.dispatcher.flush(timeout=timeout)
 
-    def finish_run(self, drained: object, info: RunInfo, *, timeout: float, last_step: int) -> bool:
+    def finish_run(self, message: FinishRun, *, drain: Callable[[float | None], bool]) -> bool:
         """Wait (bounded) until every step of the run is stored, then report what is missing.
-        ``drained`` is the host (its ``drain()`` waits for what is still on its way to this core)."""
+        ``drain(timeout)`` waits for what is still on its way to this core (the host knows how)."""
         # sync: end of run — every captured step reaches the sinks before run() returns, within end_timeout.
-        return wait_for_sinks(drained, self.dispatcher, info, timeout=timeout, last_step=last_step)  # type: ignore[arg-type]
+        return wait_for_sinks(drain, self.dispatcher, message.run, timeout=message.timeout, last_step=message.last_step)
 
     def stored_position(self, run_id: str) -> tuple[list[int], list[str]]:
         """The last step and name each sink holds for ``run_id`` (sinks that know)."""

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from batchtap.records import Event, EventKind, Record, RunInfo
+from batchtap.records import EpochStart, Event, EventKind, Record, RunEnd, RunInfo, RunStart, Write
 from batchtap.sinks.base import Sink
 
 __all__ = ["Backpressure", "Dispatcher", "SinkWorker"]
@@ -40,26 +40,20 @@ log = logging.getLogger("batchtap")
 Backpressure = Literal["block", "drop_oldest"]
 
 
-@dataclasses.dataclass(slots=True)
-class _Write:
-    records: list[Record]
-    events: list[Event]
-    keep: bool = False  # never dropped (end-of-run reports)
-
-
-@dataclasses.dataclass(slots=True)
-class _Call:
-    name: Literal["start_run", "end_run", "flush"]
-    run: RunInfo | None = None
-    done: threading.Event | None = None
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Report(Write):
+    """A write that is never dropped (warnings and end-of-run reports)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Epoch:
-    run_id: str
-    epoch: int
-    total: int | None
+class _Flushed:
+    """A flush barrier: the worker flushes its sink, then sets ``done``."""
 
+    done: threading.Event
+
+
+#: what a worker's queue holds: the sink calls as values (see :mod:`batchtap.records`), barriers
+_Item = Write | RunStart | RunEnd | EpochStart | _Flushed | object
 
 _STOP = object()
 
@@ -84,8 +78,8 @@ class SinkWorker:
         self.maxsize = maxsize
         self.policy = policy
         self._warn = warn
-        self._items: collections.deque[object] = collections.deque()
-        self._writes = 0  # _Write items queued
+        self._items: collections.deque[_Item] = collections.deque()
+        self._writes = 0  # droppable writes queued
         self._cv = threading.Condition()
         self.dropped_blocks = 0
         self.dropped_records = 0
@@ -93,7 +87,7 @@ class SinkWorker:
         #: records handed to the sink in write() calls that raised (not stored by it, unless it
         #: is a ResilientSink, which never raises for a failing sink)
         self.failed_records = 0
-        self._current: list[object] = []  # the batch being worked through ...
+        self._current: list[_Item] = []  # the batch being worked through ...
         self._pos = 0  # ... and the index of the item in progress
         self.name = type(sink).__name__
         self._thread = threading.Thread(target=self._loop, name=f"batchtap-sink-{self.name}", daemon=True)
@@ -111,30 +105,31 @@ class SinkWorker:
                         f"sink {self.name} queue was full ({self.maxsize} blocks); the pipeline blocked "
                         f"{time.monotonic() - started:.3f} s waiting for it"
                     )
-            self._items.append(_Write(records, events))
+            self._items.append(Write(records, events))
             self._writes += 1
             self._cv.notify_all()
 
-    def put_call(self, call: _Call | object) -> None:
+    def put_call(self, call: _Item) -> None:
+        """Queue a call that is never dropped and never waits for room."""
         with self._cv:
             self._items.append(call)
             self._cv.notify_all()
 
     def put_report(self, events: list[Event]) -> None:
         """Queue events that must reach the sink: never dropped, never waiting for room."""
-        self.put_call(_Write([], events, keep=True))
+        self.put_call(_Report([], events))
 
     def undelivered(self) -> tuple[int, int, int | None, int | None]:
         """What the sink has not taken yet: (blocks, records, first step, last step)."""
         with self._cv:
             items = self._current[self._pos :] + list(self._items)
-        writes = [i for i in items if isinstance(i, _Write) and i.records]
+        writes = [i for i in items if isinstance(i, Write) and i.records]
         steps = [r.step for w in writes for r in w.records]
         return len(writes), len(steps), (min(steps) if steps else None), (max(steps) if steps else None)
 
     def _drop_oldest(self) -> None:
         for i, item in enumerate(self._items):
-            if isinstance(item, _Write) and not item.keep:
+            if isinstance(item, Write) and not isinstance(item, _Report):
                 del self._items[i]
                 self._writes -= 1
                 self.dropped_blocks += 1
@@ -156,43 +151,47 @@ class SinkWorker:
                 self._writes = 0
                 self._current, self._pos = batch, 0
                 self._cv.notify_all()
-            pending = _Write([], [])
-            start = 0  # index in batch of the first item merged into pending
+            records: list[Record] = []
+            events: list[Event] = []
+            start = 0  # index in batch of the first write merged into records/events
             for index, item in enumerate(batch):
-                if isinstance(item, _Write):
-                    if not pending.records and not pending.events:
+                if isinstance(item, Write):
+                    if not records and not events:
                         start = index
-                    pending.records.extend(item.records)
-                    pending.events.extend(item.events)
+                    records.extend(item.records)
+                    events.extend(item.events)
                     continue
-                self._pos = start if (pending.records or pending.events) else index
-                self._write(pending)
+                self._pos = start if (records or events) else index
+                self._write(records, events)
                 self._pos = index
-                pending = _Write([], [])
+                records, events = [], []
                 if item is _STOP:
                     self._guarded("close", self.sink.close)
                     return
-                if isinstance(item, _Epoch):
-                    if self._start_epoch is not None:
-                        self._guarded("start_epoch", self._start_epoch, item.run_id, item.epoch, item.total)
-                    continue
-                assert isinstance(item, _Call)
-                if item.name == "flush":
-                    self._guarded("flush", self.sink.flush)
-                    assert item.done is not None
-                    item.done.set()
-                else:
-                    self._guarded(item.name, getattr(self.sink, item.name), item.run)
-            if pending.records or pending.events:
+                self._call(item)
+            if records or events:
                 self._pos = start
-            self._write(pending)
+            self._write(records, events)
             with self._cv:
                 self._current, self._pos = [], 0
 
-    def _write(self, pending: _Write) -> None:
-        if pending.records or pending.events:
-            if not self._guarded("write", self.sink.write, pending.records, pending.events):
-                self.failed_records += len(pending.records)
+    def _call(self, item: _Item) -> None:
+        if isinstance(item, RunStart):
+            self._guarded("start_run", self.sink.start_run, item.run)
+        elif isinstance(item, RunEnd):
+            self._guarded("end_run", self.sink.end_run, item.run)
+        elif isinstance(item, EpochStart):
+            if self._start_epoch is not None:
+                self._guarded("start_epoch", self._start_epoch, item.run_id, item.epoch, item.total)
+        else:
+            assert isinstance(item, _Flushed)
+            self._guarded("flush", self.sink.flush)
+            item.done.set()
+
+    def _write(self, records: list[Record], events: list[Event]) -> None:
+        if records or events:
+            if not self._guarded("write", self.sink.write, records, events):
+                self.failed_records += len(records)
 
     def _guarded(self, what: str, fn: Callable[..., None], *args: object) -> bool:
         ok = True
@@ -210,11 +209,6 @@ class SinkWorker:
         for event in self._take_events():  # e.g. a ResilientSink's outage, a SQL sink's refused rows
             self._warn(event.message)
         return ok
-
-    def stop(self, timeout: float | None = None) -> bool:
-        """Ask the worker to close its sink and end; False if it had not ended within ``timeout``."""
-        self.put_call(_STOP)
-        return self.join(timeout)
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the worker to end (after a stop); False if it had not within ``timeout``."""
@@ -243,7 +237,7 @@ class Dispatcher:
         self._run = run
         self._baseline = [(w.dropped_blocks, w.dropped_records, w.failed_records) for w in self.workers]
         for w in self.workers:
-            w.put_call(_Call("start_run", run))
+            w.put_call(RunStart(run))
 
     def write(self, records: list[Record], events: list[Event]) -> None:
         if records:
@@ -254,7 +248,7 @@ class Dispatcher:
 
     def start_epoch(self, run_id: str, epoch: int, total: int | None) -> None:
         for w in self.workers:
-            w.put_call(_Epoch(run_id, epoch, total))
+            w.put_call(EpochStart(run_id, epoch, total))
 
     def end_run(self, run: RunInfo) -> None:
         warnings = self._take_warnings()
@@ -262,7 +256,7 @@ class Dispatcher:
             for w in self.workers:
                 w.put_report(warnings)
         for w in self.workers:
-            w.put_call(_Call("end_run", run))
+            w.put_call(RunEnd(run))
 
     def loss_report(self, run: RunInfo) -> list[Event]:
         """One event per sink that dropped or failed to store records in this run so far, with the
@@ -292,10 +286,10 @@ class Dispatcher:
         it has not taken yet."""
         return [(w.name, *w.undelivered()) for w in self.stuck]
 
-    def report(self, events: list[Event], *, healthy_only: bool = True) -> None:
-        """Queue events for every sink (or only those not stuck), never dropped."""
+    def report(self, events: list[Event]) -> None:
+        """Queue events for every sink not stuck at the last flush, never dropped."""
         for w in self.workers:
-            if not (healthy_only and w in self.stuck):
+            if w not in self.stuck:
                 w.put_report(events)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -303,7 +297,7 @@ class Dispatcher:
         barriers = []
         for w in self.workers:
             done = threading.Event()
-            w.put_call(_Call("flush", done=done))
+            w.put_call(_Flushed(done))
             barriers.append(done)
         deadline = None if timeout is None else time.monotonic() + timeout
         self.stuck = []

@@ -1,10 +1,14 @@
-"""Leaving a run: wait for the sinks, but never forever, and say exactly what is missing where."""
+"""Leaving a run: wait for the sinks, but never forever, and say exactly what is missing where.
+
+Used by :meth:`~batchtap.pipeline.core.PipelineCore.finish_run`; the host it runs in says how to
+wait for what is still on its way to the core (``drain``).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from collections.abc import Callable
 
 from batchtap.pipeline.dispatch import Dispatcher
 from batchtap.records import Event, EventKind, RunInfo
@@ -12,16 +16,15 @@ from batchtap.records import Event, EventKind, RunInfo
 __all__ = ["wait_for_sinks"]
 
 
-class _Drains(Protocol):
-    def drain(self, timeout: float | None = None) -> bool: ...
-
-
 log = logging.getLogger("batchtap")
 
 
-def wait_for_sinks(pipeline: _Drains, dispatcher: Dispatcher, info: RunInfo, *, timeout: float, last_step: int) -> bool:
+def wait_for_sinks(
+    drain: Callable[[float | None], bool], dispatcher: Dispatcher, info: RunInfo, *, timeout: float, last_step: int
+) -> bool:
     """Wait at most ``timeout`` seconds until every captured step of the run went through the
-    pipeline and every sink took it; returns whether all did.
+    pipeline (``drain(timeout)``: False when it had not in time) and every sink took it; returns
+    whether all did.
 
     Then report, with exact counts, what a sink dropped (``drop_oldest``) or failed to store in
     this run, and, past the deadline, what a hung sink had not taken yet: in the log and as an
@@ -29,7 +32,7 @@ def wait_for_sinks(pipeline: _Drains, dispatcher: Dispatcher, info: RunInfo, *, 
     """
     deadline = time.monotonic() + timeout
     # sync: end of run — the pipeline hands every captured step to the sinks (bounded).
-    drained = pipeline.drain(timeout)
+    drained = drain(timeout)
     # sync: end of run — the sinks store what they were handed (bounded).
     flushed = dispatcher.flush(timeout=_left(deadline))
     events = dispatcher.loss_report(info)

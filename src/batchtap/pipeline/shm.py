@@ -2,7 +2,7 @@
 
 One segment per run (its width is the run's), made by the training process. ``slots`` block slots
 of up to ``max_rows`` rows; each row is the run's device and host columns followed by the row's
-facts (step, epoch, batch, wall time, samples, data wait, step time, tokens), all float64. Two
+facts (``batchtap.capture.flush.FACTS``), all float64. Two
 counters in the segment's header order the hand-over:
 
 * ``published``: blocks the training process has written (it writes slot ``n % slots``, then bumps
@@ -19,17 +19,14 @@ training process is killed, the pipeline process still reads every published blo
 from __future__ import annotations
 
 import dataclasses
-import time
 from multiprocessing import shared_memory
 
 import numpy as np
 
-from batchtap.capture.flush import BlockData
+from batchtap.capture.flush import FACTS, INTEGER_FACTS, BlockData
 
 __all__ = ["BlockSegment", "SegmentShape"]
 
-_FACTS = ("step", "epoch", "batch", "wall_time", "samples", "data_time", "step_time", "tokens")
-_INTEGER_FACTS = ("step", "epoch", "batch")
 _HEADER = 2  # published, consumed
 _SLOT_HEADER = 1  # rows in the slot
 
@@ -46,7 +43,7 @@ class SegmentShape:
 
     @property
     def width(self) -> int:
-        return self.device_width + self.host_width + len(_FACTS)
+        return self.device_width + self.host_width + len(FACTS)
 
     @property
     def nbytes(self) -> int:
@@ -96,26 +93,21 @@ class BlockSegment:
 
     # ------------------------------------------------------------------ training process
 
-    def publish(self, data: BlockData, *, poll: float = 2e-4, alive: object = None) -> int:
-        """Write ``data`` into the next slot and return its sequence number.
-
-        Waits while the segment is full (the pipeline process is a whole segment behind); ``alive``
-        (a callable) is asked between polls and a False answer stops the wait with ``TimeoutError``.
-        """
+    def publish(self, data: BlockData) -> int:
+        """Write ``data`` into the next slot and return its sequence number (call only while
+        :meth:`has_room`: the sender waits for room, polling, never here)."""
         n = len(data)
         if n > self.shape.max_rows:
             raise ValueError(f"a block of {n} rows does not fit a segment slot of {self.shape.max_rows} rows")
-        while not self.has_room():
-            if alive is not None and not alive():  # type: ignore[operator]
-                raise TimeoutError("the pipeline process is gone")
-            time.sleep(poll)  # sync: backpressure — the pipeline process is a whole segment behind
+        if not self.has_room():
+            raise ValueError(f"segment {self.shape.name} is full: {self.shape.slots} blocks not yet consumed")
         seq = self.published
         slot = seq % self.shape.slots
         dw, hw = self.shape.device_width, self.shape.host_width
         rows = self._data[slot, :n]
         rows[:, :dw] = data.device_values
         rows[:, dw : dw + hw] = data.host_values
-        for i, fact in enumerate(_FACTS):
+        for i, fact in enumerate(FACTS):
             rows[:, dw + hw + i] = getattr(data, fact)
         self._rows[slot] = n
         self._counters[0] = seq + 1  # last: the slot is complete before it is announced
@@ -129,8 +121,8 @@ class BlockSegment:
         n = int(self._rows[slot])
         dw, hw = self.shape.device_width, self.shape.host_width
         rows = self._data[slot, :n].copy()
-        facts = {fact: rows[:, dw + hw + i] for i, fact in enumerate(_FACTS)}
-        for fact in _INTEGER_FACTS:  # exact: float64 holds integers up to 2**53
+        facts = {fact: rows[:, dw + hw + i] for i, fact in enumerate(FACTS)}
+        for fact in INTEGER_FACTS:  # exact: float64 holds integers up to 2**53
             facts[fact] = facts[fact].astype(np.int64)
         return BlockData(device_values=rows[:, :dw], host_values=rows[:, dw : dw + hw], **facts)
 

@@ -46,51 +46,41 @@ from pathlib import Path
 from typing import Any
 
 from batchtap.errors import ConfigError, SinkError
-from batchtap.records import Event, EventKind, Message, Record, RunEnd, RunInfo, RunStart, Write, dumps, from_wire
+from batchtap.records import Event, EventKind, Record, RunEnd, RunInfo, RunStart, Write, dumps, from_wire
 from batchtap.sinks.base import Sink, SinkDataError
 
-__all__ = ["ResilientSink", "SinkStalled", "encode_entry", "decode_entry"]
+__all__ = ["ResilientSink", "SinkStalled", "SpoolEntry", "encode_entry", "decode_entry"]
 
 _log = logging.getLogger(__name__)
 
 
 # -- spool lines: the record codec's ------------------------------------------------------------
-# An operation on a sink: ("start_run", RunInfo) | ("end_run", RunInfo) | ("write", (records, events)).
-_Op = tuple[str, Any]
+#: a spooled sink call: the record codec's value of it
+SpoolEntry = Write | RunStart | RunEnd
 
 
 class _OldSpoolLine(ValueError):
     """A line of spool format 1 (``{"v": 1, "op": ...}``), written before the record codec."""
 
 
-def _message(op: _Op) -> Message:
-    kind, payload = op
-    if kind == "write":
-        records, events = payload
-        return Write(records, events)
-    if kind == "start_run":
-        return RunStart(payload)
-    if kind == "end_run":
-        return RunEnd(payload)
-    raise ValueError(f"expected op write, start_run or end_run, got {kind!r}")
-
-
-def encode_entry(op: _Op) -> str:
-    """One spool line (without the newline) for an operation: the record codec's line of the
-    sink call (:func:`batchtap.records.dumps`).
+def encode_entry(entry: SpoolEntry) -> str:
+    """One spool line (without the newline) for a sink call: the record codec's line of it
+    (:func:`batchtap.records.dumps`).
 
     Example:
         >>> r = Record("r", step=1, epoch=0, batch=1, rank=0, wall_time=2.5, values={"loss": float("nan")})
-        >>> line = encode_entry(("write", ([r], [])))
+        >>> line = encode_entry(Write([r], []))
         >>> line
         '{"type":"write","records":[{"type":"record","run_id":"r","step":1,"epoch":0,"batch":1,"rank":0,"wall_time":2.5,"loss":"nan"}],"events":[]}'
-        >>> decode_entry(line)[1][0][0].values["loss"]
+        >>> decode_entry(line).records[0].values["loss"]
         nan
     """
-    return dumps(_message(op))
+    if not isinstance(entry, (Write, RunStart, RunEnd)):
+        raise ValueError(f"expected a Write, RunStart or RunEnd to spool, got {type(entry).__name__}")
+    return dumps(entry)
 
 
-def decode_entry(line: str) -> _Op:
+def decode_entry(line: str) -> SpoolEntry:
     """Inverse of :func:`encode_entry`.
 
     Raises:
@@ -106,12 +96,8 @@ def decode_entry(line: str) -> _Op:
             "version does not read"
         )
     msg = from_wire(d)
-    if isinstance(msg, Write):
-        return "write", (list(msg.records), list(msg.events))
-    if isinstance(msg, RunStart):
-        return "start_run", msg.run
-    if isinstance(msg, RunEnd):
-        return "end_run", msg.run
+    if isinstance(msg, (Write, RunStart, RunEnd)):
+        return msg
     raise ValueError(f"expected a write, run_start or run_end line in a spool, got {d['type']!r}")
 
 
@@ -183,14 +169,14 @@ def _is_data_error(exc: BaseException) -> bool:
     return isinstance(exc, (ValueError, TypeError, KeyError, ArithmeticError))
 
 
-def _describe_op(op: _Op) -> str:
-    kind, payload = op
-    if kind != "write":
-        return f"{kind} of run {payload.id}"
-    records, events = payload
-    steps = [r.step for r in records]
+def _describe(entry: SpoolEntry) -> str:
+    if isinstance(entry, RunStart):
+        return f"start_run of run {entry.run.id}"
+    if isinstance(entry, RunEnd):
+        return f"end_run of run {entry.run.id}"
+    steps = [r.step for r in entry.records]
     where = f"steps {min(steps)}..{max(steps)}, " if steps else ""
-    return f"a block ({where}{len(records)} records, {len(events)} events)"
+    return f"a block ({where}{len(entry.records)} records, {len(entry.events)} events)"
 
 
 # -- the wrapper --------------------------------------------------------------------------------
@@ -357,15 +343,15 @@ class ResilientSink(Sink):
     # -- sink interface ---------------------------------------------------------------------
     def start_run(self, run: RunInfo) -> None:
         """Forward ``start_run`` (spooled if the sink is down)."""
-        self._do(("start_run", run))
+        self._do(RunStart(run))
 
     def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
         """Forward one block (spooled if the sink is down)."""
-        self._do(("write", (list(records), list(events))))
+        self._do(Write(list(records), list(events)))
 
     def end_run(self, run: RunInfo) -> None:
         """Forward ``end_run`` (spooled if the sink is down)."""
-        self._do(("end_run", run))
+        self._do(RunEnd(run))
 
     def start_epoch(self, run_id: str, epoch: int, total: int | None) -> None:
         """Forward ``start_epoch`` while the sink is up; it only feeds progress displays, so it is
@@ -413,14 +399,13 @@ class ResilientSink(Sink):
             return fn(*args)
         return self._caller.call(fn, args, self.call_timeout)
 
-    def _apply(self, op: _Op) -> None:
-        kind, payload = op
-        if kind == "write":
-            self._call(self.sink.write, *payload)
-        elif kind == "start_run":
-            self._call(self.sink.start_run, payload)
+    def _apply(self, entry: SpoolEntry) -> None:
+        if isinstance(entry, Write):
+            self._call(self.sink.write, entry.records, entry.events)
+        elif isinstance(entry, RunStart):
+            self._call(self.sink.start_run, entry.run)
         else:
-            self._call(self.sink.end_run, payload)
+            self._call(self.sink.end_run, entry.run)
 
     def _set_aside(self, line: str, what: str) -> None:
         """Append a spool line to the quarantine file, to the disk at once."""
@@ -436,9 +421,9 @@ class ResilientSink(Sink):
             ) from err
         self.quarantined += 1
 
-    def _quarantine(self, line: str, op: _Op | None, exc: BaseException, *, tries: int) -> None:
+    def _quarantine(self, line: str, entry: SpoolEntry | None, exc: BaseException, *, tries: int) -> None:
         """Set a block the sink refuses for what it holds aside, so it never blocks the others."""
-        what = _describe_op(op) if op else "a spooled block"
+        what = _describe(entry) if entry else "a spooled block"
         self._set_aside(line, f"{what} it refused")
         self._warn(
             f"sink {self.name} refused {what} for what it holds "
@@ -446,17 +431,16 @@ class ResilientSink(Sink):
             f"{self.quarantine_path} so that later blocks are not held up behind it"
         )
 
-    def _note_where(self, op: _Op) -> None:
-        kind, payload = op
-        if kind == "write":
-            records, events = payload
-            first = records[0] if records else (events[0] if events else None)
+    def _note_where(self, entry: SpoolEntry) -> None:
+        if isinstance(entry, Write):
+            first = entry.records[0] if entry.records else (entry.events[0] if entry.events else None)
             if first is not None:
                 self._where = (first.run_id, first.step, first.rank)
         else:
-            self._where = (payload.id, self._where[1] if self._where[0] == payload.id else 0, self._where[2])
+            run_id = entry.run.id
+            self._where = (run_id, self._where[1] if self._where[0] == run_id else 0, self._where[2])
 
-    def _do(self, op: _Op) -> None:
+    def _do(self, op: SpoolEntry) -> None:
         with self._lock:
             self._note_where(op)
             if self.pending:
@@ -482,7 +466,7 @@ class ResilientSink(Sink):
                     f"{self.spool_path} and retrying with backoff (nothing is lost)"
                 )
 
-    def _append(self, op: _Op) -> None:
+    def _append(self, op: SpoolEntry) -> None:
         line = encode_entry(op) + "\n"
         try:
             if self._spool is None:
