@@ -35,7 +35,7 @@ from batchtap.capture.session import (
     choose_metrics,
 )
 from batchtap.capture.short import ShortPaths, ShortStep
-from batchtap.errors import DistributedError, InputError
+from batchtap.errors import ConfigError, DistributedError, InputError
 from batchtap.metrics.base import Metric, StepInputs
 from batchtap.metrics.inputs import check_count, check_scalar, device_of, overflow_message, samples_of
 from batchtap.pipeline.agreement import ProcessGroups, RankAgreement
@@ -45,7 +45,7 @@ from batchtap.pipeline.host import PipelineHost
 from batchtap.records import Event, EventKind, RunInfo
 from batchtap.recovery.actions import ActionRunner
 
-__all__ = ["ActiveRun", "RunSettings"]
+__all__ = ["ActiveRun", "RunSettings", "resume_point"]
 
 T = TypeVar("T")
 
@@ -440,3 +440,16 @@ class ActiveRun:
             self.flush(empty_ok=self.agreement is not None)
             self.info.metrics = self.capture.layout.names
         self.short = None
+
+
+def resume_point(pipeline: PipelineHost, run_id: str) -> tuple[int, str | None]:
+    """The first step of a resumed run (one after the last step any sink has stored) and the name
+    the run was stored under; asks the sinks through the pipeline (a wait, at run start only)."""
+    stored, names = pipeline.stored_position(run_id)
+    if not stored and not names:
+        raise ConfigError(
+            f"cannot resume run {run_id!r}: no sink holds that run; resume needs a sink that can tell "
+            "(bt.sinks.SQLite or bt.sinks.Postgres) holding it; fix: check the id (batchtap runs) and the store"
+        )
+    # a run stored before its first flush (killed early) has no step yet: it resumes at step 0
+    return (max(stored) + 1 if stored else 0), (names[0] if names else None)

@@ -71,6 +71,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "METRIC_PREFIX",
     "ALL_RANKS",
     "Record",
     "Event",
@@ -92,6 +93,10 @@ __all__ = [
 
 #: ``Record.rank`` of a record reduced over every rank of a process group.
 ALL_RANKS = -1
+#: put in front of a metric name wherever it would clash with a field of the row (a JSON line's
+#: ``step``, a CSV or Parquet position column, a frame's ``epoch``): ``tap.log({"epoch": 3})``
+#: is stored as ``metric:epoch`` there, so neither hides the other
+METRIC_PREFIX = "metric:"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -302,7 +307,7 @@ Message = Record | Event | RunStart | RunEnd | EpochStart | Write
 _FLOAT_OF_TEXT = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 # Keys of a record line; a metric of one of these names (or starting with the prefix) is escaped.
 _RECORD_KEYS = frozenset(("type", "run_id", "step", "epoch", "batch", "rank", "wall_time", "sparse"))
-_ESCAPE = "metric:"
+_ESCAPE = METRIC_PREFIX
 _ESCAPE_LEN = len(_ESCAPE)
 
 

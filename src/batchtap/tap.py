@@ -45,7 +45,7 @@ from batchtap._config import to_json_config
 from batchtap._defaults import checked_sinks, default_sinks
 from batchtap._exit import AT_EXIT, Terminated, catch_sigterm
 from batchtap._names import check_storable
-from batchtap._run import ActiveRun, RunSettings
+from batchtap._run import ActiveRun, RunSettings, resume_point
 from batchtap.capture.eager import eager, eager_entry, in_eager_code
 from batchtap.errors import ConfigError, InputError, RunStateError
 from batchtap.metrics.base import Metric
@@ -284,7 +284,7 @@ class Tap:
             raise ConfigError(str(exc)) from None
         config_json = _env.scrub_secrets(config_json)  # passwords and tokens are never stored
         started = time.time()
-        first_step, stored_name = self._resume_point(resume) if resume is not None else (0, None)
+        first_step, stored_name = resume_point(self._pipeline, resume) if resume is not None else (0, None)
         info = RunInfo(
             id=resume or uuid.uuid4().hex,
             name=name or stored_name or time.strftime("run-%Y%m%d-%H%M%S", time.localtime(started)),
@@ -354,18 +354,6 @@ class Tap:
         finally:
             if handler is not None:
                 signal.signal(signal.SIGTERM, handler)
-
-    def _resume_point(self, run_id: str) -> tuple[int, str | None]:
-        """The first step of a resumed run (one after the last step any sink has stored) and the
-        name the run was stored under."""
-        stored, names = self._pipeline.stored_position(run_id)
-        if not stored and not names:
-            raise ConfigError(
-                f"cannot resume run {run_id!r}: no sink holds that run; resume needs a sink that can tell "
-                "(bt.sinks.SQLite or bt.sinks.Postgres) holding it; fix: check the id (batchtap runs) and the store"
-            )
-        # a run stored before its first flush (killed early) has no step yet: it resumes at step 0
-        return (max(stored) + 1 if stored else 0), (names[0] if names else None)
 
     def _finish(self, status: RunStatus, reason: str | None, *, timeout: float | None = None) -> None:
         run = self._run

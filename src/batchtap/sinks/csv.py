@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from batchtap.errors import SinkError
-from batchtap.records import Event, EventKind, Record, format_float, parse_float
+from batchtap.records import METRIC_PREFIX, Event, EventKind, Record, format_float, parse_float
 from batchtap.sinks.base import Sink
 
 __all__ = [
@@ -52,7 +52,7 @@ EVENT_FIELDS = ("run_id", "step", "rank", "kind", "metric", "raw_value", "messag
 SPARSE_FIELDS = ("run_id", "step", "epoch", "rank", "wall_time", "name", "value")
 
 
-_CLASH = "metric:"
+_CLASH = METRIC_PREFIX
 
 
 def _column(metric: str) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from batchtap._optional import require
+from batchtap.records import METRIC_PREFIX
 from batchtap.store.errors import StoreError
 
 __all__ = ["run_frame", "RunSource", "POSITION_COLUMNS", "CLASH_PREFIX"]
@@ -18,7 +19,7 @@ __all__ = ["run_frame", "RunSource", "POSITION_COLUMNS", "CLASH_PREFIX"]
 POSITION_COLUMNS = ("epoch", "batch", "wall_time")
 #: Put in front of a metric name that equals a position column (``tap.log({"epoch": 3})``), as the
 #: CSV sink does, so neither hides the other.
-CLASH_PREFIX = "metric:"
+CLASH_PREFIX = METRIC_PREFIX
 
 
 class RunSource(Protocol):

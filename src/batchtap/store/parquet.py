@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from batchtap._optional import require
-from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus
+from batchtap.records import METRIC_PREFIX, Event, EventKind, Record, RunInfo, RunStatus
 
 __all__ = ["POSITION_COLUMNS", "events_path", "write_run", "read_records", "read_events", "read_run"]
 
 #: The columns every records file starts with.
 POSITION_COLUMNS = ("run_id", "step", "epoch", "batch", "rank", "wall_time", "sparse")
-_CLASH = "metric:"
+_CLASH = METRIC_PREFIX
 _RUN_KEY = b"batchtap.run"
 
 
