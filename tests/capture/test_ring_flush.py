@@ -245,7 +245,7 @@ def test_guard_checks_a_slots_old_row_before_a_lagging_device_gets_it_overwritte
     hits = []
     for row, loss in enumerate([0.5, math.nan, 0.4, 0.3, 0.2, 0.1, 0.05, 0.01]):
         slot = flusher.claim(row)
-        guard.settle(row)  # what Tap.step does between claim and write
+        guard.check_before_reuse(row)  # what Tap.step does between claim and write
         ring.write(
             slot,
             [torch.tensor(loss), torch.tensor(0.0)],
@@ -311,7 +311,7 @@ def test_timed_batches_measures_the_wait_for_a_slow_loader() -> None:
     assert len(waits) == 2 and all(w >= 0.025 for w in waits)
 
 
-def test_guard_settles_a_wrapped_row_only_once_a_whole_ring_has_passed_it() -> None:
+def test_guard_checks_a_wrapped_row_only_once_a_whole_ring_has_passed_it() -> None:
     # After the ring wrapped, a row's slot number is smaller than the row: the guard must compare
     # rows, not slots. Step 6 (slot 2 of 4) holds a NaN; its copy is final once row 10 takes the
     # slot again, not before (on a device, an earlier read could see a copy still in flight).
@@ -322,7 +322,7 @@ def test_guard_settles_a_wrapped_row_only_once_a_whole_ring_has_passed_it() -> N
     hits = []
     for row in range(12):
         slot = flusher.claim(row)
-        guard.settle(row)
+        guard.check_before_reuse(row)
         loss = math.nan if row == 6 else 1.0 / (row + 1)
         ring.write(
             slot,

@@ -8,7 +8,7 @@ row is checked when it is tracked, with no queue, so a NaN is seen at the step t
 
 A host far ahead of the device can come back to a slot before any poll saw the device pass its
 previous row; the slot's pinned float and end mark then belong to the new row. So the training
-thread calls :meth:`LossGuard.settle` for each row before writing it: the row a whole ring earlier
+thread calls :meth:`LossGuard.check_before_reuse` for each row before writing it: the row a whole ring earlier
 in the same slot was harvested by the pipeline by then (the flusher does not hand out a slot
 sooner), so its loss copy is complete and is checked there, before it is overwritten.
 """
@@ -46,7 +46,7 @@ class LossGuard:
         if self._found is None and not math.isfinite(value):
             self._found = (self.ring.step_of(slot), float(value))
 
-    def settle(self, row: int) -> None:
+    def check_before_reuse(self, row: int) -> None:
         """Check every watched row at least a ring older than ``row`` before ``row`` reuses a slot.
 
         Call it after the flusher handed out ``row``'s slot (so those rows were harvested and their

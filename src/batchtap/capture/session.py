@@ -278,7 +278,7 @@ class RunCapture:
         row = flusher.rows
         slot = flusher.claim(row)
         if guard is not None:
-            guard.settle(row)  # before the write overwrites the slot's last loss copy
+            guard.check_before_reuse(row)  # before the write overwrites the slot's last loss copy
         self.ring.write(
             slot,
             device_values,

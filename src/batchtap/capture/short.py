@@ -237,7 +237,7 @@ def short_step(
             row = flusher.rows
             slot = claim(row)
             if guard is not None:
-                guard.settle(row)
+                guard.check_before_reuse(row)
             write_with(slot, writers, inputs)
         finally:
             set_grad_enabled(grad_was)
