@@ -68,15 +68,23 @@ def _smoothing(text: str) -> float:
     return value
 
 
-def add_size_arguments(parser: argparse.ArgumentParser, *, default_smooth: float) -> None:
-    """``-m``, ``--smooth``, ``--x``, ``-o`` and ``--size``, common to plot and compare."""
+def add_size_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    default_smooth: float,
+    default_metrics: Sequence[str] = ("loss", "accuracy"),
+    default_output: str = "<run name>.png",
+) -> None:
+    """``-m``, ``--smooth``, ``--x``, ``-o`` and ``--size``, common to plot and compare; the help
+    texts name the defaults the subcommand's ``main`` uses (passed here, not written twice)."""
     parser.add_argument(
         "-m",
         "--metric",
         action="append",
         dest="metrics",
         metavar="NAME",
-        help="metric to plot, one panel each (repeatable; default loss, accuracy); a name logged with tap.log() is drawn as dots",
+        help=f"metric to plot, one panel each (repeatable; default {', '.join(default_metrics)}); a name logged with "
+        "tap.log() is drawn as dots",
     )
     parser.add_argument(
         "--smooth",
@@ -91,7 +99,7 @@ def add_size_arguments(parser: argparse.ArgumentParser, *, default_smooth: float
         default="step",
         help="x axis: global step or seconds since the run started (default step)",
     )
-    parser.add_argument("-o", "--output", metavar="FILE", help="PNG to write (default: <run name>.png)")
+    parser.add_argument("-o", "--output", metavar="FILE", help=f"PNG to write (default: {default_output})")
     parser.add_argument(
         "--size", type=parse_size, default=(1200, 700), metavar="WxH", help="image size in pixels (default 1200x700)"
     )

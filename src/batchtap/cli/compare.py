@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 __all__ = ["register", "main"]
 
+#: what compare draws and writes when -m / -o are not given (its --help says so from these)
+DEFAULT_METRICS = ("loss",)
+DEFAULT_OUTPUT = "compare.png"
+
 EXAMPLE = """examples:
   batchtap compare baseline tuned -m loss -o cmp.png
   batchtap compare 3f2a9c 7be1d0 demo -m loss -m accuracy --x time --smooth 0.9 -o cmp.png
@@ -42,14 +46,14 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run ids, unique id prefixes, or names")
-    add_size_arguments(parser, default_smooth=0.6)
+    add_size_arguments(parser, default_smooth=0.6, default_metrics=DEFAULT_METRICS, default_output=DEFAULT_OUTPUT)
     add_db_arguments(parser)
     parser.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     """Overlay runs; returns the exit status."""
-    wanted = list(dict.fromkeys(args.metrics or ["loss"]))
+    wanted = list(dict.fromkeys(args.metrics or DEFAULT_METRICS))
     with open_store(args) as store:
         runs: list[RunRow] = []
         for ref in args.runs:
@@ -73,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
         lacking = [m for m in wanted if m not in present[run.id]]
         if lacking:
             print(f"batchtap: note: run {run.name!r} ({short_id(run.id)}) has no {', '.join(lacking)}", file=sys.stderr)
-    out = args.output or "compare.png"
+    out = args.output or DEFAULT_OUTPUT
     fig, axes = new_figure(args.size, len(wanted))
     anomalies = 0
     for ax, metric in zip(axes, wanted):

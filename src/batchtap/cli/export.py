@@ -206,7 +206,7 @@ def main(args: argparse.Namespace) -> int:
     fmt: Format = args.format
     if fmt == "parquet":
         if not args.output or args.output == "-":
-            raise CLIError("--format parquet writes a binary file, not stdout; fix: pass -o FILE.parquet")
+            raise CLIError("--format parquet writes a binary file, not stdout; fix: pass -o FILE.parquet", code=2)
         from batchtap._optional import require
 
         try:
