@@ -60,6 +60,7 @@ _FOUNDATION = {
     "_userframes",
     "_validate",
     "_format",
+    "_stale",
 } & TOP_MODULES
 _ASSEMBLY = {"tap", "_run", "_defaults"}
 TOP_FORBIDDEN = {
@@ -67,6 +68,8 @@ TOP_FORBIDDEN = {
     "_defaults": (_ABOVE_TAP & PACKAGES) | {"tap", "_run"},
     "_run": (_ABOVE_TAP & PACKAGES) | {"tap"},
     "tap": _ABOVE_TAP & PACKAGES,
+    # `python -m batchtap`: the command line and nothing else
+    **({"__main__": set(PACKAGES - {"cli"}) | _ASSEMBLY} if "__main__" in TOP_MODULES else {}),
 }
 
 #: private attributes of objects batchtap does not own, read on purpose: name -> why
@@ -374,8 +377,8 @@ def test_every_sync_point_is_labelled() -> None:
     """Every call that can make the host wait (for the device or the pipeline) carries a `# sync:`
     comment on it or on one of the four lines above."""
     waiting_calls = {"item", "synchronize", "tolist", "cpu", "wait_for", "drain", "flush"}
-    # worker queues, the counter itself, and the decoder (numpy copies on the pipeline thread)
-    exempt = {"dispatch.py", "hostreads.py", "harvest.py", "decode.py"}
+    # worker queues, the counter itself, and the decoder and its rows (numpy copies on the pipeline thread)
+    exempt = {"dispatch.py", "hostreads.py", "decode.py", "rows.py"}
     for path in SRC.rglob("*.py"):
         if path.name in exempt or "sinks" in path.parts or "store" in path.parts:
             continue  # sinks and the store flush files and connections, never the device

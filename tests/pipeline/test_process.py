@@ -196,8 +196,8 @@ def test_an_unknown_pipeline_kind_is_refused() -> None:
 
 
 def test_a_rule_that_reads_training_side_objects_is_refused_with_the_fix() -> None:
-    sampler = bt.rules.AdaptiveBatchSampler(list(range(64)), batch_size=8)
-    rule = bt.rules.BatchSizeRule(sampler, metric="loss", grow_above=10.0)
+    sampler = bt.AdaptiveBatchSampler(list(range(64)), batch_size=8)
+    rule = bt.BatchSizeRule(sampler, metric="loss", grow_above=10.0)
     with pytest.raises(ConfigError, match=r"batch.*pipeline='thread'"):
         bt.Tap(sinks=[], rules=[rule], pipeline="process")
     bt.Tap(sinks=[], rules=[rule], pipeline="thread").close()  # the thread pipeline takes it
