@@ -21,10 +21,19 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 { date -u; git log --oneline -1 2>/dev/null || true; nvidia-smi 2>&1 || echo "no nvidia-smi"; } > "$OUT/nvidia-smi.txt"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)" | tee -a "$OUT/nvidia-smi.txt"
 
+# 0. NVIDIA's NVML bindings for bt.metrics.System (issue 27): nvidia-ml-py is one pure-Python file;
+#    where the image lacks it, carry it: pip download --no-deps -d .nvml-wheel nvidia-ml-py, then
+#    run(command="bash bench/gpu_check.sh", carry=[".nvml-wheel"], ...). Without it the System GPU test fails (owed).
+if [ -d .nvml-wheel ] && ! "$PY" -c "import pynvml" 2>/dev/null; then
+    "$PY" -m pip install -q --no-index --find-links .nvml-wheel --target "$OUT/.nvml-site" nvidia-ml-py >/dev/null 2>&1 || true
+    export PYTHONPATH="$OUT/.nvml-site:$PYTHONPATH"
+fi
+
 # 1. the CUDA tests: 1,000 steps under set_sync_debug_mode("error"), rollback on the GPU, and the
 #    no-host-read tests (which also run their CPU/FakeTensor halves).
 BATCHTAP_REQUIRE_GPU=${BATCHTAP_REQUIRE_GPU:-1} timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider -o addopts="" \
     tests/test_tap_gpu.py tests/recovery/test_rollback_gpu.py tests/metrics/test_builtin_gpu.py tests/test_no_sync.py \
+    tests/metrics/test_system_gpu.py \
     tests/test_fake_cuda.py tests/test_launches.py tests/test_graph_capture.py 2>&1 | tee "$OUT/gpu-tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
