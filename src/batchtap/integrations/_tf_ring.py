@@ -40,8 +40,7 @@ _TORCH_METRICS = frozenset({"Accuracy", "LearningRate", "GradNorm", "LossScale",
 
 def check_tap_for_tf(tap: Tap) -> None:
     """Refuse a Tap whose metrics cannot be fed from a TensorFlow ring (see ``tf_metrics``)."""
-    # Tap.metrics where the Tap has it (in progress upstream), else its private list (as lightning.py reads it)
-    metrics: Sequence[Any] = getattr(tap, "metrics", None) or getattr(tap, "_metrics", None) or ()
+    metrics: Sequence[Any] = tap.metrics
     names = {type(m).__name__ for m in metrics}
     bad = sorted(names & (_CLOCK_METRICS | _TORCH_METRICS))
     if bad:
