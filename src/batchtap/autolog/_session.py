@@ -92,6 +92,7 @@ class Session:
             self.steps.install(self.patches)
             self.loaders.install(self.patches)
             self._patch_backward()
+            self._patch_destroy_process_group()
         except BaseException:
             self.patches.undo()
             raise
@@ -197,6 +198,26 @@ class Session:
         backward.__wrapped__ = original  # type: ignore[attr-defined]
         backward.__doc__ = original.__doc__
         self.patches.replace(torch.autograd, "backward", backward)
+
+    def _patch_destroy_process_group(self) -> None:
+        """End the run when the script ends its process group: every rank calls it at the same
+        point, and the run's last exchange across ranks needs the group (after it, it would wait
+        out the collective timeout)."""
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return
+        original = dist.destroy_process_group
+        session = self
+
+        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+            if not args and not kwargs.get("group") and not session.ended:
+                session.end()  # the script is done training: its run is finished
+            return original(*args, **kwargs)
+
+        destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+        destroy_process_group.__doc__ = original.__doc__
+        self.patches.replace(dist, "destroy_process_group", destroy_process_group)
 
     def _on_backward(self, tensors: Any) -> None:
         if isinstance(tensors, (list, tuple)):

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from batchtap.cli import audit, compare, demo, export, plot, runs, show, tail, tensorboard, ui
+from batchtap.cli import audit, compare, demo, export, plot, run, runs, show, tail, tensorboard, ui
 from batchtap.cli._common import CLIError
 
 __all__ = ["main", "build_parser"]
@@ -18,6 +18,7 @@ EXAMPLES = """examples:
   batchtap tail demo                          # follow a run live until it ends
   batchtap plot demo -m loss -m accuracy -o loss.png
   batchtap audit train.py                     # find hidden .item() / if loss > x: syncs
+  batchtap run train.py --epochs 3            # record an unmodified script (bt.autolog)
   batchtap ui                                 # browse the runs live in a browser (batchtap[ui])
 
 Store: --db URL on each subcommand, else $BATCHTAP_DB, else runs/batchtap.db.
