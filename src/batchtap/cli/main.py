@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=demo.main)
-    for module in (runs, show, tail, plot, compare, export, tensorboard, audit, ui):
+    for module in (runs, show, tail, plot, compare, export, tensorboard, audit, run, ui):
         module.register(commands)
     return parser
 
