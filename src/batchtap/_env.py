@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from batchtap._stale import process_started
 from batchtap.store.url import redact_text
 
 __all__ = ["environment", "scrub_argv", "scrub_secrets"]
@@ -119,6 +120,7 @@ def environment(device: str | None = None) -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "pid_started": process_started(),  # with host and pid: tells a dead owner from a reused pid
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -15,7 +15,7 @@ import batchtap.store
 from batchtap.records import ALL_RANKS, RunStatus
 from batchtap.sinks.base import Sink
 from batchtap.sinks.sqlite import SQLite
-from batchtap.store import RunNotFound, Store
+from batchtap.store import MetricNotFound, RunNotFound, Store
 from tests.store._helpers import PG_DSN, make_events, make_records, make_run, pg_schema_fixture, same_float
 
 Backend = tuple[Callable[[], Sink], Callable[[], Store]]
@@ -93,7 +93,8 @@ def test_series_prefers_the_reduced_rank_then_the_lowest(backend: Backend) -> No
         assert st.series(run.id, "loss") == reduced
         assert st.series(run.id, "loss", rank=1) != reduced
         assert len(st.series(run.id, "loss", rank=0)) == 3
-        assert st.series(run.id, "no such metric") == []
+        with pytest.raises(MetricNotFound, match="no metric 'no such metric'"):  # issue 29: not []
+            st.series(run.id, "no such metric")
 
 
 def test_metric_names_declared_order_first(backend: Backend) -> None:
@@ -105,7 +106,8 @@ def test_metric_names_declared_order_first(backend: Backend) -> None:
     sink.close()
     with open_store() as st:
         assert st.metric_names(run.id) == ["zeta", "alpha", "b/extra", "mid"]
-        assert st.metric_names("unknown-run") == []
+        with pytest.raises(RunNotFound, match="no run 'unknown-run'"):  # issue 29: not []
+            st.metric_names("unknown-run")
 
 
 def test_events_round_trip_with_raw_values(backend: Backend) -> None:

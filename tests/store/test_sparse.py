@@ -16,7 +16,7 @@ import batchtap.store
 from batchtap.records import EventKind, Record, RunInfo
 from batchtap.sinks.base import Sink
 from batchtap.sinks.sqlite import SQLite
-from batchtap.store import SCHEMA_VERSION, Store
+from batchtap.store import SCHEMA_VERSION, RunNotFound, Store
 from batchtap.store.schema import POSTGRES, SQLITE
 from tests.store._helpers import (
     PG_DSN,
@@ -73,7 +73,10 @@ def test_sparse_values_read_back_as_logged_and_listed_apart(backend: Backend) ->
         assert st.sparse_records(run.id, rank=1) == []
         points = st.series(run.id, "val_loss")
         assert [(p.step, p.value, p.batch) for p in points] == [(r.step, r.values["val_loss"], -1) for r in sparse[:2]]
-        assert st.sparse_names("unknown-run") == [] and st.sparse_records("unknown-run") == []
+        with pytest.raises(RunNotFound, match="no run 'unknown-run'"):  # issue 29: not []
+            st.sparse_names("unknown-run")
+        with pytest.raises(RunNotFound, match="no run 'unknown-run'"):
+            st.sparse_records("unknown-run")
 
 
 def test_step_figures_and_resume_point_leave_sparse_values_out(backend: Backend) -> None:

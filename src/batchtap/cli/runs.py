@@ -57,8 +57,9 @@ def main(args: argparse.Namespace) -> int:
         shown = runs if args.all else runs[-max(args.limit, 0) :] if args.limit > 0 else []
         rows = []
         for run in shown:
-            loss = _last([p.value for p in store.series(run.id, "loss")])
-            acc = _last([p.value for p in store.series(run.id, "accuracy")])
+            names = set(store.metric_names(run.id))
+            loss = _last([p.value for p in store.series(run.id, "loss")]) if "loss" in names else None
+            acc = _last([p.value for p in store.series(run.id, "accuracy")]) if "accuracy" in names else None
             anomalies = events_by_kind(store.events(run.id))[EventKind.ANOMALY]
             rows.append(
                 [

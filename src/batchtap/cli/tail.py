@@ -432,6 +432,15 @@ def main(args: argparse.Namespace) -> int:
             poll = follower.poll()
             run, rows = poll.run, poll.rows
             view.update(poll, follower.counts)
+            if run.status is RunStatus.KILLED and _writer_gone(run):  # issue 29: the reader derives 'killed'
+                view.close(run)
+                print(
+                    f"batchtap: error: run {run.name!r} ({short_id(run.id)}) was killed: its process "
+                    f"(pid {run.environment.get('pid')} on this host) is gone and never ended it; "
+                    "fix: resume it with tap.run(resume=ID) or ignore it",
+                    file=sys.stderr,
+                )
+                return 1
             if run.status is not RunStatus.RUNNING:
                 view.close(run)
                 return 0

@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from batchtap.store.errors import RunNotFound, StoreError
+from batchtap.store.errors import MetricNotFound, RunNotFound, StoreError
 from batchtap.store.reader import Point, RunRow, Store, open
 from batchtap.store.schema import SCHEMA_VERSION
 from batchtap.store.url import StoreURL, parse_url, redact_dsn
@@ -23,6 +23,7 @@ __all__ = [
     "Point",
     "StoreError",
     "RunNotFound",
+    "MetricNotFound",
     "StoreURL",
     "parse_url",
     "redact_dsn",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from batchtap.errors import SinkError
 
-__all__ = ["StoreError", "RunNotFound"]
+__all__ = ["StoreError", "RunNotFound", "MetricNotFound"]
 
 
 class StoreError(SinkError):
@@ -22,6 +22,20 @@ class RunNotFound(StoreError, LookupError):
     Attributes:
         ref: what was asked for.
         candidates: the closest known run names or ids, best first (may be empty).
+    """
+
+    def __init__(self, message: str, *, ref: str, candidates: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.ref = ref
+        self.candidates = candidates
+
+
+class MetricNotFound(StoreError, LookupError):
+    """A run has no metric of the name given to a reader method (:meth:`batchtap.store.Store.series`, ...).
+
+    Attributes:
+        ref: the name asked for.
+        candidates: the closest names the run has, best first (may be empty).
     """
 
     def __init__(self, message: str, *, ref: str, candidates: tuple[str, ...] = ()) -> None:

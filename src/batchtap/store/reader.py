@@ -15,9 +15,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple
 
+from batchtap._stale import owner_gone
 from batchtap.records import Event, EventKind, Record, RunStatus
 from batchtap.store.connect import connect_postgres, connect_sqlite
-from batchtap.store.errors import RunNotFound, StoreError
+from batchtap.store.errors import MetricNotFound, RunNotFound, StoreError
 from batchtap.store.schema import POSTGRES, SQLITE, Dialect, text_to_float
 from batchtap.store.url import parse_url
 
@@ -51,7 +52,10 @@ class RunRow:
     Attributes:
         id: run id.
         name: run name.
-        status: running, finished, failed or stopped (a run whose process died stays ``running``).
+        status: running, finished, failed, stopped or killed. A run stored as ``running`` whose
+            training process is certainly gone (recorded on this host, and no process of that pid
+            and start time exists: a process-group SIGKILL, which leaves nobody to store its end)
+            reads as ``killed``, with a ``stop_reason`` saying so; see :mod:`batchtap._stale`.
         started_at: ``time.time()`` at the start.
         ended_at: ``time.time()`` at the end, if it ended.
         stop_reason: why it stopped or failed.
@@ -108,6 +112,14 @@ def _run_from_row(row: tuple[Any, ...]) -> RunRow:
         run_status = RunStatus(status)
     except ValueError:
         run_status = RunStatus.RUNNING
+    environment = json.loads(env) if env else {}
+    if run_status is RunStatus.RUNNING and owner_gone(environment):
+        run_status = RunStatus.KILLED
+        reason = (
+            f"the training process (pid {environment.get('pid')} on {environment.get('host')}) is gone and "
+            "never ended the run (killed with its process group, e.g. by SLURM, Kubernetes or the OOM killer); "
+            "seen by a later batchtap process"
+        )
     return RunRow(
         id=rid,
         name=name,
@@ -117,7 +129,7 @@ def _run_from_row(row: tuple[Any, ...]) -> RunRow:
         stop_reason=reason,
         config=json.loads(config) if config else {},
         world_size=int(world),
-        environment=json.loads(env) if env else {},
+        environment=environment,
         metrics=tuple(json.loads(metrics)) if metrics else (),
         steps=int(steps or 0),
         first_step=None if first is None else int(first),
@@ -176,13 +188,31 @@ class Store:
         rows = self._all(_RUN_SELECT.format(where="m.run_id = ? AND ") + " WHERE r.id = ?", (run_id, run_id))
         return _run_from_row(rows[0]) if rows else None
 
-    def run(self, ref: str) -> RunRow:
+    def _id(self, run: str | RunRow) -> str:
+        """The id of a run given as :meth:`run` takes it (id, name, unique id prefix) or as a
+        :class:`RunRow`; one index probe when it is an id (what the CLI and the frame pass)."""
+        if isinstance(run, RunRow):
+            return run.id
+        if not isinstance(run, str):
+            raise TypeError(
+                f"a run must be given as its id, unique id prefix or name (str) or as a RunRow, got "
+                f"{type(run).__name__}; fix: pass run.id or the run's name"
+            )
+        if self._all("SELECT 1 FROM runs WHERE id = ?", (run,)):
+            return run
+        return self.run(run).id
+
+    def run(self, ref: str | RunRow) -> RunRow:
         """Find one run by exact id, exact name (the latest run of that name wins) or unique id prefix.
 
         Raises:
             RunNotFound: nothing matches, or an id prefix matches several runs; the message lists
                 the closest names and ids.
         """
+        if isinstance(ref, RunRow):
+            ref = ref.id
+        if not isinstance(ref, str):
+            raise TypeError(f"a run must be given as its id, unique id prefix or name (str), got {type(ref).__name__}")
         found = self._one_run(ref)
         if found is not None:
             return found
@@ -216,9 +246,16 @@ class Store:
             candidates=close,
         )
 
-    def metric_names(self, run_id: str) -> list[str]:
+    def metric_names(self, run_id: str | RunRow) -> list[str]:
         """Names of the metrics with stored values in a run: the declared ones in their order, then
-        other step values sorted, then the names logged with ``Tap.log()`` (:meth:`sparse_names`) sorted."""
+        other step values sorted, then the names logged with ``Tap.log()`` (:meth:`sparse_names`) sorted.
+
+        ``run_id``: a run id, unique id prefix or name (as :meth:`run` resolves it), or a :class:`RunRow`.
+
+        Raises:
+            RunNotFound: no such run (the message lists the closest names).
+        """
+        run_id = self._id(run_id)
         # A skip scan over the primary key's (run_id, metric) prefix: one index probe per metric
         # instead of reading every row of the run.
         rows = self._all(
@@ -236,14 +273,21 @@ class Store:
         sparse = [m for m in self.sparse_names(run_id) if m in present]
         return order + sorted(present.difference(order, sparse)) + sparse
 
-    def sparse_names(self, run_id: str) -> list[str]:
+    def sparse_names(self, run_id: str | RunRow) -> list[str]:
         """Names a run logged with ``Tap.log()`` (evaluation, epoch-level values), sorted. Their
-        values read like any metric's (:meth:`series`), or grouped as logged (:meth:`sparse_records`)."""
+        values read like any metric's (:meth:`series`), or grouped as logged (:meth:`sparse_records`).
+
+        Raises:
+            RunNotFound: no such run (``run_id`` is resolved as :meth:`run` does).
+        """
+        run_id = self._id(run_id)
         return [
             r[0] for r in self._all("SELECT metric FROM sparse_metrics WHERE run_id = ? ORDER BY metric", (run_id,))
         ]
 
-    def sparse_records(self, run_id: str, names: Iterable[str] | None = None, rank: int | None = None) -> list[Record]:
+    def sparse_records(
+        self, run_id: str | RunRow, names: Iterable[str] | None = None, rank: int | None = None
+    ) -> list[Record]:
         """A run's ``Tap.log()`` values as the sparse records its sinks were given, in (step, wall
         time, rank) order, read in one statement (so a record is never seen half-committed).
 
@@ -251,11 +295,23 @@ class Store:
         name logged again at the same step keeps its last value (it is an update of the same key).
 
         Args:
-            run_id: the run's id.
+            run_id: the run's id, unique id prefix or name, or a :class:`RunRow`.
             names: only these sparse names (default: all of them).
             rank: only this rank (default: every rank stored).
+
+        Raises:
+            RunNotFound: no such run.
+            MetricNotFound: a name in ``names`` was never logged in the run.
         """
+        run_id = self._id(run_id)
+        if isinstance(names, str):
+            names = [names]  # a lone name, not its characters
         wanted = None if names is None else set(names)
+        if wanted:
+            logged = self.sparse_names(run_id)
+            missing = sorted(wanted.difference(logged))
+            if missing:
+                raise self._no_metric(run_id, missing[0], logged, "logged with tap.log()")
         sql = (
             "SELECT m.metric, m.step, m.rank, m.epoch, m.batch, m.wall_time, m.value FROM metrics m"
             " JOIN sparse_metrics sp ON sp.run_id = m.run_id AND sp.metric = m.metric WHERE m.run_id = ?"
@@ -278,18 +334,28 @@ class Store:
             for (s, w, r), (e, b, v) in grouped.items()
         ]
 
-    def series(self, run_id: str, metric: str, rank: int | None = None) -> list[Point]:
+    def series(self, run_id: str | RunRow, metric: str, rank: int | None = None) -> list[Point]:
         """One metric of one run in step order.
 
         Args:
-            run_id: the run's id (see :meth:`run` to resolve a name).
+            run_id: the run's id, unique id prefix or name (as :meth:`run` resolves it), or a :class:`RunRow`.
             metric: metric name, exactly as recorded.
             rank: process rank, or :data:`batchtap.records.ALL_RANKS`; ``None`` picks the reduced
                 series when the run has one, else the lowest rank recorded.
+
+        Returns:
+            The points; empty for a metric the run declared but never stored a value of (or none
+            at ``rank``).
+
+        Raises:
+            RunNotFound: no such run.
+            MetricNotFound: the run has no metric of that name (the message lists the closest).
         """
+        run_id = self._id(run_id)
         if rank is None:
             found = self._all("SELECT MIN(rank) FROM metrics WHERE run_id = ? AND metric = ?", (run_id, metric))
             if not found or found[0][0] is None:
+                self._check_metric(run_id, metric)
                 return []
             rank = int(found[0][0])
         rows = self._all(
@@ -297,7 +363,32 @@ class Store:
             " WHERE run_id = ? AND metric = ? AND rank = ? ORDER BY step",
             (run_id, metric, rank),
         )
+        if not rows:
+            self._check_metric(run_id, metric)
         return [Point(int(s), _NAN if v is None else float(v), float(w), int(e), int(b)) for s, v, w, e, b in rows]
+
+    def _check_metric(self, run_id: str, metric: str) -> None:
+        """Raise :class:`MetricNotFound` unless the run stored or declared ``metric``."""
+        if not isinstance(metric, str):
+            raise TypeError(f"a metric name must be a str, got {type(metric).__name__}")
+        declared = self._all("SELECT metric_names FROM runs WHERE id = ?", (run_id,))
+        if declared and declared[0][0] and metric in json.loads(declared[0][0]):
+            return  # declared, never stored (e.g. no step reached the store yet)
+        present = self.metric_names(run_id)
+        if metric not in present:
+            raise self._no_metric(run_id, metric, present, "with values")
+
+    def _no_metric(self, run_id: str, metric: str, present: Sequence[str], what: str) -> MetricNotFound:
+        close = tuple(difflib.get_close_matches(metric, list(present), n=5, cutoff=0.4))
+        hint = f"closest: {', '.join(repr(c) for c in close)}" if close else f"it has {', '.join(present) or 'none'}"
+        name = self._all("SELECT name FROM runs WHERE id = ?", (run_id,))
+        label = f"{name[0][0]!r} ({run_id[:8]})" if name else repr(run_id)
+        return MetricNotFound(
+            f"run {label} has no metric {metric!r} {what} in {self.where}; {hint}; "
+            "fix: use a name from Store.metric_names() (`batchtap show RUN` lists them)",
+            ref=metric,
+            candidates=close,
+        )
 
     def frame(
         self,
@@ -352,8 +443,13 @@ class Store:
 
         return run_frame(self, run, metrics, rank=rank, positions=positions)
 
-    def iter_metrics(self, run_id: str) -> Iterator[tuple[str, int, int, float]]:
-        """Every stored value of a run as ``(metric, step, rank, value)``, by metric then step."""
+    def iter_metrics(self, run_id: str | RunRow) -> Iterator[tuple[str, int, int, float]]:
+        """Every stored value of a run as ``(metric, step, rank, value)``, by metric then step.
+
+        Raises:
+            RunNotFound: no such run (``run_id`` is resolved as :meth:`run` does).
+        """
+        run_id = self._id(run_id)
         cur = self._conn.execute(
             self._d.q("SELECT metric, step, rank, value FROM metrics WHERE run_id = ? ORDER BY metric, step, rank"),
             (run_id,),
@@ -361,8 +457,13 @@ class Store:
         for metric, step, rank, value in cur:
             yield metric, int(step), int(rank), _NAN if value is None else float(value)
 
-    def events(self, run_id: str) -> list[Event]:
-        """Events of a run in step order."""
+    def events(self, run_id: str | RunRow) -> list[Event]:
+        """Events of a run in step order.
+
+        Raises:
+            RunNotFound: no such run (``run_id`` is resolved as :meth:`run` does).
+        """
+        run_id = self._id(run_id)
         rows = self._all(
             "SELECT run_id, step, kind, message, wall_time, metric, raw_value, rank FROM events"
             " WHERE run_id = ? ORDER BY step, wall_time, event_key",

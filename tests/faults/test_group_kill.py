@@ -1,0 +1,133 @@
+"""Issue 29 item 6: a process-group SIGKILL (how SLURM, Kubernetes and the OOM killer end a job:
+the training process, its pipeline process and Python's resource tracker together) leaves no
+shared-memory segment behind once a later batchtap process runs, and the run reads ``killed``; a
+SIGKILL of the training process alone prints no "leaked shared_memory objects" warning.
+
+Real processes: a training script in a session of its own (``setsid``), killed with ``os.killpg``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import batchtap as bt
+import batchtap.store
+from tests.faults._procs import env
+
+pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs POSIX shared memory in /dev/shm")
+
+WORKER = """
+import sys, time, torch, batchtap as bt
+tap = bt.Tap([bt.metrics.Loss()], [bt.sinks.SQLite(sys.argv[1])], pipeline="process", flush_every=2)
+with tap, tap.run(name="victim") as run:
+    for step in range(6):
+        tap.step(loss=torch.tensor(float(step)))
+    tap.flush()
+    print(f"ready {run.id}", flush=True)
+    time.sleep(600)
+"""
+
+
+def _segments_of(pid: int) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"bt{pid}_"))
+
+
+def _start(db: Path) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(db)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(),
+        start_new_session=True,  # setsid: its own process group, as a batch system starts a job
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("ready "):
+        proc.kill()
+        raise AssertionError(f"the worker did not start: {line!r} {proc.stderr.read() if proc.stderr else ''}")
+    return proc, line.split()[1]
+
+
+def _wait_gone(pid: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process group {pid} still alive after {timeout} s")
+
+
+def test_a_process_group_kill_leaves_no_segment_once_a_new_tap_runs_and_the_run_reads_killed(tmp_path: Path) -> None:
+    db = tmp_path / "bt.db"
+    proc, run_id = _start(db)
+    segments = _segments_of(proc.pid)
+    assert segments, "the process pipeline made its segment, named after its owner"
+    os.killpg(proc.pid, signal.SIGKILL)  # the training process, its pipeline process, the resource tracker
+    proc.wait(30)
+    _wait_gone(proc.pid)
+    assert _segments_of(proc.pid) == segments, "nobody of the killed group was left to remove it"
+    with batchtap.store.open(db) as st:
+        run = st.run(run_id)
+    assert run.status is bt.RunStatus.KILLED  # a later batchtap process on this host sees the owner gone
+    assert f"pid {proc.pid}" in (run.stop_reason or "") and run.steps >= 4
+    # the next Tap with a process pipeline removes the dead owner's segment
+    tap = bt.Tap([bt.metrics.Loss()], [], pipeline="process", flush_every=2)
+    with tap, tap.run(name="next"):
+        for step in range(4):
+            tap.step(loss=torch_scalar(step))
+        tap.flush()
+    assert _segments_of(proc.pid) == []
+    assert _segments_of(os.getpid()) == [], "the new Tap removed its own segment at close"
+
+
+def test_killing_the_training_process_alone_prints_no_leak_warning_and_leaves_no_segment(tmp_path: Path) -> None:
+    db = tmp_path / "bt.db"
+    proc, run_id = _start(db)
+    assert _segments_of(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)  # the training process only: its pipeline process drains and ends the run
+    proc.wait(30)
+    _wait_gone(proc.pid)  # the pipeline process and the resource tracker exit too
+    assert proc.stderr is not None
+    stderr = proc.stderr.read()
+    assert "leaked shared_memory" not in stderr, stderr
+    assert "resource_tracker" not in stderr, stderr
+    assert _segments_of(proc.pid) == [], "the pipeline process removed the dead owner's segment by our rule"
+    with batchtap.store.open(db) as st:
+        run = st.run(run_id)
+    assert run.status is bt.RunStatus.KILLED and run.steps == 6
+
+
+def torch_scalar(value: float):  # type: ignore[no-untyped-def]
+    import torch
+
+    return torch.tensor(float(value))
+
+
+def test_a_dead_owner_is_told_from_a_live_one_and_a_reused_pid() -> None:
+    import socket
+
+    from batchtap import _stale
+
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": _stale.process_started()}
+    assert not _stale.owner_gone(me)
+    parent = {"host": me["host"], "pid": os.getppid(), "pid_started": _stale.process_started(os.getppid())}
+    assert not _stale.owner_gone(parent)
+    reused = dict(parent, pid_started=f"{me['pid_started']}-another-process")
+    assert _stale.owner_gone(reused)  # that pid now belongs to a process started at another time
+    assert not _stale.owner_gone(dict(reused, host="another-host"))  # cannot be told from here
+    assert not _stale.owner_gone({"host": me["host"], "pid": os.getppid()})  # alive, no start time: unknown
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert _stale.owner_gone({"host": me["host"], "pid": child.pid})  # reaped: no such process
+    assert not _stale.segment_owner_gone("psm_1234")  # not batchtap's: never touched
+    assert _stale.segment_owner_gone(f"bt{child.pid}_1_00ff")
