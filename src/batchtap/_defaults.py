@@ -44,7 +44,7 @@ def checked_sinks(
     sinks: Sequence[Sink] | Sink | str, spool_dir: str | os.PathLike[str] | None, *, rank: int
 ) -> list[Sink]:
     """The Tap's sinks, each wrapped in a spooling ResilientSink when ``spool_dir`` is given —
-    except sinks that show what happens now (``Sink.spooled`` False: the console), which are
+    except sinks that show what happens now (``Sink.wrap_in_spool`` False: the console), which are
     never spooled nor replayed.
 
     Raises:
@@ -87,7 +87,7 @@ def checked_sinks(
 
     return [
         ResilientSink(sink, spool_path=Path(spool_dir) / f"{i:02d}-{type(sink).__name__.lower()}.rank{rank}.jsonl")
-        if sink.spooled
+        if sink.wrap_in_spool
         else sink
         for i, sink in enumerate(given)
     ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import importlib
 import math
 import os
 import threading
@@ -95,20 +96,20 @@ class _Sampler:
     def read(self) -> tuple[float, ...]:
         """One sample of every field (NaN for a field this device does not report)."""
         out: list[float] = []
-        nvml = self.nvml
+        nvml: Any = self.nvml
         for h in self.handles:
-            out.append(_ask(lambda h=h: nvml.nvmlDeviceGetUtilizationRates(h).gpu))
-            memory = _ask(lambda h=h: nvml.nvmlDeviceGetMemoryInfo(h), None)
-            out.append(float(memory.used) if memory is not None else math.nan)
-            out.append(float(memory.total) if memory is not None else math.nan)
-            out.append(_ask(lambda h=h: nvml.nvmlDeviceGetPowerUsage(h)) / 1000.0)  # mW
-            out.append(_ask(lambda h=h: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)))
-            out.append(_ask(lambda h=h: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)))
-        if self.psutil is not None:
-            process = self.process
+            out.append(_ask(lambda d: nvml.nvmlDeviceGetUtilizationRates(d).gpu, h))
+            out.append(_ask(lambda d: nvml.nvmlDeviceGetMemoryInfo(d).used, h))
+            out.append(_ask(lambda d: nvml.nvmlDeviceGetMemoryInfo(d).total, h))
+            out.append(_ask(nvml.nvmlDeviceGetPowerUsage, h) / 1000.0)  # mW
+            out.append(_ask(nvml.nvmlDeviceGetTemperature, h, nvml.NVML_TEMPERATURE_GPU))
+            out.append(_ask(nvml.nvmlDeviceGetClockInfo, h, nvml.NVML_CLOCK_SM))
+        process: Any = self.process
+        if process is not None:
+            psutil: Any = self.psutil
             out.append(_ask(lambda: process.cpu_percent(None)))
             out.append(_ask(lambda: process.memory_info().rss))
-            out.append(_ask(lambda: self.psutil.virtual_memory().used))
+            out.append(_ask(lambda: psutil.virtual_memory().used))
         return tuple(out)
 
     def sample(self) -> None:
@@ -153,12 +154,13 @@ class _Sampler:
         return [samples[hi - 1][1]] if hi else []
 
 
-def _ask(read: Callable[[], Any], missing: Any = math.nan) -> Any:
+def _ask(read: Callable[..., Any], *args: Any) -> float:
+    """``read(*args)`` as a float; NaN when it raises (NVML's NotSupported for power on some boards, a
+    process gone), so one missing reading never costs the others."""
     try:
-        value = read()
-    except Exception:  # NVML's NotSupported (power on some boards), a process gone: no value
-        return missing
-    return float(value) if missing is not None or isinstance(value, (int, float)) else value
+        return float(read(*args))
+    except Exception:
+        return math.nan
 
 
 class System(Metric):
@@ -223,11 +225,11 @@ class System(Metric):
         for d in self.devices if nvml is not None else ():
             if not 0 <= d < count:
                 raise ConfigError(f"System devices must be NVML indices in [0, {count}), got {d}")
-        psutil = None
+        psutil: Any = None
         self.why_no_host: str | None = None
         if host:
             try:
-                import psutil
+                psutil = importlib.import_module("psutil")
             except ImportError:
                 self.why_no_host = "psutil not installed (pip install 'batchtap[system]')"
         self._gpu_devices = self.devices if nvml is not None else []
@@ -262,12 +264,7 @@ class System(Metric):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._nvml = _load_nvml()[0] if state["_nvml"] else None
-        if state["_psutil"]:
-            import psutil
-
-            self._psutil = psutil
-        else:
-            self._psutil = None
+        self._psutil = importlib.import_module("psutil") if state["_psutil"] else None
         self._sampler = self._start()
 
     def outputs(self) -> tuple[Output, ...]:

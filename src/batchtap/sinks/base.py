@@ -74,7 +74,7 @@ class Sink:
     #: Whether ``bt.Tap(spool_dir=...)`` wraps the sink in a spooling
     #: :class:`~batchtap.sinks.resilient.ResilientSink`. False for a sink that shows what happens
     #: now (the console): replaying its blocks later, into another run's output, would show stale lines.
-    spooled: ClassVar[bool] = True
+    wrap_in_spool: ClassVar[bool] = True
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickling carries: every attribute but those named in :attr:`_live`."""

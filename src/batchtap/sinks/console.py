@@ -123,7 +123,7 @@ class Console(Sink):
     ``guard_stdout=False`` leaves ``sys.stdout`` alone).
 
     A terminal shows what happens now: the console is never spooled nor replayed by a later
-    run (:attr:`Sink.spooled` is False), and a closed stream (``batchtap demo | head``) is
+    run (:attr:`Sink.wrap_in_spool` is False), and a closed stream (``batchtap demo | head``) is
     dropped silently: it never fails training nor changes the run's status.
 
     Args:
@@ -141,7 +141,7 @@ class Console(Sink):
     """
 
     _live = ("stream",)
-    spooled: ClassVar[bool] = False
+    wrap_in_spool: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -75,7 +75,7 @@ class Webhook(Sink):
 
     #: a terminal-like sink: an alert replayed at a later run's start would be stale, and the sink
     #: never raises (it reports what it could not deliver)
-    spooled: ClassVar[bool] = False
+    wrap_in_spool: ClassVar[bool] = False
 
     def __init__(
         self,
