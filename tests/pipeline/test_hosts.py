@@ -5,23 +5,27 @@ from __future__ import annotations
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from batchtap.metrics.layout import Layout
 from batchtap.pipeline.control import Control
 from batchtap.pipeline.core import PipelineSettings
+from batchtap.pipeline.crossing import dumps_to_child
 from batchtap.pipeline.host import PipelineHost
 from batchtap.pipeline.make import make_pipeline
-from batchtap.pipeline.messages import BlockRows
+from batchtap.pipeline.messages import BlockRows, RunStart
 from batchtap.pipeline.process import ProcessPipeline
 from batchtap.pipeline.thread import ThreadPipeline
 from batchtap.records import Event, EventKind, RunInfo, RunStatus
 from tests.pipeline._blocks import loss_block, metrics
-from tests.pipeline.probe_sinks import ModulesSink, notes
 from tests.pipeline.process_sinks import FileListSink, received
+from tests.pipeline.test_distributed import ROOT
 
 
 def _open(host: PipelineHost, run: RunInfo) -> int:
@@ -93,24 +97,21 @@ def test_the_process_host_delegates_to_a_thread_after_the_second_death(tmp_path:
     assert any("restarted" in m for m in reports) and any("went on in a thread" in m for m in reports)
 
 
-def test_the_pipeline_process_answers_a_runs_start_without_torch(tmp_path: Path) -> None:
-    """Its sinks and the run's start need no torch; only a chain's metrics load it."""
-    path = tmp_path / "notes.jsonl"
-    host = ProcessPipeline([ModulesSink(path)], Control())
-    run = RunInfo("r", "light", {}, 0.0)
-    try:
-        host.start_run(run)
-        assert host.drain(60) and host.flush_sinks(60)
-        started = notes(path)
-        chain = host.open_chain(Layout(list(metrics())), run_id="r", rank=0, writes=True, reduce=None, max_rows=8)
-        host.send(BlockRows(chain, loss_block([0.5])))
-        assert host.drain(60) and host.flush_sinks(60)
-        written = notes(path)
-    finally:
-        host.close(timeout=30)
-    assert [(n["call"], n["torch"]) for n in started] == [("start_run", False)]
-    assert started[0]["pid"] != os.getpid()
-    assert [(n["call"], n["torch"]) for n in written] == [("start_run", False), ("write", True)]
+def test_the_pipeline_process_needs_no_torch_for_a_runs_start() -> None:
+    """Its own modules, its sinks and a run's start (whose environment holds torch's version
+    string) load no torch: only a chain's metrics need it (a thread loads it beside the main loop)."""
+    run = RunInfo("r", "light", {}, 0.0, environment={"torch": torch.__version__})
+    payload = dumps_to_child(RunStart(run), {})
+    code = (
+        "import sys\n"
+        "from batchtap.pipeline import child, crossing\n"
+        "from batchtap.pipeline.messages import RunStart\n"
+        "from tests.pipeline.probe_sinks import ModulesSink\n"
+        f"message = crossing.loads_from_parent({payload!r})\n"
+        "assert isinstance(message, RunStart) and type(message.run.environment['torch']) is str\n"
+        "assert 'torch' not in sys.modules, 'the pipeline process loaded torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT)
 
 
 def test_a_thread_host_is_closed_once(tmp_path: Path) -> None:

@@ -11,15 +11,19 @@ When the training process dies (the pipe closes, or the parent changes), every m
 received is handled and the open run is ended as ``killed``.
 
 This module imports neither torch nor the training script: the process answers a run's start
-within a fraction of a second, and loads torch only when a chain opens (its metrics need it).
+within a fraction of a second. Torch, which the metrics' decoding needs, loads on a thread of its
+own from the start (:func:`_warm_up`), beside the main loop, so the first blocks seldom wait for it.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +58,22 @@ CONFIRM_EVERY = 8
 CONFIRM_TIMEOUT = 1.0
 
 
+def _exit_now() -> None:
+    """After a clean close: run the exit handlers, then end without tearing the interpreter down
+    (with torch loaded that takes about a second, which ``Tap.close()`` would wait for)."""
+    atexit._run_exitfuncs()  # multiprocessing's finalizers among them
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _warm_up() -> None:
+    """Load torch beside the main loop, which answers the run's start meanwhile: the first chain's
+    metrics need it. Torch alone, so that this thread never waits for a module the main loop is
+    importing (no import lock is held in both orders)."""
+    import torch  # noqa: F401
+
+
 class _PipeControl(Control):
     """The pipeline process's Control: what it is told goes back to the training process."""
 
@@ -83,6 +103,7 @@ def main(conn: Any, config: bytes, parent_pid: int, main_path: str | None) -> No
 
     sinks, settings = loads_from_parent(config, main_path)
     worker = _Worker(sinks, settings, send)
+    threading.Thread(target=_warm_up, name="batchtap-warm", daemon=True).start()
     try:
         while True:
             if not conn.poll(0 if worker.unconfirmed else 1.0):
@@ -96,7 +117,7 @@ def main(conn: Any, config: bytes, parent_pid: int, main_path: str | None) -> No
             except (EOFError, OSError):
                 break
             if not worker.handle(loads_from_parent(data, main_path)):
-                return
+                _exit_now()
             if worker.unconfirmed >= CONFIRM_EVERY:
                 worker.confirm()
     finally:

@@ -184,6 +184,13 @@ class _ToChild(pickle.Pickler):
             return (id(obj), type(obj).__name__)
         return None
 
+    def reducer_override(self, obj: object) -> Any:
+        # torch's string types (``torch.__version__`` in a run's environment) travel as plain
+        # strings: unpickling one would load torch in the pipeline process for a version string
+        if isinstance(obj, str) and type(obj).__module__.startswith("torch"):
+            return str, (str(obj),)
+        return NotImplemented
+
 
 class _FromParent(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, main_path: str | None) -> None:
