@@ -107,7 +107,7 @@ class OptimizerFacts(Metric):
         row = self.row
         if row is None:
             return [None] * self.device_width
-        values: list[torch.Tensor | float | None] = list(row.grad_norms) + list(row.losses[1:])
+        values: list[torch.Tensor | float | None] = [*row.grad_norms, *row.losses[1:]]
         if self.scaler:
             values += [row.scale, row.skipped]
         return values

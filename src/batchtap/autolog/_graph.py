@@ -99,10 +99,10 @@ def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Te
             break
         (first, _), (second, _) = following
         if second is None and first is not None:  # loss (*|/) constant
-            factors.append((name, node._saved_other))
+            factors.append((name, node._saved_other))  # type: ignore[attr-defined]
             node = first
         elif name == _MUL and first is None and second is not None:  # constant * loss
-            factors.append((name, node._saved_self))
+            factors.append((name, node._saved_self))  # type: ignore[attr-defined]
             node = second
         else:  # both sides need gradients, or a constant divided by the loss: not a constant factor
             break

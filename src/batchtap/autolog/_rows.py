@@ -145,7 +145,7 @@ class Rows:
             FactsRow(
                 lrs=[row[s].lrs if s in row else None for s in range(n)],
                 grad_norms=[row[s].grad_norm if s in row else None for s in range(n)],
-                losses=[None] + [others.get(s) for s in range(1, n)],
+                losses=[None, *(others.get(s) for s in range(1, n))],
                 scale=scaled.scale if scaled is not None else None,
                 skipped=_any_skip(skips) if facts.scaler else None,
             )

@@ -4,6 +4,7 @@ and ``extra=`` values."""
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
@@ -86,7 +87,16 @@ class Loss(Metric):
 
 
 class LearningRate(Metric):
-    """The optimizer's learning rate, read on the host (it is a Python float there).
+    """The learning rate the optimizer step used, read on the host (it is a Python float there).
+
+    The value is taken in a step pre-hook of the optimizer (``register_step_pre_hook``), so it is
+    the step's own wherever the loop calls ``scheduler.step()`` or sets ``group["lr"]``: the common
+    ``optimizer.step(); scheduler.step(); tap.step(...)`` records this step's lr, not the next
+    one's. Where ``tap.step`` sits is learned at the run's first captured step: after an optimizer
+    step (the usual loop) each row gets the lr of the latest step since the previous row; before
+    any (``tap.step`` between ``backward()`` and ``optimizer.step()``) the param groups are read
+    as they are then, which is what the coming step uses. A step the AMP ``GradScaler`` skipped
+    runs no optimizer step (no hook): its row reads the param groups as they are.
 
     Reports ``name`` for the first parameter group and ``{name}_group{i}`` for the others, one
     value per param group where groups differ: a group's value is recorded only at steps where it
@@ -121,6 +131,15 @@ class LearningRate(Metric):
         self.optimizer = optimizer
         self.name = name
         self.host_width = len(optimizer.param_groups)
+        self._taken: tuple[float, ...] | None = None  # the lr of the latest step not yet recorded
+        self._after_step: bool | None = None  # tap.step follows optimizer.step (learned at the first read)
+        self._handle: object = optimizer.register_step_pre_hook(_TakeLearningRate(self))
+
+    def __getstate__(self) -> dict[str, object]:
+        # pipeline="process" finalizes in another process: the hook stays with the optimizer here
+        state = self.__dict__.copy()
+        state["_handle"] = None
+        return state
 
     def outputs(self) -> tuple[Output, ...]:
         return tuple(
@@ -129,7 +148,15 @@ class LearningRate(Metric):
         )
 
     def read_host(self, inputs: StepInputs | None) -> Sequence[float]:
-        # A CPU tensor lr (allowed above) is read without any device involvement.
+        taken, self._taken = self._taken, None
+        if self._after_step is None and inputs is not None:
+            self._after_step = taken is not None
+        if taken is not None and self._after_step:
+            return taken
+        return self.current()
+
+    def current(self) -> tuple[float, ...]:
+        """The param groups' learning rates now (a CPU tensor lr is read without device involvement)."""
         return tuple(float(group["lr"]) for group in self.optimizer.param_groups[: self.host_width])
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
@@ -140,6 +167,20 @@ class LearningRate(Metric):
         present = raw != raw[:, :1]  # NaN differs from everything, as in finalize
         present[:, 0] = True
         return raw, present
+
+
+class _TakeLearningRate:
+    """The optimizer step pre-hook of a :class:`LearningRate` (weakly: the metric may go first)."""
+
+    __slots__ = ("metric",)
+
+    def __init__(self, metric: LearningRate) -> None:
+        self.metric = weakref.ref(metric)
+
+    def __call__(self, optimizer: object, args: object, kwargs: object) -> None:
+        metric = self.metric()
+        if metric is not None:
+            metric._taken = metric.current()
 
 
 class Memory(Metric):
