@@ -24,7 +24,7 @@ class PatchRegistry:
         >>> import types
         >>> owner = types.SimpleNamespace(f=len)
         >>> patches = PatchRegistry()
-        >>> patches.replace(owner, "f", lambda x: 0)
+        >>> original = patches.replace(owner, "f", lambda x: 0)
         >>> owner.f("abc"), patches.active
         (0, True)
         >>> patches.undo(); owner.f("abc"), patches.active
