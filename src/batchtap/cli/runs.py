@@ -15,6 +15,7 @@ from batchtap.cli._common import (
     short_id,
     table,
 )
+from batchtap.cli.replay import add_spool_argument, describe, pending_spools
 from batchtap.records import EventKind
 
 __all__ = ["register", "main"]
@@ -31,11 +32,14 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "runs",
         help="list the runs in a store",
         description="List the runs in a store, newest last: name, id, status, steps, duration, "
-        "last loss and accuracy, anomaly count.",
+        "last loss and accuracy, anomaly count. A run killed with its process group reads 'killed'; a run "
+        "with blocks still waiting in a spool (Tap(spool_dir=...)) is marked '+spool' and the spools are "
+        "listed below the table (batchtap replay SPOOL_DIR delivers them).",
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_db_arguments(parser)
+    add_spool_argument(parser)
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--limit", type=int, default=20, metavar="N", help="show the N most recent runs (default 20)")
     group.add_argument("--all", action="store_true", help="show every run")
@@ -56,6 +60,7 @@ def main(args: argparse.Namespace) -> int:
         runs = store.runs()
         shown = runs if args.all else runs[-max(args.limit, 0) :] if args.limit > 0 else []
         rows = []
+        spools = pending_spools(args)
         for run in shown:
             names = set(store.metric_names(run.id))
             loss = _last([p.value for p in store.series(run.id, "loss")]) if "loss" in names else None
@@ -65,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
                 [
                     run.name,
                     short_id(run.id),
-                    run.status.value,
+                    run.status.value + ("+spool" if run.id in spools else ""),
                     fmt_time(run.started_at),
                     str(run.steps),
                     fmt_duration(run.duration),
@@ -84,4 +89,9 @@ def main(args: argparse.Namespace) -> int:
         print(line)
     if len(shown) < len(runs):
         print(f"({len(runs) - len(shown)} older runs not shown; --all shows them)")
+    listed = {info.path: info for run in shown for info in spools.get(run.id, [])}
+    if listed:
+        print("pending spools (the store does not hold these blocks yet; `batchtap replay DIR` delivers them):")
+        for info in listed.values():
+            print(f"  {describe(info)}")
     return 0

@@ -18,6 +18,7 @@ from batchtap.cli._common import (
     resolve_run,
     table,
 )
+from batchtap.cli.replay import add_spool_argument, describe, pending_spools
 from batchtap.records import EventKind
 
 __all__ = ["register", "main"]
@@ -45,6 +46,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     parser.add_argument("run", metavar="RUN", help="run id, unique id prefix, or name")
     add_db_arguments(parser)
+    add_spool_argument(parser)
     parser.add_argument("--events", type=int, default=30, metavar="N", help="list at most N events (default 30)")
     parser.set_defaults(func=main)
 
@@ -57,6 +59,7 @@ def main(args: argparse.Namespace) -> int:
         sparse = set(store.sparse_names(run.id))
         points = {m: store.series(run.id, m) for m in names}
         events = store.events(run.id)
+    spools = pending_spools(args).get(run.id, [])
     metrics = [m for m in names if m not in sparse]
     logged = [m for m in names if m in sparse]
     series = {m: [p.value for p in pts] for m, pts in points.items()}
@@ -64,6 +67,10 @@ def main(args: argparse.Namespace) -> int:
     out.append(f"run {run.name}  (id {run.id})")
     status = run.status.value + (f" - {run.stop_reason}" if run.stop_reason else "")
     out.append(f"  status       {status}")
+    for info in spools:
+        out.append(
+            f"  spool        pending: {describe(info, run.id)}; `batchtap replay {info.path.parent}` delivers it"
+        )
     out.append(f"  started      {fmt_time(run.started_at)}")
     out.append(f"  ended        {fmt_time(run.ended_at)}")
     out.append(f"  duration     {fmt_duration(run.duration)}")
