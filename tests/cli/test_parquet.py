@@ -25,7 +25,7 @@ def test_parquet_export_of_a_run_with_logged_values_round_trips(tmp_path: Path) 
     done = cli("export", "evals", "--db", str(db), "-f", "parquet", "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert (
-        f"wrote 30 records and 2 events to {out} (4 records of tap.log() values as rows with sparse=true)"
+        f"wrote 30 records and 2 events to {out} (4 records of tap.log() values as rows with logged=true)"
         in done.stderr
     )
     # batchtap's reader: exactly the records the sink was given, each logged record after its step
@@ -40,14 +40,14 @@ def test_parquet_export_of_a_run_with_logged_values_round_trips(tmp_path: Path) 
     # pyarrow: typed columns; a logged row has nulls in the step metrics and vice versa
     table = pq.read_table(out)
     assert table.column_names == [
-        "run_id", "step", "epoch", "batch", "rank", "wall_time", "sparse",
+        "run_id", "step", "epoch", "batch", "rank", "wall_time", "logged",
         "loss", "accuracy", "loss_scale", "amp_skipped", "val_acc", "val_loss", "test_acc",
     ]  # fmt: skip
     assert str(table.schema.field("step").type) == "int64" and str(table.schema.field("loss").type) == "double"
     assert table.column("loss").null_count == 4 and table.column("val_loss").null_count == 31
     # pandas: the user's one-liner to get the evaluation curve
     frame = pd.read_parquet(out)
-    evals = frame[frame["sparse"]].set_index("step")["val_acc"].dropna()
+    evals = frame[frame["logged"]].set_index("step")["val_acc"].dropna()
     assert evals.to_dict() == {r.step: r.values["val_acc"] for r in sparse if "val_acc" in r.values}
 
 

@@ -154,6 +154,19 @@ def _check_output(args: argparse.Namespace, path: Path, outputs: list[Path]) -> 
             )
 
 
+def _events_file_even_without_events(path: Path) -> None:
+    """The CSV sink opens its events file at the first event; an export writes it in any case
+    (its header alone when the run has no events), as the docs promise ``FILE.events.csv``."""
+    import csv
+
+    from batchtap.sinks.csv import EVENT_FIELDS, events_path
+
+    target = events_path(path)
+    if not target.exists():
+        with target.open("w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerow(EVENT_FIELDS)
+
+
 def export_run(args: argparse.Namespace, fmt: Format, path: Path) -> tuple[int, int, int]:
     """Write the run named by ``args.run`` to ``path``; returns (step records, sparse records,
     events) written."""
@@ -197,6 +210,8 @@ def export_run(args: argparse.Namespace, fmt: Format, path: Path) -> tuple[int, 
             sink.end_run(info)
     finally:
         sink.close()
+    if fmt == "csv":
+        _events_file_even_without_events(path)
     sparse = sum(r.sparse for r in records)
     return len(records) - sparse, sparse, len(events)
 
@@ -234,7 +249,7 @@ def main(args: argparse.Namespace) -> int:
             where = (
                 f" in {sparse_path(path)}"
                 if fmt == "csv"
-                else (" as rows with sparse=true" if fmt == "parquet" else "")
+                else (" as rows with logged=true" if fmt == "parquet" else "")
             )
             logged = f" ({k} records of tap.log() values{where})"
         print(f"wrote {n} records and {m} events to {path}{logged}", file=sys.stderr)

@@ -5,14 +5,19 @@ pyarrow is optional (``pip install 'batchtap[pandas]'``): imported when a file i
 Layout of ``FILE`` (one row per record, step records and ``Tap.log()`` records alike)::
 
     run_id: string, step: int64, epoch: int64, batch: int64, rank: int64, wall_time: float64,
-    sparse: bool, <metric>: float64 ...
+    logged: bool, <metric>: float64 ...
+
+``logged`` is True for a record of ``Tap.log()`` values (a sparse record). It is not named
+``sparse``: a column of that name would hide pandas' ``DataFrame.sparse`` accessor
+(``df.sparse``); files written before it was renamed (with ``sparse``) still read back.
 
 A metric cell is **null** where the record has no value of that metric (a ``Tap.log()`` record
 holds only the names logged together) and **NaN** where a value failed validation; Arrow keeps the
 two apart (pandas shows both as NaN). A metric named like a position column is stored as
 ``metric:<name>``. The run (id, name, status, config, ...) is JSON in the file's key-value
 metadata under ``batchtap.run``. Events go to ``<FILE stem>.events.parquet``
-(run_id, step, rank, kind, metric, raw_value, message, wall_time).
+(run_id, step, rank, kind, metric, raw_value, message, wall_time), written even when there are none
+(an empty table with those columns), so a reader always finds it.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from batchtap.records import METRIC_PREFIX, Event, EventKind, Record, RunInfo, R
 __all__ = ["POSITION_COLUMNS", "events_path", "write_run", "read_records", "read_events", "read_run"]
 
 #: The columns every records file starts with.
-POSITION_COLUMNS = ("run_id", "step", "epoch", "batch", "rank", "wall_time", "sparse")
+POSITION_COLUMNS = ("run_id", "step", "epoch", "batch", "rank", "wall_time", "logged")
+_OLD_LOGGED = "sparse"  # the ``logged`` column's name in files of batchtap before issue 29
 _CLASH = METRIC_PREFIX
 _RUN_KEY = b"batchtap.run"
 
@@ -65,7 +71,8 @@ def _metric_names(records: Sequence[Record], first: Sequence[str]) -> list[str]:
 def write_run(
     path: str | os.PathLike[str], run: RunInfo, records: Sequence[Record], events: Sequence[Event] = ()
 ) -> list[Path]:
-    """Write one run's records to ``path`` and, when there are any, its events beside it.
+    """Write one run's records to ``path`` and its events beside it (an empty events file when
+    there are none).
 
     Args:
         path: the records file (replaced when it exists).
@@ -83,7 +90,7 @@ def write_run(
         >>> recs = [Record("r1", step=0, epoch=0, batch=0, rank=0, wall_time=1.0, values={"loss": 0.5}),
         ...         Record("r1", step=0, epoch=0, batch=-1, rank=0, wall_time=1.5, values={"val_acc": 0.9}, sparse=True)]
         >>> [f.name for f in write_run(p, run, recs)]
-        ['run.parquet']
+        ['run.parquet', 'run.events.parquet']
         >>> [(r.step, r.sparse, dict(r.values)) for r in read_records(p)]
         [(0, False, {'loss': 0.5}), (0, True, {'val_acc': 0.9})]
     """
@@ -97,7 +104,7 @@ def write_run(
         "batch": pa.array([r.batch for r in records], pa.int64()),
         "rank": pa.array([r.rank for r in records], pa.int64()),
         "wall_time": pa.array([r.wall_time for r in records], pa.float64()),
-        "sparse": pa.array([r.sparse for r in records], pa.bool_()),
+        "logged": pa.array([r.sparse for r in records], pa.bool_()),
     }
     for name in names:
         # None (null) = no value in this record; NaN stays NaN (a value that failed validation).
@@ -106,21 +113,21 @@ def write_run(
     table = pa.table(cols).replace_schema_metadata(meta)
     pq.write_table(table, path)
     written = [path]
-    if events:
-        ev = pa.table(
-            {
-                "run_id": pa.array([e.run_id for e in events], pa.string()),
-                "step": pa.array([e.step for e in events], pa.int64()),
-                "rank": pa.array([e.rank for e in events], pa.int64()),
-                "kind": pa.array([e.kind.value for e in events], pa.string()),
-                "metric": pa.array([e.metric for e in events], pa.string()),
-                "raw_value": pa.array([e.raw_value for e in events], pa.float64(), from_pandas=False),
-                "message": pa.array([e.message for e in events], pa.string()),
-                "wall_time": pa.array([e.wall_time for e in events], pa.float64()),
-            }
-        ).replace_schema_metadata(meta)
-        pq.write_table(ev, events_path(path))
-        written.append(events_path(path))
+    # also without events: the file is where the docs say, with its columns
+    ev = pa.table(
+        {
+            "run_id": pa.array([e.run_id for e in events], pa.string()),
+            "step": pa.array([e.step for e in events], pa.int64()),
+            "rank": pa.array([e.rank for e in events], pa.int64()),
+            "kind": pa.array([e.kind.value for e in events], pa.string()),
+            "metric": pa.array([e.metric for e in events], pa.string()),
+            "raw_value": pa.array([e.raw_value for e in events], pa.float64(), from_pandas=False),
+            "message": pa.array([e.message for e in events], pa.string()),
+            "wall_time": pa.array([e.wall_time for e in events], pa.float64()),
+        }
+    ).replace_schema_metadata(meta)
+    pq.write_table(ev, events_path(path))
+    written.append(events_path(path))
     return written
 
 
@@ -142,13 +149,16 @@ def read_run(path: str | os.PathLike[str]) -> RunInfo:
 
 def read_records(path: str | os.PathLike[str]) -> list[Record]:
     """The records of a file written by :func:`write_run`, in file order (null cells left out)."""
-    rows = _pq().read_table(path).to_pylist()
+    table = _pq().read_table(path)
+    old = "logged" not in table.column_names and _OLD_LOGGED in table.column_names
+    positions = (*POSITION_COLUMNS[:-1], _OLD_LOGGED) if old else POSITION_COLUMNS
+    rows = table.to_pylist()
     out = []
     for row in rows:
         values = {
-            (k.removeprefix(_CLASH) if k.removeprefix(_CLASH) in POSITION_COLUMNS else k): float(v)
+            (k.removeprefix(_CLASH) if k.removeprefix(_CLASH) in positions else k): float(v)
             for k, v in row.items()
-            if k not in POSITION_COLUMNS and v is not None
+            if k not in positions and v is not None
         }
         out.append(
             Record(
@@ -159,7 +169,7 @@ def read_records(path: str | os.PathLike[str]) -> list[Record]:
                 rank=row["rank"],
                 wall_time=row["wall_time"],
                 values=values,
-                sparse=bool(row["sparse"]),
+                sparse=bool(row[positions[-1]]),
             )
         )
     return out
