@@ -204,3 +204,44 @@ def test_demo_piped_into_head_stores_every_step_as_finished_and_the_next_run_rep
     )
     assert again.returncode == 0, again.stderr
     assert "replayed" not in again.stderr and "recovered" not in again.stderr, again.stderr
+
+
+ORDER_SCRIPT = textwrap.dedent(
+    """
+    import torch, batchtap as bt
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(25)]
+    tap = bt.Tap(sinks=[bt.sinks.Console(every=5)], flush_every=10, flush_seconds=60)
+    with tap, tap.run("order"):
+        for epoch in range(3):
+            for x, y in tap.watch(loader, epoch=epoch):
+                out = model(x)
+                loss = torch.nn.functional.cross_entropy(out, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                tap.step(loss=loss, outputs=out, targets=y)
+            print(f"user: epoch {epoch} done", flush=True)
+    print("script done")
+    """
+)
+
+
+def test_plain_lines_and_the_script_s_prints_in_one_file_come_in_step_order(tmp_path: Path) -> None:
+    """`python train.py > log 2>&1`: the console's lines of an epoch come a flush late (here up to
+    10 steps); the script's print after that epoch still comes after them."""
+    script = tmp_path / "train.py"
+    script.write_text(ORDER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    env["BATCHTAP_DB"] = str(tmp_path / "bt.db")
+    log = tmp_path / "train.log"
+    with log.open("wb") as f:
+        done = subprocess.run([sys.executable, str(script)], stdout=f, stderr=subprocess.STDOUT, env=env, timeout=300)
+    assert done.returncode == 0, log.read_text()[-2000:]
+    lines = [line for line in log.read_text().splitlines() if line.startswith(("epoch ", "user:", "script done"))]
+    expected = []
+    for epoch in range(3):
+        expected += [f"epoch {epoch} batch {b}" for b in range(0, 25, 5)] + [f"user: epoch {epoch} done"]
+    assert [line.split(":")[0] if line.startswith("epoch") else line for line in lines] == [*expected, "script done"]

@@ -11,6 +11,10 @@ two writes of one ``print``) would land on the script's line. :data:`SCREEN` arb
 * the console draws and prints only under :data:`SCREEN` ``.lock``, never while the script's line
   is unfinished (a batchtap line then starts on a new line).
 
+Where the console prints plain lines into the file the script prints to, the guard also holds the
+script's text back (at most 2 s) until the console's lines of the steps before it are out, so the
+two come out in the order they happened (:func:`hold_script_stdout`).
+
 A closed stdout (``python train.py | head``: the reader went away) must not fail training: the
 guard drops the script's text from then on instead of raising ``BrokenPipeError`` into the
 training loop (:func:`drop_broken`), as the console does with its own stream.
@@ -22,6 +26,7 @@ import errno
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -36,6 +41,10 @@ __all__ = [
     "reported_width",
     "drop_broken",
     "is_closed_error",
+    "hold_script_stdout",
+    "unhold_script_stdout",
+    "release_script_stdout",
+    "same_file",
 ]
 
 
@@ -84,13 +93,53 @@ class GuardedStdout:
         (11, 'epoch done\\n')
     """
 
+    #: seconds the script's text is held back at most (see :func:`hold_script_stdout`)
+    max_hold = 2.0
+
     def __init__(self, wrapped: IO[str]) -> None:
         self.wrapped = wrapped
         self.mid_line = False
         #: the reader of the stream went away: what the script prints is dropped from then on
         self.broken = False
+        #: consoles printing plain lines to the same file that asked to hold the script's text
+        self.holding = 0
+        #: the script's text not written yet, each with the ``time.time()`` it was printed at
+        self.held: list[tuple[float, str]] = []
+        self._timer: threading.Timer | None = None
 
     def write(self, text: str) -> int:
+        with SCREEN.lock:
+            if self.holding and text:
+                self.held.append((time.time(), text))
+                self._arm()
+                return len(text)
+            return self._write_now(text)
+
+    def release(self, before: float | None = None) -> None:
+        """Write the held text printed before ``before`` (a ``time.time()``; None: all), in order."""
+        with SCREEN.lock:
+            if not self.held:
+                return
+            while self.held and (before is None or self.held[0][0] < before):
+                self._write_now(self.held.pop(0)[1])
+            self.flush()
+
+    def _arm(self) -> None:
+        """Release what is held at the latest ``max_hold`` seconds after it was printed, even when
+        no console line comes (a long evaluation after a print)."""
+        if self._timer is None and self.held:
+            delay = max(0.0, self.held[0][0] + self.max_hold - time.time())
+            self._timer = threading.Timer(delay, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self) -> None:
+        with SCREEN.lock:
+            self._timer = None
+            self.release(before=time.time() - self.max_hold + 1e-3)
+            self._arm()
+
+    def _write_now(self, text: str) -> int:
         with SCREEN.lock:
             if SCREEN.bars and not self.mid_line:
                 SCREEN.hide_bars()
@@ -109,7 +158,7 @@ class GuardedStdout:
                 SCREEN.show_bars()
             return n
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # what is held stays held: its order against batchtap's lines matters more
         try:
             self.wrapped.flush()
         except (OSError, ValueError) as e:
@@ -138,7 +187,48 @@ def unguard_stdout() -> None:
     with SCREEN.lock:
         SCREEN.guards = max(0, SCREEN.guards - 1)
         if SCREEN.guards == 0 and isinstance(sys.stdout, GuardedStdout):
+            sys.stdout.release()  # nothing the script printed stays behind
             sys.stdout = sys.stdout.wrapped  # type: ignore[assignment]
+
+
+def hold_script_stdout() -> None:
+    """Hold the script's prints back until batchtap's lines of the steps before them are written
+    (:meth:`GuardedStdout.release`; at most :attr:`GuardedStdout.max_hold` seconds).
+
+    A console printing plain lines into the file the script prints to (``2>&1 | tee log``, a log
+    file, a terminal too narrow to draw on) shows each step a flush after it ran: without this, an
+    epoch's ``print`` would come out above that epoch's last batch lines.
+    """
+    with SCREEN.lock:
+        out = sys.stdout
+        if isinstance(out, GuardedStdout):
+            out.holding += 1
+
+
+def unhold_script_stdout() -> None:
+    """Write everything held and stop holding (when the last console that held is done)."""
+    with SCREEN.lock:
+        out = sys.stdout
+        if isinstance(out, GuardedStdout) and out.holding:
+            out.release()
+            out.holding -= 1
+
+
+def release_script_stdout(before: float) -> None:
+    """Write the script's text held since before ``before`` (the wall time of the step a console
+    is about to print)."""
+    out = sys.stdout
+    if isinstance(out, GuardedStdout):
+        out.release(before)
+
+
+def same_file(a: IO[str], b: IO[str]) -> bool:
+    """Whether two streams write into the same file, pipe or terminal."""
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def flush_script_stdout() -> None:

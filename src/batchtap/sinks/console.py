@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 import sys
 import textwrap
@@ -18,11 +19,15 @@ from batchtap.sinks._terminal import (
     drop_broken,
     flush_script_stdout,
     guard_stdout,
+    hold_script_stdout,
     is_closed_error,
     real_stream,
+    release_script_stdout,
     reported_width,
+    same_file,
     terminal_width,
     unguard_stdout,
+    unhold_script_stdout,
 )
 from batchtap.sinks.base import Sink
 
@@ -120,7 +125,9 @@ class Console(Sink):
     lines: while a run is shown, ``sys.stdout`` is wrapped so that the area is hidden before the
     script's text and drawn again below it once its line is complete, and batchtap never draws
     while the script's line is unfinished (see :mod:`batchtap.sinks._terminal`;
-    ``guard_stdout=False`` leaves ``sys.stdout`` alone).
+    ``guard_stdout=False`` leaves ``sys.stdout`` alone). Where the plain lines go into the file
+    the script prints to (``2>&1 | tee log``), the script's text is held back (at most 2 s) until
+    the lines of the steps before it are out, so an epoch's ``print`` comes after its batch lines.
 
     A terminal shows what happens now: the console is never spooled nor replayed by a later
     run (:attr:`Sink.wrap_in_spool` is False), and a closed stream (``batchtap demo | head``) is
@@ -168,6 +175,7 @@ class Console(Sink):
         self.rate_window = float(rate_window)
         self.guard_stdout = guard_stdout
         self._guarding = False
+        self._holding = False  # the script's stdout is held back to keep step order (plain lines)
         self._bar: _Bar | None = None
         self._drawn = 0  # lines of the live area on screen now (0: hidden)
         self._closed_stream = False  # the stream's reader is gone: nothing more is written
@@ -197,7 +205,7 @@ class Console(Sink):
         self.stream = real_stream(getattr(sys, self._stream_name))
         if self._live_arg is None:
             self.live = _can_draw(self.stream)
-        self._guarding = False
+        self._guarding = self._holding = False
         self._drawn = 0
         self._bar = None
 
@@ -208,6 +216,9 @@ class Console(Sink):
         if self.guard_stdout and not self._guarding:
             guard_stdout()
             self._guarding = True
+            if not self.live and same_file(self.stream, real_stream(sys.stdout)):
+                hold_script_stdout()  # plain lines a flush late, in the script's own file
+                self._holding = True
         self._print([f"batchtap: run {run.name!r} ({run.id[:8]}) started"])
 
     def start_epoch(self, run_id: str, epoch: int, total: int | None) -> None:
@@ -216,30 +227,41 @@ class Console(Sink):
 
     def write(self, records: Sequence[Record], events: Sequence[Event] = ()) -> None:
         # One list of lines in step order: a step's events come before its own line, logged
-        # values after the steps they follow.
-        lines: list[tuple[int, int, str]] = []
+        # values after the steps they follow; each with the wall time of its step.
+        lines: list[tuple[int, int, float, str]] = []
         for event, count, line in _event_lines(events):
             if self._counted(event.kind, count):
-                lines.append((event.step, 0, line))
+                lines.append((event.step, 0, event.wall_time, line))
         steps: list[Record] = []
         for r in records:
             if r.sparse:
-                lines.append((r.step, 2, format_sparse(r)))
+                lines.append((r.step, 2, r.wall_time, format_sparse(r)))
                 continue
             self._last = r
             if self.live:
                 steps.append(r)
             elif r.batch % self.every == 0:
-                lines.append((r.step, 1, f"epoch {r.epoch} batch {r.batch}: {format_values(r.values)}"))
-        if lines:
+                lines.append((r.step, 1, r.wall_time, f"epoch {r.epoch} batch {r.batch}: {format_values(r.values)}"))
+        if self._holding:
+            # The script's prints held since before each step come out above that step's line.
             lines.sort(key=lambda t: t[:2])
-            self._print([line for _, _, line in lines])
+            with SCREEN.lock:
+                for _, _, wall, line in lines:
+                    release_script_stdout(before=wall)
+                    self._print([line])
+                if records:
+                    release_script_stdout(before=max(r.wall_time for r in records))
+        elif lines:
+            lines.sort(key=lambda t: t[:2])
+            self._print([line for _, _, _, line in lines])
         if steps:
             self._update_bar(steps)
 
     def end_run(self, run: RunInfo) -> None:
         with SCREEN.lock:
             self._close_bar()
+            if self._holding:
+                release_script_stdout(before=math.inf)  # printed while the run ran: above its last line
         last = f", last: {format_values(self._last.values)}" if self._last else ""
         reason = f" ({run.stop_reason})" if run.stop_reason else ""
         steps = f"{self._last.step + 1} steps" if self._last else "no steps"
@@ -394,6 +416,9 @@ class Console(Sink):
                 self._show()
 
     def _unguard(self) -> None:
+        if self._holding:
+            unhold_script_stdout()
+            self._holding = False
         if self._guarding:
             unguard_stdout()
             self._guarding = False
