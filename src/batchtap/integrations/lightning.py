@@ -55,6 +55,45 @@ def _logged_values(trainer: Any, *, on_step: bool) -> dict[str, torch.Tensor]:
     return out
 
 
+#: Trainer settings stored with the run (``config["trainer"]``): those that change what the
+#: numbers mean (accumulation, precision, clipping, limits) and how the run was laid out
+_TRAINER_SETTINGS = (
+    "max_epochs",
+    "max_steps",
+    "accumulate_grad_batches",
+    "precision",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
+    "log_every_n_steps",
+    "val_check_interval",
+    "check_val_every_n_epoch",
+    "limit_train_batches",
+    "limit_val_batches",
+    "num_devices",
+    "num_nodes",
+)
+
+
+def _run_config(trainer: Any, pl_module: Any) -> dict[str, Any]:
+    """The run's config: the module's hyperparameters (without Lightning's internal keys, such as
+    the ``_instantiator`` LightningCLI adds) and the Trainer's settings under ``"trainer"`` (a
+    LightningCLI run gives its trainer settings to the Trainer, not to the module)."""
+    hparams = dict(getattr(pl_module, "hparams", {}) or {})
+    config = {k: v for k, v in hparams.items() if not (isinstance(k, str) and k.startswith("_"))}
+    settings: dict[str, Any] = {}
+    for name in _TRAINER_SETTINGS:
+        value = getattr(trainer, name, None)
+        if value is None:
+            continue
+        settings[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
+    for part in ("strategy", "accelerator"):
+        value = getattr(trainer, part, None)
+        if value is not None:
+            settings[part] = type(value).__name__
+    config["trainer" if "trainer" not in config else "lightning_trainer"] = settings
+    return config
+
+
 def _second_item(batch: Any) -> Any:
     return batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
 
@@ -93,7 +132,8 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         tap: the Tap to drive (metrics, sinks, rules as you configure them). Default: a Tap with
             the default metrics, storing to the default SQLite store and the console.
         name: run name (default: the LightningModule's class name).
-        config: run config to store (default: the module's ``hparams``).
+        config: run config to store (default: the module's ``hparams`` without Lightning's internal
+            ``_``-keys, and the Trainer's settings under ``"trainer"``: accumulation, precision, ...).
         outputs_key: key of the class scores in ``training_step``'s dict output.
         targets: ``batch -> targets`` (default: ``batch[1]``); return None for no targets.
 
@@ -135,7 +175,7 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         names = {type(m).__name__ for m in self.tap.metrics}
         self._own_grad_norm = "GradNorm" not in names
         self._own_lr = "LearningRate" not in names
-        config = self.config if self.config is not None else dict(getattr(pl_module, "hparams", {}) or {})
+        config = self.config if self.config is not None else _run_config(trainer, pl_module)
         self.tap.start(name=self.name or type(pl_module).__name__, config=config)
         self._running = True
         self._logged = {}

@@ -39,7 +39,7 @@ from batchtap.tap import Tap
 
 _tf: Any = require("transformers", extra="transformers", purpose="batchtap.integrations.transformers")
 
-__all__ = ["BatchtapMixin", "BatchtapTrainer", "NAN_FILTER_ADVICE"]
+__all__ = ["BatchtapMixin", "BatchtapTrainer", "NAN_FILTER_ADVICE", "loss_sum_quirk"]
 
 log = logging.getLogger("batchtap")
 
@@ -85,6 +85,9 @@ class _Driver:
             log.warning("batchtap: this transformers version has no Trainer._get_grad_norm; grad_norm is not recorded")
         run_name = self.name or getattr(args, "run_name", None) or type(_unwrap(model)).__name__
         self.tap.start(name=run_name, config=args.to_dict())
+        quirk = loss_sum_quirk(trainer, model)
+        if quirk is not None:
+            self.tap.warn(quirk)  # an event with the run, and a log line
         self.running = True
         self.micro = self.samples = self.tokens = 0
         self.grad_norm = None
@@ -293,6 +296,45 @@ class BatchtapMixin:
 
 class BatchtapTrainer(BatchtapMixin, _tf.Trainer):  # type: ignore[misc]
     """A ``transformers.Trainer`` with :class:`BatchtapMixin`: ``BatchtapTrainer(..., tap=tap)``."""
+
+
+def loss_sum_quirk(trainer: Any, model: Any) -> str | None:
+    """Why the Trainer's loss (and so the stored one) is the micro-batches' *sum* of means, when it is.
+
+    A model whose ``forward`` takes ``**kwargs`` gets ``num_items_in_batch`` from the ``Trainer``,
+    which then takes its loss as normalized over the whole step and adds the micro-batches' losses
+    undivided. A model that computes a plain per-micro-batch mean anyway (BERT-like models: a
+    ``CrossEntropyLoss()`` of their own, neither ``self.loss_function`` nor ``num_items_in_batch``
+    in ``forward``) then gets a step loss (and gradients) ``gradient_accumulation_steps`` times the
+    mean. Decided once per ``train()`` from the settings and the source of ``forward``; None when
+    the case does not arise (no accumulation, a model that declares ``accepts_loss_kwargs``, a
+    ``compute_loss_func``, a forward that uses the count).
+    """
+    steps = int(getattr(trainer.args, "gradient_accumulation_steps", 1) or 1)
+    if steps <= 1 or not getattr(trainer, "model_accepts_loss_kwargs", False):
+        return None
+    if getattr(trainer, "compute_loss_func", None) is not None or getattr(trainer, "loss_is_scaled_for_ga", None):
+        return None
+    unwrapped = _unwrap(model)
+    if hasattr(unwrapped, "accepts_loss_kwargs"):
+        return None  # the model says what it does with the count
+    import inspect
+
+    try:
+        source = inspect.getsource(type(unwrapped).forward)
+    except (OSError, TypeError):
+        return None  # no source to tell from: say nothing rather than guess
+    if "loss_function" in source or "num_items_in_batch" in source:
+        return None
+    name = type(unwrapped).__name__
+    return (
+        f"{name}.forward takes **kwargs, so the Trainer passes it num_items_in_batch and adds the "
+        f"{steps} micro-batch losses of each step undivided, but {name} computes a per-micro-batch mean "
+        f"(its forward uses neither self.loss_function nor num_items_in_batch): the Trainer's loss, the "
+        f"stored loss and the gradients are {steps}x the step's mean loss (transformers' gradient "
+        "accumulation with models that ignore the count); fix: set trainer.model_accepts_loss_kwargs = False "
+        "before train() (or model.accepts_loss_kwargs = False)"
+    )
 
 
 def _unwrap(model: Any) -> Any:
