@@ -67,5 +67,11 @@ else
     echo "gpu_check: keras step skipped: keras is not importable (carry .keras-wheels, see the comment above)" | tee "$OUT/gpu-keras.md"
 fi
 
-echo "gpu_check: tests rc=$tests_rc, bench rc=$bench_rc, inloop rc=$inloop_rc, keras rc=$keras_rc; files in $OUT" | tee -a "$OUT/nvidia-smi.txt"
-exit $(( tests_rc != 0 || bench_rc != 0 || inloop_rc != 0 || keras_rc != 0 ))
+# 5. autolog on CUDA (issue 26): the char-LM example under `batchtap run`, the sync debugger armed
+#    ("error") from the second optimizer step to the last; ~20 s
+# shellcheck disable=SC2086
+timeout 60 "$PY" bench/autolog_cuda.py ${GPU_CHECK_AUTOLOG_ARGS:-} 2>&1 | tee "$OUT/gpu-autolog.txt"
+autolog_rc=${PIPESTATUS[0]}
+
+echo "gpu_check: tests rc=$tests_rc, bench rc=$bench_rc, inloop rc=$inloop_rc, keras rc=$keras_rc, autolog rc=$autolog_rc; files in $OUT" | tee -a "$OUT/nvidia-smi.txt"
+exit $(( tests_rc != 0 || bench_rc != 0 || inloop_rc != 0 || keras_rc != 0 || autolog_rc != 0 ))

@@ -43,6 +43,8 @@ def get_batch():
     x = torch.stack([data[i : i + args.block_size] for i in ix])
     y = torch.stack([data[i + 1 : i + 1 + args.block_size] for i in ix])
     y[:, : args.block_size // 4] = -1  # the first positions of each row are context only
+    if device_type == "cuda":  # pin arrays x,y, which allows us to move them to GPU asynchronously (non_blocking=True)
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
 
 
