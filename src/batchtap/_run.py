@@ -38,6 +38,7 @@ from batchtap.capture.short import ShortPaths, ShortStep
 from batchtap.errors import ConfigError, DistributedError, InputError
 from batchtap.metrics.base import Metric, StepInputs
 from batchtap.metrics.inputs import check_count, check_scalar, device_of, overflow_message, samples_of
+from batchtap.metrics.left_out import warn_left_out
 from batchtap.pipeline.agreement import ProcessGroups, RankAgreement
 from batchtap.pipeline.chain import ReduceSpec
 from batchtap.pipeline.control import Control
@@ -344,6 +345,8 @@ class ActiveRun:
         self.micro = None  # the capture owns it from here
         self.info.metrics = capture.layout.names
         self.info.environment["device"] = str(device)  # known from the first step; stored with the run's end
+        if settings.auto_metrics and self.writes:  # issue 29/27: a default metric left out for a fixable reason
+            warn_left_out(self, settings.metrics, chosen, inputs)
         return capture
 
     def arm_start(self) -> None:

@@ -40,9 +40,9 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from batchtap import _env
+from batchtap import _env, _stale
 from batchtap._config import to_json_config
-from batchtap._defaults import checked_sinks, default_sinks
+from batchtap._defaults import checked_metrics, checked_sinks, default_sinks
 from batchtap._exit import AT_EXIT, Terminated, catch_sigterm
 from batchtap._names import check_storable
 from batchtap._run import ActiveRun, RunSettings, resume_point
@@ -185,7 +185,7 @@ class Tap:
         self.exit_timeout = float(exit_timeout)
         self.end_timeout = float(end_timeout)
         self.handle_sigterm = handle_sigterm
-        chosen = list(default_metrics(optimizer, model, scaler=scaler) if metrics is None else metrics)
+        chosen = default_metrics(optimizer, model, scaler=scaler) if metrics is None else checked_metrics(metrics)
         check_metrics(chosen)
         engine = RuleEngine(rules) if rules or rollback is not None else None
         self._runner = ActionRunner(engine, rollback=rollback) if engine is not None else None
@@ -205,6 +205,7 @@ class Tap:
         )
         self.sinks = checked_sinks(default_sinks() if sinks is None else sinks, spool_dir, rank=ranks.rank())
         self._control = Control()
+        _stale.sweep_segments(once=True)  # issue 29: shared memory left by killed batchtap processes here
         self._pipeline: PipelineHost = make_pipeline(
             pipeline, self.sinks, self._control, PipelineSettings(queue_size, backpressure, engine)
         )

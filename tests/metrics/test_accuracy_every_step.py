@@ -242,3 +242,32 @@ def test_why_the_default_accuracy_is_left_out(outputs, targets, says) -> None:
         assert reason is None
     else:
         assert reason is not None and says in reason and reason.startswith("no accuracy is recorded")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        pytest.param(dict(outputs=torch.randn(8, 4)), "but no targets; pass targets=", id="no-targets"),
+        pytest.param(
+            dict(outputs=torch.randn(8), targets=torch.zeros(8, dtype=torch.long)), "outputs of shape [8]", id="1d"
+        ),
+        pytest.param(dict(outputs=torch.randn(8, 4), targets=torch.rand(8, 4)), "targets.argmax(-1)", id="float-hot"),
+        pytest.param(dict(), None, id="loss-only-quiet"),
+        pytest.param(dict(outputs=torch.randn(8, 1), targets=torch.rand(8, 1)), None, id="regression-quiet"),
+    ],
+)
+def test_the_default_accuracy_left_out_by_mistake_is_warned_once(
+    kwargs: dict, says: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    sink = ListSink()
+    with caplog.at_level("WARNING", logger="batchtap"):
+        with bt.Tap(None, [sink], flush_every=2) as tap, tap.run():  # the default metrics
+            for _ in range(4):
+                tap.step(loss=torch.tensor(1.0), **kwargs)
+    warnings = [e for e in sink.events if e.kind is bt.EventKind.WARNING]
+    assert all("accuracy" not in r.values for r in sink.records) and len(sink.records) == 4
+    if says is None:
+        assert warnings == []
+    else:
+        assert [e.step for e in warnings] == [0] and says in warnings[0].message
+        assert sum(says in r.getMessage() for r in caplog.records) == 1
