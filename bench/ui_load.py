@@ -5,10 +5,14 @@ live run's new steps reach an open page.
    one finished run of ``--steps`` steps with the seven metrics of a default CPU run (loss,
    accuracy, grad_norm, lr, step_time, data_time, throughput), a one-step loss spike and a few
    anomaly events.
-2. Starts ``batchtap ui --db STORE --port 0`` as its own process and opens the run's page in
-   headless Chromium (Debian's ``chromium``, driven by Playwright), ``--repeat`` times: the load time
-   is from navigation to every chart drawn (``body[data-ready]``, the page's own clock), and the
-   bytes are the response bodies the page received (BokehJS apart: the browser caches it).
+2. ``--repeat`` times: starts ``batchtap ui --db STORE --port 0`` as its own process and opens the
+   run's page twice in headless Chromium (Debian's ``chromium``, driven by Playwright): *cold* (the
+   fresh server reads every line from the store) and *warm* (the server has the decimated lines in
+   memory). The load time is from navigation to every chart drawn (``body[data-ready]``, the
+   page's own clock); also when the page sent its first series request, and the bytes of the
+   response bodies the page received (BokehJS apart: the browser caches it), and the CPU time the
+   server process used for the load (independent of how busy the machine is). The load average
+   is printed at the start and the end (the machine's cores are shared).
 3. Zoomed in: the time of one series request for a 1,000-step window (raw points).
 4. Live: a second run written by the SQLite sink at 10 flushes a second (10 steps each) while its
    page is open for ``--live-seconds``: the delay from each flush's commit to the page having that
@@ -133,37 +137,42 @@ def main() -> None:
         f"store: {db} ({db.stat().st_size / 1e6:.0f} MB, {args.steps:,} steps x {len(METRICS)} metrics, "
         f"written in {time.perf_counter() - t0:.1f} s)"
     )
-    proc, base = start_ui(db)
-    results: dict[str, object] = {"steps": args.steps, "metrics": len(METRICS)}
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM)
-            loads, data_bytes, js_bytes, requests = [], [], [], []
-            for _ in range(args.repeat):
-                page = browser.new_page(viewport={"width": 1400, "height": 900})
-                seen: list = []
-                page.on("requestfinished", lambda r, seen=seen: seen.append(r))
-                page.goto(f"{base}/run/{run_id}")
-                page.wait_for_selector("body[data-ready='1']", timeout=120_000)
-                loads.append(page.evaluate("() => bt.readyAt") / 1000)
-                sizes = [(r.url, r.sizes()["responseBodySize"]) for r in seen]
-                js_bytes.append(sum(n for u, n in sizes if "/bokeh/" in u))
-                data_bytes.append(sum(n for u, n in sizes if "/bokeh/" not in u))
-                requests.append(len(sizes))
-                points = page.evaluate("() => bt.charts.loss.lines[0].source.data.value.length")
-                spike = page.evaluate(
-                    "() => Math.max(...bt.charts.loss.lines[0].source.data.value.filter(Number.isFinite))"
-                )
-                page.close()
-            results.update(
-                load_s_median=statistics.median(loads),
-                load_s_all=[round(x, 3) for x in loads],
-                bytes_without_bokehjs=statistics.median(data_bytes),
-                bokehjs_bytes=statistics.median(js_bytes),
-                requests=requests[0],
-                loss_points=points,
-                loss_max_shown=spike,
-            )
+    results: dict[str, object] = {
+        "steps": args.steps,
+        "metrics": len(METRICS),
+        "load_average_at_start": os.getloadavg(),
+    }
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM)
+        cold: list[dict[str, float]] = []
+        warm: list[dict[str, float]] = []
+        for _ in range(args.repeat):
+            # A fresh server each time: the first load reads every line from the store (cold), the
+            # second is served from the lines the server kept in memory (warm). The OS file cache
+            # holds the store either way (it was just written or read).
+            proc, base = start_ui(db)
+            try:
+                for loads in (cold, warm):
+                    cpu = cpu_seconds(proc.pid)
+                    loads.append(load_page(browser, base, run_id))
+                    loads[-1]["server_cpu_s"] = cpu_seconds(proc.pid) - cpu
+            finally:
+                proc.terminate()
+                proc.wait(10)
+        for name, loads in (("cold", cold), ("warm", warm)):
+            results[f"{name}_load_s_median"] = statistics.median(x["load_s"] for x in loads)
+            results[f"{name}_load_s_all"] = [round(x["load_s"], 3) for x in loads]
+            results[f"{name}_first_series_request_s_median"] = statistics.median(x["first_series_s"] for x in loads)
+            results[f"{name}_server_cpu_s_median"] = statistics.median(x["server_cpu_s"] for x in loads)
+            results[f"{name}_bytes_without_bokehjs"] = statistics.median(x["data_bytes"] for x in loads)
+        results.update(
+            bokehjs_bytes=cold[0]["js_bytes"],
+            requests=cold[0]["requests"],
+            loss_points=cold[0]["loss_points"],
+            loss_max_shown=cold[0]["loss_max"],
+        )
+        proc, base = start_ui(db)
+        try:
             # zoomed in: one raw window of 1,000 steps
             times = []
             for i in range(5):
@@ -178,12 +187,48 @@ def main() -> None:
                 zoom_1000_steps_s_median=statistics.median(times), zoom_mode=body["mode"], zoom_points=len(body["step"])
             )
             results.update(live(browser, base, db, args.live_seconds))
-            browser.close()
-    finally:
-        proc.terminate()
-        proc.wait(10)
-    results["load_average_1min"] = os.getloadavg()[0]
+        finally:
+            proc.terminate()
+            proc.wait(10)
+        browser.close()
+    results["load_average_at_end"] = os.getloadavg()
     print(json.dumps(results, indent=2))
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used: what a load costs the server whatever the
+    machine's load (the wall time depends on how many other processes share the cores)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def load_page(browser, base: str, run_id: str) -> dict[str, float]:
+    """Open a run's page once: its load time (navigation to every chart drawn, the page's clock),
+    when its first series request left, the bytes it received, and what the loss chart shows."""
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    seen: list = []
+    page.on("requestfinished", lambda r: seen.append(r))
+    page.goto(f"{base}/run/{run_id}")
+    page.wait_for_selector("body[data-ready='1']", timeout=120_000)
+    load_s = page.evaluate("() => bt.readyAt") / 1000
+    first_series = page.evaluate(
+        "() => Math.min(...performance.getEntriesByType('resource')"
+        ".filter((e) => e.name.includes('/series?')).map((e) => e.startTime))"
+    )
+    sizes = [(r.url, r.sizes()["responseBodySize"]) for r in seen]
+    out = {
+        "load_s": load_s,
+        "first_series_s": first_series / 1000,
+        "js_bytes": sum(n for u, n in sizes if "/bokeh/" in u),
+        "data_bytes": sum(n for u, n in sizes if "/bokeh/" not in u),
+        "requests": len(sizes),
+        "loss_points": page.evaluate("() => bt.charts.loss.lines[0].source.data.value.length"),
+        "loss_max": page.evaluate(
+            "() => Math.max(...bt.charts.loss.lines[0].source.data.value.filter(Number.isFinite))"
+        ),
+    }
+    page.close()
+    return out
 
 
 def live(browser, base: str, db: Path, seconds: float) -> dict[str, object]:

@@ -70,6 +70,11 @@ def test_run_page_draws_every_metric_with_its_points_and_the_anomaly_markers(
     assert page.locator("#run-name").inner_text().startswith("ui-anomalies")
     own_requests_only(page, server.base)
     assert not page.errors
+    # The run, its events and every line were asked for once, by early.js (before BokehJS ran),
+    # and each of those responses was taken by the page (none asked for again, none left over).
+    api = [u for u in page.requests if "/api/" in u]
+    assert len(api) == len(set(api)) == len(names) + 2, api
+    assert page.evaluate("() => window.btEarly.responses.size") == 0
 
 
 def test_rule_actions_are_drawn_on_the_curves(page: Any, server: Any, runs: Runs) -> None:

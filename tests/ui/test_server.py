@@ -29,6 +29,7 @@ from batchtap.sinks.sqlite import SQLite  # noqa: E402
 from batchtap.store import StoreError  # noqa: E402
 from batchtap.store.schema import SQLITE  # noqa: E402
 from batchtap.ui.data import ReadOnlyStore, SeriesKey, clean  # noqa: E402
+from batchtap.ui.decimate import POSTGRES_BUCKETS  # noqa: E402
 from tests.cli.conftest import cli_env  # noqa: E402
 from tests.store._helpers import PG_DSN, make_store_at_version, pg_schema_fixture  # noqa: E402
 from tests.ui.conftest import HOSTILE, Runs  # noqa: E402
@@ -140,11 +141,17 @@ def test_decimation_keeps_a_one_step_spike_and_gives_detail_when_zoomed(long_db:
 
 
 def test_sqlite_bucket_ranges_agree_with_one_group_by(long_db: Path) -> None:
-    """The SQLite path (one key-range aggregate per bucket) against PostgreSQL's GROUP BY, on one store."""
+    """The SQLite path (a correlated key-range aggregate per bucket) against PostgreSQL's GROUP BY
+    statement run on the same SQLite store."""
     ro = ReadOnlyStore(long_db)
     try:
         key = SeriesKey("long0001", "loss", 0)
-        assert ro._buckets_by_range(key, 0, 19_999, 47) == ro.buckets_grouped(key, 0, 19_999, 47)
+        grouped = ro._all(POSTGRES_BUCKETS, (0, 47, 47.0, "long0001", "loss", 0, 0, 19_999))
+        ranged = ro.buckets(key, 0, 19_999, 47)
+        want = [(int(b) * 47, lo, hi, wall) for b, lo, hi, _, _, wall in grouped if lo is not None]
+        assert [(b0, lo, hi, wall) for b0, lo, hi, _, wall in ranged] == want
+        means = [part * 47 / count for _, lo, _, part, count, _ in grouped if lo is not None]
+        assert [mean for _, _, _, mean, _ in ranged] == pytest.approx(means, rel=1e-12)
     finally:
         ro.close()
 

@@ -4,7 +4,8 @@ live stream, and the chart library's JavaScript served from its installed ``boke
 Routes:
 
 * ``/``, ``/run/{id}``, ``/compare?runs=a,b`` — the page (``static/index.html``; ``static/app.js``
-  draws the runs table, a run, or a comparison from the path).
+  draws the runs table, a run, or a comparison from the path; ``static/early.js`` starts a run
+  page's reads before BokehJS has loaded).
 * ``/api/runs`` — every run with its summary; ``/api/runs/{id}`` — one run with its metrics.
 * ``/api/runs/{id}/series?metric=&rank=&start=&end=&width=`` — one line, decimated to ``width``.
 * ``/api/runs/{id}/events``, ``/api/runs/{id}/ranks?metric=`` — events; the per-rank spread.

@@ -29,7 +29,9 @@ function el(tag, attrs, ...children) {
 }
 
 async function api(path) {
-  const response = await fetch(path, { credentials: "same-origin" });
+  // A run page's first reads were started by early.js, before BokehJS loaded: take those.
+  const early = window.btEarly && window.btEarly.take(path);
+  const response = await (early || fetch(path, { credentials: "same-origin" }));
   const body = await response.json().catch(() => ({}));
   if (!response.ok) throw new Error(body.error || `${response.status} ${response.statusText}`);
   return body;
@@ -377,7 +379,8 @@ async function runView(runId) {
   const xRange = new Bokeh.DataRange1d();
   const stepMetrics = run.metrics.filter((m) => !run.sparse.includes(m));
   const columns = window.innerWidth >= 1100 ? 2 : 1;
-  const width = Math.max(200, Math.floor(chartsBox.clientWidth / columns) - 40);
+  // The width early.js asked the lines for (its reads are then used), else the box's own.
+  const width = (window.btEarly && window.btEarly.width) || Math.max(200, Math.floor(chartsBox.clientWidth / columns) - 40);
   for (const metric of stepMetrics) {
     if (metric === "data_time" && stepMetrics.includes("step_time")) continue; // drawn with step_time
     const extra = metric === "step_time" && stepMetrics.includes("data_time") ? ["data_time"] : [];
