@@ -529,7 +529,10 @@ class Tap:
 
         Args:
             values: name -> Python number or 0-dim tensor.
-            step: the training step the values belong to (default: the last captured step).
+            step: the training step the values belong to (default: the last captured step;
+                before a new run's first step: step 0, the step of its first record, stored with
+                an earlier wall time so readers list them before that record; before a resumed
+                run's first step: the last step stored before the resume).
 
         Example:
             >>> import torch, batchtap as bt
