@@ -25,11 +25,11 @@ from batchtap.errors import (
 from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo, RunStatus
 
 if TYPE_CHECKING:
-    from batchtap import metrics, rules, sinks
+    from batchtap import metrics, recovery, rules, sinks
     from batchtap.autolog import autolog
     from batchtap.integrations.callback import MetricsCallback
     from batchtap.recovery import AdaptiveBatchSampler, BatchSizeRule, Rollback, debug_mode, split_on_oom
-    from batchtap.rules import NonFinite, Plateau, Spike, StepTimeRegression, Threshold
+    from batchtap.rules import GpuStarved, NonFinite, Plateau, Spike, StepTimeRegression, Threshold
     from batchtap.tap import Tap
 
 # Everything that needs torch is imported on first use (PEP 562), so `batchtap runs` and the other
@@ -38,13 +38,16 @@ _LAZY = {
     "Tap": "batchtap.tap",
     "autolog": "batchtap.autolog",
     "MetricsCallback": "batchtap.integrations.callback",
-    **{name: "batchtap.rules" for name in ("NonFinite", "Plateau", "Spike", "StepTimeRegression", "Threshold")},
+    **{
+        name: "batchtap.rules"
+        for name in ("NonFinite", "Plateau", "Spike", "StepTimeRegression", "Threshold", "GpuStarved")
+    },
     **{
         name: "batchtap.recovery"
         for name in ("AdaptiveBatchSampler", "BatchSizeRule", "Rollback", "debug_mode", "split_on_oom")
     },
 }
-_SUBMODULES = frozenset({"metrics", "rules", "sinks", "ui"})
+_SUBMODULES = frozenset({"metrics", "recovery", "rules", "sinks", "ui"})
 
 
 def __getattr__(name: str) -> Any:
@@ -76,6 +79,8 @@ __all__ = [
     "Spike",
     "Plateau",
     "StepTimeRegression",
+    "GpuStarved",
+    "recovery",
     "Rollback",
     "AdaptiveBatchSampler",
     "BatchSizeRule",
