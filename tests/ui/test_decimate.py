@@ -215,7 +215,7 @@ def test_a_running_runs_line_is_read_again_and_shows_new_steps(tmp_path: Path) -
 
 
 def test_one_line_asked_for_at_once_is_computed_once() -> None:
-    cache = LineCache(size=4, scans=2)
+    cache = LineCache(points=4, scans=2)
     calls: list[int] = []
 
     def slow() -> str:
@@ -233,6 +233,9 @@ def test_one_line_asked_for_at_once_is_computed_once() -> None:
     for i in range(6):
         cache.get(i, lambda i=i: i, keep=True)
     assert len(cache) == 4  # the least recently used dropped
+    assert cache.get(5, lambda: "again", keep=True) == 5  # still kept
+    cache.get("big", lambda: {"step": [0, 1, 2]}, keep=True)  # 3 points: only one small line fits beside it
+    assert len(cache) == 2 and cache.get(5, lambda: "read again", keep=True) == 5
 
 
 def test_a_failed_read_is_not_kept_and_is_tried_again() -> None:

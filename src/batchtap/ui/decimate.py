@@ -39,7 +39,8 @@ __all__ = [
     "needs_exact_read",
     "LineCache",
     "SCANS_AT_ONCE",
-    "CACHE_LINES",
+    "CACHE_POINTS",
+    "points_of",
 ]
 
 #: One bucket: (first step of the bucket, min, max, mean, wall time of its first row).
@@ -80,8 +81,9 @@ POSTGRES_BUCKETS = (
 #: one unit in the last place off), so larger finite numbers are read again.
 EXACT_TEXT_LIMIT = 1e100
 
-#: Decimated lines kept in memory (each at most ``2 x MAX_WIDTH`` points of six columns).
-CACHE_LINES = 256
+#: Points of decimated lines kept in memory, all lines together (a point is six numbers, ~220 B
+#: as Python objects, measured: ~110 MB at most). A run page of 7 lines at 643 px holds ~9,000.
+CACHE_POINTS = 500_000
 #: Decimations that may scan a line's rows at the same time: one run page's lines at once (a
 #: scan releases the GIL, so they share the cores), but not every line of a many-run comparison.
 SCANS_AT_ONCE = 8
@@ -111,17 +113,28 @@ def needs_exact_read(numbers: Sequence[float]) -> bool:
     return any(math.isfinite(x) and abs(x) >= EXACT_TEXT_LIMIT for x in numbers)
 
 
+def points_of(line: Any) -> int:
+    """How many points a line (the columns of :func:`batchtap.ui.data.ReadOnlyStore.series`) holds.
+
+    Example:
+        >>> points_of({"step": [0, 9], "value": [1.0, 2.0]}), points_of("other")
+        (2, 1)
+    """
+    return len(line["step"]) if isinstance(line, dict) and "step" in line else 1
+
+
 class LineCache:
     """Decimated lines by key, least recently used dropped first, computed once even when asked
     for by several requests at the same time.
 
     Args:
-        size: lines kept.
+        points: how many points (:func:`points_of`) the lines kept may hold together.
         scans: decimations allowed to run at the same time (cached or not).
     """
 
-    def __init__(self, size: int = CACHE_LINES, scans: int = SCANS_AT_ONCE) -> None:
-        self._size = size
+    def __init__(self, points: int = CACHE_POINTS, scans: int = SCANS_AT_ONCE) -> None:
+        self._budget = points
+        self._points = 0
         self._lines: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
         self._running: dict[Hashable, threading.Event] = {}
         self._lock = threading.Lock()
@@ -157,8 +170,9 @@ class LineCache:
             with self._lock:
                 self.misses += 1
                 self._lines[key] = value
-                while len(self._lines) > self._size:
-                    self._lines.popitem(last=False)
+                self._points += points_of(value)
+                while self._points > self._budget and len(self._lines) > 1:
+                    self._points -= points_of(self._lines.popitem(last=False)[1])
             return value
         finally:
             with self._lock:
@@ -169,3 +183,4 @@ class LineCache:
         """Forget every line."""
         with self._lock:
             self._lines.clear()
+            self._points = 0
