@@ -438,6 +438,11 @@ class Accuracy(Metric):
         facts = self._shape_facts(outputs, targets)
         return (facts.classes, facts.notice)
 
+    def warning_suspects(self, raw: np.ndarray) -> np.ndarray:
+        """The rows of a block whose :meth:`warning` may not be None (the pipeline asks only a block
+        with one: the notice column is 0 in nearly every run)."""
+        return raw[:, 2 * self._counts + 3] != NO_NOTICE
+
     def warning(self, raw: Sequence[float]) -> str | None:
         """Once per run: the step's layout was a guess (``[a, b, b]`` scores with ``[a, b]``
         targets), or its one-hot targets were scored against their argmax."""

@@ -154,7 +154,8 @@ class Decoder:
                     problem = metric.input_error(raw_rows(index)[i])
                     if problem is not None:
                         problems[i] = f"step {steps[i]}: {problem}"
-            if self._warns[index] and id(metric) not in self._warned:
+            flagged = getattr(metric, "warning_suspects", None)  # issue 29: a block no row of which warns is skipped
+            if self._warns[index] and id(metric) not in self._warned and (flagged is None or flagged(raw).any()):
                 for i, row in enumerate(raw_rows(index)):
                     if i in problems:
                         continue
