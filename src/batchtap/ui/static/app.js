@@ -376,6 +376,7 @@ async function runView(runId) {
     el("h2", { text: "environment" }), kvTable(run.environment),
   );
 
+  if (window.btEarly) await window.btEarly.ready; // early.js has asked for the lines by now
   const xRange = new Bokeh.DataRange1d();
   const stepMetrics = run.metrics.filter((m) => !run.sparse.includes(m));
   const columns = window.innerWidth >= 1100 ? 2 : 1;

@@ -7,7 +7,9 @@
 // response nobody takes is simply dropped.
 "use strict";
 (function () {
-  const early = (window.btEarly = { width: null, responses: new Map() });
+  // ready: settled once the lines' requests are made (app.js waits for it, so that it never asks
+  // for a line that early.js is about to ask for).
+  const early = (window.btEarly = { width: null, responses: new Map(), ready: Promise.resolve() });
   early.take = (path) => {
     const response = early.responses.get(path);
     early.responses.delete(path); // a body is read once
@@ -27,7 +29,7 @@
     return response;
   };
   get(`/api/runs/${id}/events`);
-  get(`/api/runs/${id}`)
+  early.ready = get(`/api/runs/${id}`)
     .then((response) => (response.ok ? response.clone().json() : null))
     .then((run) => {
       if (!run) return;
