@@ -219,9 +219,10 @@ class Accuracy(Metric):
                 f"outputs and targets disagree on batch size: {outputs.shape[0]} vs "
                 f"{targets.shape[0] if targets.dim() else 'a 0-dim tensor'}; pass the targets of the same batch"
             )
-        if targets.shape == outputs.shape:
-            return  # one-hot: the outputs' own shape, any class dim fits
-        class_dim, _ = _class_dim(outputs, targets, self.class_dim)
+        if targets.shape == outputs.shape:  # one-hot: the outputs' own shape, any class dim fits
+            class_dim: int | None = self.class_dim if self.class_dim is not None else -1
+        else:
+            class_dim, _ = _class_dim(outputs, targets, self.class_dim)
         if class_dim is None:
             raise InputError(_layout_error(outputs, targets, self.class_dim))
         classes = outputs.shape[class_dim]
