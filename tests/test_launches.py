@@ -104,7 +104,7 @@ def test_default_metrics_launch_three_kernels_a_step_plus_the_nan_guards_copy(fa
         per_step, ops = _per_step(tap, warm=64 + 3, loss=logits.mean(), outputs=logits, targets=targets)
     # the loss into the row; argmax, and sub writing targets - argmax and the targets into the
     # slot's buffer; the guard's loss copy; amortised: at each flush, for the whole block, eq
-    # marking hits and ignored targets, one sum counting them into the rows, masked_fill, amin and
+    # marking hits and ignored targets, one sum counting them into the rows, where, amin and
     # amax checking every step's target range (issue 29: no step's targets go unchecked), and the
     # rows' copy
     expected = 3 + (1 if nan_guard else 0) + 6 / 16

@@ -106,7 +106,7 @@ def test_accuracys_flush_count_takes_five_ops_for_a_block_and_two_a_step(hits_co
             if settle is not None:
                 settle(0, CAPACITY)
     kernels = lambda ops: [op for op in ops if not any(v in op for v in ("slice", "select", "view", "alias"))]  # noqa: E731
-    # counted at the flush: argmax and sub a step; eq, sum, masked_fill, amin, amax (the range of
+    # counted at the flush: argmax and sub a step; eq, sum, where, amin, amax (the range of
     # every step's targets) for the block. At each step: argmax, eq, mm, add, aminmax.
     at_flush_counted = hits_counted == "counted at the flush"
     counts = (len(kernels(per_step.ops)), len(kernels(at_flush.ops)))

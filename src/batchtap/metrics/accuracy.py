@@ -26,9 +26,10 @@ from batchtap.metrics.base import (
 )
 from batchtap.metrics.domain import UNIT_INTERVAL, Output, Reduce
 
-#: device memory one accuracy row writer may take for its per-slot hit flags (``capacity * 2 *
-#: targets`` bytes); past it the counts are reduced at every step instead of at the flush
-HITS_BUFFER_BYTES = 16 * 2**20
+#: device memory one accuracy row writer may take for its per-slot buffers (``capacity * 2 *
+#: targets * 8`` bytes: int64, the dtype the argmax and the targets have, so the per-step op casts
+#: nothing); past it the counts are reduced at every step instead of at the flush
+HITS_BUFFER_BYTES = 64 * 2**20
 
 
 class Accuracy(Metric):
@@ -313,19 +314,18 @@ class Accuracy(Metric):
         intermediates, counted and range-checked at the flush.
 
         Row 0 of a ``[2, *targets]`` int64 buffer takes the argmax; row 1 holds zeros. One ``sub``
-        of the buffer from the targets writes, into the slot's own ``[2, *targets]`` float32
-        buffer, ``targets - argmax`` (0 exactly on a hit) and the targets themselves. At the flush
-        (see ``with_settle``) one ``eq`` with ``(0, ignore_index)`` marks the hits and the ignored
-        targets of the whole block, one sum counts both into the rows' (correct, ignored) columns,
-        and a ``masked_fill`` (ignored targets as 0), ``amin`` and ``amax`` write every row's target
-        range: every step's targets are checked, with no launch of its own per step. float32 holds
-        the difference exactly below 2**24 and keeps any other nonzero difference nonzero and any
-        out-of-range target out of range (it keeps the magnitude), so neither a hit nor a bad index
-        can be mistaken. A prediction never equals an ignored value outside ``[0, C)``, so the
-        hits are hits among the kept targets. The other columns are constants for these inputs
+        of the buffer from the targets writes, into the slot's own ``[2, *targets]`` int64 buffer,
+        ``targets - argmax`` (0 exactly on a hit) and the targets themselves: the cost of the
+        ``eq`` it replaces (an int64 out casts nothing; a float32 one took twice the host time).
+        At the flush (see ``with_settle``) one ``eq`` with ``(0, ignore_index)`` marks the hits
+        and the ignored targets of the whole block, one sum counts both into the rows' (correct,
+        ignored) columns, and a ``where`` (ignored targets as 0, in float32), ``amin`` and ``amax``
+        write every row's target range: every step's targets are checked, with no launch of its
+        own per step. A prediction never equals an ignored value outside ``[0, C)``, so the hits
+        are hits among the kept targets. The other columns are constants for these inputs
         (the positions, zero high parts): written only when the slot's row is not this writer's.
 
-        The per-slot buffers take ``capacity * 2 * targets.numel() * 4`` bytes of device memory;
+        The per-slot buffers take ``capacity * 2 * targets.numel() * 8`` bytes of device memory;
         past :data:`HITS_BUFFER_BYTES` the eq writes one shared float buffer instead, a matrix
         product with a column of ones counts it into the row, and an ``add`` and an ``aminmax``
         write the range, at every step (five ops a step).
@@ -352,14 +352,15 @@ class Accuracy(Metric):
         class_dim, one_hot = facts.class_dim, facts.one_hot
         lows, highs = columns.select(1, 6), columns.select(1, 7)
 
-        if capacity * 2 * facts.numel * 4 <= HITS_BUFFER_BYTES:
+        if capacity * 2 * facts.numel * 8 <= HITS_BUFFER_BYTES:
             pair = torch.zeros((2, *shape), dtype=torch.int64, device=device)  # row 0: the argmax; row 1: 0
             predicted = pair.select(0, 0)
-            diffs = torch.empty((capacity, 2, facts.numel), dtype=torch.float32, device=device)
+            diffs = torch.empty((capacity, 2, facts.numel), dtype=torch.int64, device=device)
             slot_diffs = [diffs.select(0, s).view(pair.shape) for s in slots]
             # a hit: targets - argmax == 0; an ignored target: targets == ignore_index
-            wanted = torch.tensor([[0.0], [float(ignore)]], dtype=torch.float32, device=device)
+            wanted = torch.tensor([[0], [ignore]], dtype=torch.int64, device=device)
             counted = columns.narrow(1, 0, 2)  # correct, ignored
+            zero = facts.zero  # float32 0-dim: torch.where with it gives the range in the columns' dtype
 
             def write(inputs: StepInputs, slot: int, fresh: bool) -> None:
                 targets = inputs.targets
@@ -375,7 +376,7 @@ class Accuracy(Metric):
                 flags = torch.eq(block, wanted)  # [slots, 2, targets]: hits, ignored
                 torch.sum(flags, 2, dtype=torch.float32, out=counted.narrow(0, start, length))
                 # the kept targets' range, ignored ones as 0 (a class of every output)
-                kept = block.select(1, 1).masked_fill(flags.select(1, 1), 0.0)
+                kept = torch.where(flags.select(1, 1), zero, block.select(1, 1))  # float32 (the 0-dim zero's)
                 # amin and amax (aminmax's out= into these strided columns is not traceable under
                 # FakeTensorMode, which the CUDA-path tests use)
                 torch.amin(kept, 1, out=lows.narrow(0, start, length))
