@@ -68,7 +68,7 @@ def test_parquet_keeps_nan_apart_from_no_value(runs: Runs, tmp_path: Path) -> No
 
 def test_parquet_needs_a_file_and_refuses_to_overwrite(runs: Runs, tmp_path: Path) -> None:
     to_stdout = cli("export", "cli-clean", "--db", str(runs.db), "-f", "parquet")
-    assert to_stdout.returncode == 1 and "fix: pass -o FILE.parquet" in to_stdout.stderr and not to_stdout.stdout
+    assert to_stdout.returncode == 2 and "fix: pass -o FILE.parquet" in to_stdout.stderr and not to_stdout.stdout
     out = tmp_path / "clean.parquet"
     assert cli("export", "cli-clean", "--db", str(runs.db), "-f", "parquet", "-o", str(out)).returncode == 0
     again = cli("export", "cli-clean", "--db", str(runs.db), "-f", "parquet", "-o", str(out))
