@@ -30,9 +30,7 @@ config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=16, n_layer=1, n_h
 model = GPT2LMHeadModel(config)
 model.to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4)
-lr_scheduler = get_scheduler(
-    "linear", optimizer=optimizer, num_warmup_steps=1, num_training_steps=epochs * len(train_dataloader)
-)
+lr_scheduler = get_scheduler("linear", optimizer=optimizer, num_warmup_steps=1, num_training_steps=epochs * len(train_dataloader))
 
 tokens = 0
 for epoch in range(epochs):
@@ -63,7 +61,5 @@ for epoch in range(epochs):
         perplexity = math.exp(torch.mean(losses))  # SYNC
     except OverflowError:
         perplexity = float("inf")
-    print(
-        f"epoch {epoch}: perplexity {perplexity:.2f} train_loss {total_loss.item() / len(train_dataloader):.4f}"
-    )  # SYNC
+    print(f"epoch {epoch}: perplexity {perplexity:.2f} train_loss {total_loss.item() / len(train_dataloader):.4f}")  # SYNC
 print("tokens", tokens)

@@ -52,16 +52,8 @@ data = TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
 train = DataLoader(data, batch_size=8, shuffle=True)
 val = DataLoader(data, batch_size=16)
 trainer = L.Trainer(
-    max_epochs=2,
-    accelerator="auto",
-    devices=1,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-    limit_val_batches=2,
+    max_epochs=2, accelerator="auto", devices=1, logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2,
 )
-trainer.fit(
-    Classifier(), train_dataloaders=train, val_dataloaders=val
-)  # SYNC: teardown moves the model to the host (module.cpu())
+trainer.fit(Classifier(), train_dataloaders=train, val_dataloaders=val)  # SYNC: teardown moves the model to the host (module.cpu())
 print("fitted", trainer.global_step)
