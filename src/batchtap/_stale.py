@@ -5,8 +5,10 @@ A SLURM/Kubernetes/OOM kill ends a whole process group at once: the training pro
 process and Python's resource tracker together, so nothing of the dead process can clean up. The
 dead owner is recognised by what it recorded instead:
 
-* a segment's name carries its owner's pid and process start time (``bt<pid>_<start>_<token>``);
-  a later batchtap process on the host removes those whose owner is gone (:func:`sweep_segments`);
+* a segment's name carries its owner's pid, process group and start time
+  (``bt<pid>_<pgid>_<start>_<token>``); a later batchtap process on the host removes those whose
+  owner is gone and whose process group has no live process left (:func:`sweep_segments`): an
+  orphaned pipeline process (same group) may still be reading one, or not have attached to it yet;
 * a run's environment carries ``host``, ``pid`` and ``pid_started`` (boot id and start time, see
   :func:`process_started`): a reader on the same host shows a ``running`` run whose owner is gone as
   ``killed`` (:func:`owner_gone`).
@@ -38,10 +40,11 @@ __all__ = [
     "untrack",
     "unlink_segment",
     "unlink_if_owner_gone",
+    "segment_abandoned",
 ]
 
 SHM_DIR = Path("/dev/shm")
-_SEGMENT = re.compile(r"^bt(\d+)_(\d+)_[0-9a-f]+$")
+_SEGMENT = re.compile(r"^bt(\d+)_(\d+)_(\d+)_[0-9a-f]+$")
 _swept = False  # sweep_segments(once=True) ran in this process
 
 
@@ -122,10 +125,10 @@ def owner_gone(environment: dict[str, Any]) -> bool:
 
 
 def segment_name() -> str:
-    """A name for a new segment that says whose it is: ``bt<pid>_<start ticks>_<token>`` (short
-    enough for every platform's limit)."""
-    ticks = _start_ticks(os.getpid())
-    return f"bt{os.getpid()}_{ticks if ticks is not None else 0}_{secrets.token_hex(4)}"
+    """A name for a new segment that says whose it is: ``bt<pid>_<pgid>_<start ticks>_<token>``."""
+    pid = os.getpid()
+    ticks = _start_ticks(pid)
+    return f"bt{pid}_{os.getpgid(0)}_{ticks if ticks is not None else 0}_{secrets.token_hex(4)}"
 
 
 def segment_owner_gone(name: str) -> bool:
@@ -133,11 +136,44 @@ def segment_owner_gone(name: str) -> bool:
     match = _SEGMENT.match(name.lstrip("/"))
     if match is None:
         return False
-    pid, ticks = int(match.group(1)), int(match.group(2))
+    pid, ticks = int(match.group(1)), int(match.group(3))
     if not _pid_exists(pid):
         return True
     now = _start_ticks(pid)
     return ticks != 0 and now is not None and now != ticks  # the pid was reused
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process belongs to process group ``pgid``; True when that
+    cannot be told (no ``/proc``): only a certainly abandoned segment is removed."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()  # fields[0]: state, fields[2]: process group
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def segment_abandoned(name: str) -> bool:
+    """Whether nobody can still use segment ``name``: its owner is gone and no live process is
+    left in the owner's process group (where its pipeline process lives, reading the segment or
+    about to attach to it). A process-group kill leaves the group empty at once."""
+    match = _SEGMENT.match(name.lstrip("/"))
+    return match is not None and segment_owner_gone(name) and not _group_alive(int(match.group(2)))
 
 
 def untrack(name: str) -> None:
@@ -179,7 +215,8 @@ def unlink_if_owner_gone(name: str) -> None:
 
 
 def sweep_segments(*, once: bool = False, where: Path = SHM_DIR) -> list[str]:
-    """Remove the segments of batchtap processes that are gone; returns their names.
+    """Remove the segments of batchtap processes that are gone (:func:`segment_abandoned`);
+    returns their names.
 
     ``once``: only at the first call in this process (the Tap's segments call it when they make
     their first segment). A segment whose owner is alive, or that is not batchtap's, is never
@@ -196,6 +233,6 @@ def sweep_segments(*, once: bool = False, where: Path = SHM_DIR) -> list[str]:
         return []
     removed = []
     for name in names:
-        if segment_owner_gone(name) and unlink_segment(name):
+        if segment_abandoned(name) and unlink_segment(name):
             removed.append(name)
     return removed

@@ -132,4 +132,8 @@ def test_a_dead_owner_is_told_from_a_live_one_and_a_reused_pid() -> None:
     child.wait()
     assert _stale.owner_gone({"host": me["host"], "pid": child.pid})  # reaped: no such process
     assert not _stale.segment_owner_gone("psm_1234")  # not batchtap's: never touched
-    assert _stale.segment_owner_gone(f"bt{child.pid}_1_00ff")
+    assert _stale.segment_owner_gone(f"bt{child.pid}_{child.pid}_1_00ff")
+    # an owner gone while its process group lives on (its orphaned pipeline process may still have
+    # to attach to the segment) is no abandoned segment; an empty group is
+    assert not _stale.segment_abandoned(f"bt{child.pid}_{os.getpgid(0)}_1_00ff")
+    assert _stale.segment_abandoned(f"bt{child.pid}_{child.pid}_1_00ff")
