@@ -75,8 +75,9 @@ def test_no_gradient_is_absent_with_a_warning() -> None:
     columns = raw(metric, NO_INPUTS)
     assert metric.finalize(columns, None) == (None,)  # type: ignore[arg-type]
     assert metric.warning(columns) == (
-        "grad_norm: no parameter had a gradient when tap.step() ran (zero_grad(set_to_none=True) before "
-        "tap.step?); call tap.step after backward() and before zero_grad(), or pass "
+        "grad_norm: no optimizer step of the model's parameters ran since the previous row and no parameter "
+        "had a gradient when tap.step() ran (zero_grad(set_to_none=True) before tap.step, or tap.step twice per "
+        "optimizer step?); the value is left out at such steps. Call tap.step once per optimizer step, or pass "
         "tap.step(grad_norm=clip_grad_norm_(...))"
     )
     # with gradients: a value and no warning

@@ -12,7 +12,8 @@ Two placements of the gradient norm, each as users write them:
 ``tap.step`` sits after ``scaler.step(opt)`` and before ``scaler.update()`` (the recommended place:
 ``loss_scale`` is the scale this step's loss was multiplied by, the skip is the scaler's own check);
 ``clip-after-update`` puts it at the end of the iteration, after ``scaler.update()``, where many loops
-have it (``loss_scale`` is then the scale for the next step, a skip shows as the scale's drop).
+have it: ``loss_scale`` is still this step's scale (copied in the optimizer's step pre-hook) and the
+skip this step's (the scale's drop).
 Every stored value is compared with what ``.item()`` says in the same loop.
 """
 
@@ -103,7 +104,7 @@ def test_amp_grad_scaler_with_forced_overflows(sink: ListSink, clip: bool, after
                     "loss": loss.item(),
                     "accuracy": (out.float().argmax(1) == y).float().mean().item(),
                     "lr": opt.param_groups[0]["lr"],
-                    "loss_scale": scaler.get_scale() if after_update else scale,
+                    "loss_scale": scale,  # the step's own wherever tap.step sits
                     "amp_skipped": float(skipped),
                     "grad_norm": ref_norm,
                 }

@@ -55,9 +55,9 @@ def default_metrics(
         metrics.append(LossScale(scaler))
     if optimizer is not None:
         if isinstance(optimizer, Mapping):
-            metrics += [LearningRate(opt, name=f"lr_{key}") for key, opt in optimizer.items()]
+            metrics += [LearningRate(opt, name=f"lr_{key}", scaler=scaler) for key, opt in optimizer.items()]
         else:
-            metrics.append(LearningRate(optimizer))
+            metrics.append(LearningRate(optimizer, scaler=scaler))
     metrics += [StepTime(), DataTime(), Throughput(), Memory()]
     if nvml_available():  # GPU utilisation and host load, sampled off the training thread
         metrics.append(System())

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from batchtap.errors import ConfigError, InputError
 from batchtap.metrics import functional as F
+from batchtap.metrics._optimizer_hooks import StepNesting, has_closure, scaler_states, scaler_stepped_since
 from batchtap.metrics._shared import Filled, step_device
 from batchtap.metrics.base import (
     Metric,
@@ -33,19 +36,21 @@ class GradNorm(Metric):
     value is taken as it is (clip after ``scaler.unscale_``, as AMP clipping must) and goes to the
     value named ``grad_norm``: a ``GradNorm`` with another ``name`` always computes its own.
 
-    Call ``tap.step()`` after ``backward()`` and before ``zero_grad()``. When no parameter has a
-    gradient at that point (``zero_grad(set_to_none=True)`` ran first) the value is left out and
-    the run gets one warning saying so — never a norm of 0.
+    A computed norm is of the gradients the optimizer step used, wherever ``tap.step`` sits: it is
+    taken on the device in the step pre-hook of any optimizer holding these parameters (the
+    gradients are final there; a step given a closure, which computes them, is taken in its
+    post-hook; a first step the ``scaler`` skipped, which runs no optimizer step, is told from the
+    scaler's state), so ``optimizer.step(); optimizer.zero_grad(); tap.step(...)`` records this step's
+    norm, not nothing. Where ``tap.step`` sits is learned at the run's first captured step: before
+    any optimizer step (``tap.step`` between ``backward()`` and ``optimizer.step()``) the
+    gradients are read when ``tap.step`` runs, which are the ones the coming step uses (clip
+    first: a clipped gradient's norm is the clipped one). A row with no optimizer step since the
+    previous one (a step the ``GradScaler`` skipped) reads the gradients as they are then; with
+    none left, the value is left out and the run gets one warning saying so — never a norm of 0.
 
     With a ``scaler`` (``torch.amp.GradScaler``) the recorded norm is of the *unscaled* gradients:
-    if ``scaler.unscale_(opt)`` or ``scaler.step(opt)`` ran since the last ``scaler.update()``, the
-    gradients are already unscaled and taken as they are; otherwise they still carry the loss scale
-    and the norm is divided by it on the device. So place ``tap.step`` after ``backward()`` and
-    before ``scaler.update()`` — best after ``scaler.unscale_``/``scaler.step``, where the skip of
-    :class:`LossScale` is exact too. After ``scaler.update()`` the scaler's per-step state is
-    reset and nothing on the host tells unscaled gradients from scaled ones: the norm is then
-    divided by the (new) scale although the gradients were unscaled; pass
-    ``grad_norm=clip_grad_norm_(...)`` there instead.
+    gradients the scaler has not unscaled yet (``tap.step`` before ``scaler.step``, or a fused
+    optimizer's step, which unscales inside its kernel) are divided by the scale on the device.
 
     Args:
         model: a module, an iterable of parameters, or None to record only the passed
@@ -101,6 +106,21 @@ class GradNorm(Metric):
         #: whether ``tap.step(grad_norm=...)`` is this metric's value
         self.takes_step_grad_norm = name == "grad_norm"
         self._fill = Filled()
+        # the norm taken at the latest optimizer step of these parameters since the last row, and
+        # the id of the optimizer that took it (several optimizers of one model: taken once)
+        self._taken: torch.Tensor | None = None
+        self._taken_by: int | None = None
+        self._after_step: bool | None = None  # tap.step follows optimizer.step (learned at the first row)
+        self._scaler_states = scaler_states(scaler)  # a first step the scaler skipped shows here
+        self._row_inputs: StepInputs | None = None  # the row compute() and read_host() are both about
+        self._row_taken: torch.Tensor | None = None
+        self._hooks: _GradNormHooks | None = _GradNormHooks(self, params) if params is not None else None
+
+    def __getstate__(self) -> dict[str, object]:
+        # pipeline="process" finalizes in another process: hooks and device values stay here
+        state = self.__dict__.copy()
+        state.update(_hooks=None, _taken=None, _row_inputs=None, _row_taken=None, _scaler_states=None)
+        return state
 
     def outputs(self) -> tuple[Output, ...]:
         return (Output(self.name, NONNEGATIVE, Reduce.L2 if self.sharded else Reduce.MAX),)
@@ -116,36 +136,88 @@ class GradNorm(Metric):
                 "grad_norm.full_tensor(), the global norm"
             )
 
+    # ------------------------------------------------------------------ the optimizer step's norm
+
+    def _take(self, optimizer: object) -> None:
+        """At an optimizer step of these parameters (its hook): this step's norm, on the device."""
+        if self._taken is not None and self._taken_by != id(optimizer):
+            return  # a second optimizer of the same parameters in the same step: the gradients are the same
+        self._taken = self._norm_now()
+        self._taken_by = id(optimizer)
+
+    def _row(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The norm an optimizer step took for this row (None: read the gradients now). compute()
+        and read_host() both ask, in either order (the short path reads host values first): the
+        first ask of a row takes the value, the second gets the same."""
+        if inputs is self._row_inputs:
+            self._row_inputs = None  # both asked: hold no tensor of the step longer
+            return self._row_taken
+        self._row_inputs = inputs
+        taken, self._taken, self._taken_by = self._taken, None, None
+        if self._after_step is None and self.parameters is not None:
+            # a step of these parameters ran (or the scaler skipped one) before the first row:
+            # tap.step follows optimizer.step
+            stepped = taken is not None or scaler_stepped_since(self.scaler, self._scaler_states)
+            self._after_step = stepped and self._passed(inputs) is None
+            self._scaler_states = None
+        self._row_taken = taken if self._after_step else None
+        return self._row_taken
+
+    def hooks_take(self) -> bool:
+        """Whether the optimizer step hooks take the norm (not once ``tap.step`` proved to come first)."""
+        return self._after_step is not False
+
+    def _norm_now(self, device: torch.device | None = None) -> torch.Tensor | None:
+        """The norm of the parameters' gradients as they are now (device ops only), None when none
+        has one; on ``device`` (default: the first gradient's)."""
+        assert self.parameters is not None
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        if not grads:
+            return None
+        if self._local_shards and self._dtensor is not None:
+            dtensor = self._dtensor
+            grads = [_local_shard(g) if isinstance(g, dtensor) else g for g in grads]
+        norm = F.grads_norm(grads, device or grads[0].device)
+        scale = _scale_carried(self.scaler) if self.scaler is not None else None
+        if scale is not None:  # still scaled: divide on the device, never read the scale
+            norm = norm / (scale if scale.device == norm.device else scale.to(norm.device, non_blocking=True))
+        return norm
+
+    # ------------------------------------------------------------------ the row
+
     def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
         device = inputs.device or step_device(inputs)
         value = self._passed(inputs)
+        taken = self._row(inputs)
         if isinstance(value, torch.Tensor):
             return (value if value.device == device else value.to(device, non_blocking=True),)
         if value is not None or self.parameters is None:  # a Python float (host column), or nothing
             return (self._fill(math.nan, device),)
-        grads = [p.grad for p in self.parameters if p.grad is not None]
-        if not grads:
+        norm = taken if taken is not None else self._norm_now(device)
+        if norm is None:
             return (self._fill(math.nan, device),)
-        if self._local_shards and self._dtensor is not None:
-            dtensor = self._dtensor
-            grads = [_local_shard(g) if isinstance(g, dtensor) else g for g in grads]
-        norm = F.grads_norm(grads, device)
-        scale = _scale_carried(self.scaler) if self.scaler is not None else None
-        if scale is not None:  # still scaled: divide on the device, never read the scale
-            norm = norm / (scale if scale.device == device else scale.to(device, non_blocking=True))
-        return (norm,)
+        return (norm if norm.device == device else norm.to(device, non_blocking=True),)
 
     def read_host(self, inputs: StepInputs) -> Sequence[float]:
         value = self._passed(inputs)
+        taken = self._row(inputs)
         if isinstance(value, torch.Tensor):
             return (_NORM_ON_DEVICE, math.nan)
         if value is not None:
             return (_NORM_ON_HOST, float(value))
         if self.parameters is None:
             return (_NORM_NOT_PASSED, math.nan)
+        if taken is not None:
+            return (_NORM_ON_DEVICE, math.nan)
         # p.grad being None is metadata; stops at the first gradient in the usual case
-        has_grad = any(p.grad is not None for p in self.parameters)
-        return (_NORM_ON_DEVICE if has_grad else _NORM_NO_GRADIENT, math.nan)
+        if any(p.grad is not None for p in self.parameters):
+            return (_NORM_ON_DEVICE, math.nan)
+        if self._after_step and self.scaler is not None:
+            # no optimizer step since the last row and no gradient: a step the GradScaler skipped
+            # (no hook fires then) whose gradients zero_grad removed; a NaN on the device is left
+            # out of a skipped row (gradient_based), an anomaly in any other
+            return (_NORM_ON_DEVICE, math.nan)
+        return (_NORM_NO_GRADIENT, math.nan)
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         where = raw[1]
@@ -159,31 +231,88 @@ class GradNorm(Metric):
         if raw[1] != _NORM_NO_GRADIENT:
             return None
         return (
-            f"{self.name}: no parameter had a gradient when tap.step() ran (zero_grad(set_to_none=True) "
-            "before tap.step?); call tap.step after backward() and before zero_grad(), or pass "
-            "tap.step(grad_norm=clip_grad_norm_(...))"
+            f"{self.name}: no optimizer step of the model's parameters ran since the previous row and no "
+            "parameter had a gradient when tap.step() ran (zero_grad(set_to_none=True) before tap.step, or "
+            "tap.step twice per optimizer step?); the value is left out at such steps. Call tap.step once "
+            "per optimizer step, or pass tap.step(grad_norm=clip_grad_norm_(...))"
         )
+
+
+class _GradNormHooks:
+    """The global optimizer step hooks of a :class:`GradNorm` (weakly: the metric may go first;
+    the hooks are removed when it does)."""
+
+    __slots__ = ("metric", "ids", "owners", "nesting", "closure", "__weakref__")
+
+    def __init__(self, metric: GradNorm, params: Sequence[torch.Tensor]) -> None:
+        self.metric = weakref.ref(metric)
+        self.ids = frozenset(id(p) for p in params)
+        # optimizer -> (param groups when checked, whether it steps any of these parameters)
+        self.owners: weakref.WeakKeyDictionary[object, tuple[int, bool]] = weakref.WeakKeyDictionary()
+        self.nesting = StepNesting()
+        self.closure: object | None = None  # the optimizer whose closure step is open
+        handles = (register_optimizer_step_pre_hook(self.pre), register_optimizer_step_post_hook(self.post))
+        weakref.finalize(metric, _remove, handles)
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        groups = optimizer.param_groups
+        known = self.owners.get(optimizer)
+        if known is None or known[0] != len(groups):
+            ids = self.ids
+            known = (len(groups), any(id(p) in ids for group in groups for p in group["params"]))
+            self.owners[optimizer] = known
+        return known[1]
+
+    def pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.nesting.pre(sys._getframe(1)):
+            return  # super().step() of a subclass: the outer call's hooks count
+        self.closure = None
+        metric = self.metric()
+        if metric is None or not metric.hooks_take() or not self._owns(optimizer) or torch.compiler.is_compiling():
+            return
+        if has_closure(args, kwargs):
+            self.closure = optimizer  # the closure computes this step's gradients: take the norm after it
+            return
+        metric._take(optimizer)
+
+    def post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.nesting.post():
+            return
+        closure, self.closure = self.closure, None
+        metric = self.metric()
+        if closure is optimizer and metric is not None:
+            metric._take(optimizer)
+
+
+def _remove(handles: Sequence[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class LossScale(Metric):
     """The AMP ``GradScaler``'s loss scale, and whether it skipped the optimizer step.
 
-    Reports ``loss_scale`` and ``amp_skipped`` (1 when the scaler found inf/NaN gradients and
-    skipped ``optimizer.step``, else 0). A skipped step is reported as a ``skip`` event, and its
-    non-finite gradient values (:attr:`~batchtap.metrics.Metric.gradient_based`) are left out
-    instead of flagged as anomalies. Both values are read on the device, never on the host.
+    Reports ``loss_scale`` (the scale the step's loss was multiplied by) and ``amp_skipped`` (1
+    when the scaler found inf/NaN gradients and skipped ``optimizer.step``, else 0). A skipped step
+    is reported as a ``skip`` event, and its non-finite gradient values
+    (:attr:`~batchtap.metrics.Metric.gradient_based`) are left out instead of flagged as
+    anomalies. Both values stay on the device, never read on the host.
 
-    Where ``tap.step`` sits decides how the skip is known:
+    Both are the step's own wherever ``tap.step`` sits after the scaler's step:
 
-    * after ``scaler.step(opt)`` (or ``scaler.unscale_(opt)``), before ``scaler.update()`` — the
-      recommended place: the skip is the scaler's own inf/NaN check of this step, and
-      ``loss_scale`` is the scale this step's loss was multiplied by;
-    * after ``scaler.update()``: the scaler has forgotten its check; a skip shows as the scale
-      dropping below the previous step's (nothing is known at the run's first step, and a scale
-      lowered by hand with ``update(new_scale=)`` reads as a skip); ``loss_scale`` is the scale
-      for the next step;
-    * before ``scaler.step`` (right after ``backward()``): the drop is seen one step late, so a
-      skip is marked on the step after the skipped one.
+    * after ``scaler.step(opt)`` (or ``scaler.unscale_(opt)``), before ``scaler.update()``: the
+      scale now, and the scaler's own inf/NaN check of this step;
+    * after ``scaler.update()`` (the scale then is the next step's): the scale is copied on the
+      device in the optimizer's step pre-hook, and a skip is the scale dropping below it
+      (``update()`` lowers it after a skip, never otherwise); a step the scaler skipped runs no
+      optimizer step (no hook): its scale is the lowered one divided back by ``backoff_factor``.
+      Where ``tap.step`` sits is learned at the run's first captured step (the scaler updated since
+      the metric was made, or stepped); a scale lowered by hand (``update(new_scale=)``) reads as
+      a skip.
+
+    Before ``scaler.step`` (``tap.step`` right after ``backward()``) the scaler has not checked the
+    gradients yet: ``loss_scale`` is the step's, ``amp_skipped`` is left out, and the run gets one
+    warning saying so (the step's non-finite gradient norm is then an anomaly, not a skip).
 
     A scaler that is disabled (``enabled=False``) or has not scaled a loss yet gives no values.
 
@@ -203,13 +332,27 @@ class LossScale(Metric):
     """
 
     device_width = 2  # the scale, the skip flag
-    host_width = 1  # whether the scaler has a scale
+    host_width = 1  # whether the scaler has a scale (_SCALE_*)
 
     def __init__(self, scaler: torch.amp.GradScaler) -> None:
         _check_scaler(scaler, "LossScale")
         self.scaler = scaler
-        self._previous: torch.Tensor | None = None  # the scale at the last step (device copy)
         self._fill = Filled()
+        # update() replaces the per-optimizer states: a new object means an update ran since the last row
+        self._states: object = getattr(scaler, "_per_optimizer_states", None)
+        self._placement: str | None = None  # _CHECKED / _AFTER_UPDATE / _BEFORE_STEP, learned at the first row
+        self._stepped: torch.Tensor | None = None  # the scale at the latest scaler step (a device copy)
+        self._hooked = False  # a scaler step ran (its hook fired) since the last row
+        self._row_inputs: StepInputs | None = None
+        self._row_values: tuple[tuple[torch.Tensor, ...], float] | None = None
+        handle = register_optimizer_step_pre_hook(_TakeScale(self))
+        weakref.finalize(self, _remove, (handle,))
+
+    def __getstate__(self) -> dict[str, object]:
+        # pipeline="process" finalizes in another process: the scaler and device values stay here
+        state = self.__dict__.copy()
+        state.update(scaler=None, _states=None, _stepped=None, _row_inputs=None, _row_values=None)
+        return state
 
     def outputs(self) -> tuple[Output, ...]:
         return (
@@ -220,45 +363,107 @@ class LossScale(Metric):
     def _scale(self) -> torch.Tensor | None:
         return self.scaler._scale if self.scaler.is_enabled() else None
 
-    def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
-        device = inputs.device or step_device(inputs)
+    def _take(self, optimizer: object) -> None:
+        """In an optimizer's step pre-hook: copy the scale when the step is this scaler's."""
+        if self._placement not in (None, _AFTER_UPDATE):
+            return
+        state = self.scaler._per_optimizer_states.get(id(optimizer))  # .get: the defaultdict adds nothing
+        scale = self._scale()
+        if not state or not state.get("found_inf_per_device") or scale is None:
+            return  # not inside this scaler's step(): an optimizer of another loop
+        if self._stepped is None or self._stepped.device != scale.device:
+            self._stepped = scale.clone()
+        else:
+            self._stepped.copy_(scale)  # stream-ordered after the previous row's write of it
+        self._hooked = True
+
+    def _row(self, inputs: StepInputs) -> tuple[tuple[torch.Tensor, ...], float]:
+        """This row's (scale, skip) device values and host marker; compute() and read_host() both
+        ask, in either order: the first ask of a row decides, the second gets the same."""
+        if inputs is self._row_inputs and self._row_values is not None:
+            self._row_inputs = None
+            return self._row_values
+        self._row_inputs = inputs
+        self._row_values = values = self._decide(inputs.device or step_device(inputs))
+        return values
+
+    def _decide(self, device: torch.device) -> tuple[tuple[torch.Tensor, ...], float]:
+        hooked, self._hooked = self._hooked, False
         scale = self._scale()
         if scale is None:
-            self._previous = None
             nan = self._fill(math.nan, device)
-            return (nan, nan)
-        if scale.device != device:
-            scale = scale.to(device, non_blocking=True)
-        found = [
-            f for state in self.scaler._per_optimizer_states.values() for f in state["found_inf_per_device"].values()
-        ]
-        if found:  # scaler.step/unscale_ ran and update() did not yet: the scaler's own check
-            self._previous = None  # (the scale-drop comparison is not used at this placement)
-            if len(found) == 1 and found[0].device == device:
+            return (nan, nan), _SCALE_NONE
+        states = self.scaler._per_optimizer_states
+        updated = states is not self._states
+        self._states = states
+        found = [f for state in states.values() for f in state["found_inf_per_device"].values()]
+        if found:  # scaler.step/unscale_ ran and update() did not yet: the scaler's own check of this step
+            if self._placement is None:
+                self._placement = _CHECKED
+            if len(found) == 1:
                 flag = found[0]  # 0.0 or 1.0, a fresh tensor of this step: read as it is now
             else:
-                flag = torch.stack([f.to(device, non_blocking=True) for f in found]).amax()
-            return (scale, flag)
-        # update() ran (or nothing did yet): a skip lowered the scale below the previous step's
-        previous = self._previous
-        if previous is None or previous.device != scale.device:
-            self._previous = scale.clone()
-            return (scale, self._fill(0.0, device))
-        flag = scale.lt(previous)
-        previous.copy_(scale)  # after the comparison, in stream order
-        return (scale, flag)
+                flag = torch.stack([f.to(scale.device, non_blocking=True) for f in found]).amax()
+            return (scale, flag), _SCALE_PRESENT
+        if self._placement is None:
+            self._placement = _AFTER_UPDATE if updated or hooked else _BEFORE_STEP
+        if self._placement != _AFTER_UPDATE:  # the scaler has not checked this step's gradients yet
+            return (scale, self._fill(math.nan, scale.device)), _SKIP_UNKNOWN
+        stepped = self._stepped
+        if hooked and stepped is not None:  # a step ran: a lower scale now means update() saw inf/NaN
+            return (stepped, scale.lt(stepped)), _SCALE_PRESENT
+        if updated:  # updated with no optimizer step: every step of the update was skipped
+            backoff = float(self.scaler._backoff_factor)
+            return (scale / backoff, self._fill(1.0, scale.device)), _SCALE_PRESENT
+        return (scale, self._fill(0.0, scale.device)), _SCALE_PRESENT  # no scaler step since the last row
+
+    def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
+        device = inputs.device or step_device(inputs)
+        values, _ = self._row(inputs)
+        return tuple(v if v.device == device else v.to(device, non_blocking=True) for v in values)
 
     def read_host(self, inputs: StepInputs) -> Sequence[float]:
-        return (0.0 if self._scale() is None else 1.0,)
+        return (self._row(inputs)[1],)
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         scale, skipped, present = raw
-        if not present:
+        if present == _SCALE_NONE:
             return [None, None]
+        if present == _SKIP_UNKNOWN:
+            return [scale, None]
         return [scale, skipped]
 
     def skipped(self, raw: Sequence[float]) -> bool:
-        return bool(raw[2]) and raw[1] >= 0.5
+        return raw[2] == _SCALE_PRESENT and raw[1] >= 0.5
+
+    def warning(self, raw: Sequence[float]) -> str | None:
+        if raw[2] != _SKIP_UNKNOWN:
+            return None
+        return (
+            "amp_skipped: tap.step() runs before scaler.step(optimizer), when the GradScaler has not checked "
+            "the gradients for inf/NaN yet, so whether it skips the step is not known: amp_skipped is left out "
+            "(a skipped step's non-finite gradient norm then shows as an anomaly). Call tap.step after "
+            "scaler.step(optimizer) (before or after scaler.update())"
+        )
+
+
+# LossScale's placements of tap.step and its host marker
+_CHECKED, _AFTER_UPDATE, _BEFORE_STEP = "checked", "after-update", "before-step"
+_SCALE_NONE, _SCALE_PRESENT, _SKIP_UNKNOWN = 0.0, 1.0, 2.0
+
+
+class _TakeScale:
+    """The global optimizer step pre-hook of a :class:`LossScale` (weakly: the metric may go first)."""
+
+    __slots__ = ("metric",)
+
+    def __init__(self, metric: LossScale) -> None:
+        self.metric = weakref.ref(metric)
+
+    def __call__(self, optimizer: object, args: object, kwargs: object) -> None:
+        metric = self.metric()
+        if metric is not None and not torch.compiler.is_compiling():
+            metric._take(optimizer)
 
 
 def _check_scaler(scaler: object, who: str) -> None:

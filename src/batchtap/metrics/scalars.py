@@ -6,12 +6,13 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from batchtap.errors import ConfigError, InputError
+from batchtap.metrics._optimizer_hooks import scaler_states, scaler_stepped_since
 from batchtap.metrics._shared import everywhere, step_device
 from batchtap.metrics.base import (
     BlockTiming,
@@ -96,7 +97,11 @@ class LearningRate(Metric):
     step (the usual loop) each row gets the lr of the latest step since the previous row; before
     any (``tap.step`` between ``backward()`` and ``optimizer.step()``) the param groups are read
     as they are then, which is what the coming step uses. A step the AMP ``GradScaler`` skipped
-    runs no optimizer step (no hook): its row reads the param groups as they are.
+    runs no optimizer step (no hook): its row gets the lr the step would have used, known from
+    where the loop moves the lr — between the optimizer step and ``tap.step`` (the scheduler
+    before ``tap.step``: the lr read at the previous row) or elsewhere (read now), learned from
+    the steps before. Where that is not known yet and the two differ, the lr is left out of that
+    row and the run gets one warning saying so.
 
     Reports ``name`` for the first parameter group and ``{name}_group{i}`` for the others, one
     value per param group where groups differ: a group's value is recorded only at steps where it
@@ -105,6 +110,9 @@ class LearningRate(Metric):
     Args:
         optimizer: the optimizer whose ``param_groups`` are read.
         name: the value's name, e.g. ``"lr_g"`` for a GAN's generator.
+        scaler: the AMP ``GradScaler`` of the loop, if any (``bt.Tap(scaler=)`` passes it): a run's
+            first step that the scaler skipped runs no optimizer step, and only the scaler tells
+            that ``tap.step`` comes after the step rather than before it.
 
     Example:
         >>> w, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
@@ -116,7 +124,7 @@ class LearningRate(Metric):
         [0.1, None]
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, name: str = "lr") -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, name: str = "lr", scaler: Any = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"LearningRate needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not name or not isinstance(name, str):
@@ -133,12 +141,20 @@ class LearningRate(Metric):
         self.host_width = len(optimizer.param_groups)
         self._taken: tuple[float, ...] | None = None  # the lr of the latest step not yet recorded
         self._after_step: bool | None = None  # tap.step follows optimizer.step (learned at the first read)
+        self.scaler = scaler
+        self._scaler_states = scaler_states(scaler)  # a first step the scaler skipped shows here
+        # the lr moves between an optimizer step and its tap.step (the scheduler steps before tap.step),
+        # learned from rows whose step ran; with the lrs of the previous row (for a skipped step's row)
+        self._moves: bool | None = None
+        self._previous_taken: tuple[float, ...] | None = None
+        self._previous_now: tuple[float, ...] | None = self.current()  # the lr when the metric was made
         self._handle: object = optimizer.register_step_pre_hook(_TakeLearningRate(self))
 
     def __getstate__(self) -> dict[str, object]:
         # pipeline="process" finalizes in another process: the hook stays with the optimizer here
         state = self.__dict__.copy()
         state["_handle"] = None
+        state["scaler"] = state["_scaler_states"] = None
         return state
 
     def outputs(self) -> tuple[Output, ...]:
@@ -150,10 +166,26 @@ class LearningRate(Metric):
     def read_host(self, inputs: StepInputs | None) -> Sequence[float]:
         taken, self._taken = self._taken, None
         if self._after_step is None and inputs is not None:
-            self._after_step = taken is not None
-        if taken is not None and self._after_step:
+            self._after_step = taken is not None or scaler_stepped_since(self.scaler, self._scaler_states)
+            self._scaler_states = None
+        now = self.current()
+        if not self._after_step:
+            return now
+        previous_taken, previous_now = self._previous_taken, self._previous_now
+        self._previous_now = now
+        if taken is not None:
+            if now != taken:
+                self._moves = True  # moved between the step and this row: the scheduler runs before tap.step
+            elif previous_taken is not None and taken != previous_taken:
+                self._moves = False  # moved since the last step, but not before this row
+            self._previous_taken = taken
             return taken
-        return self.current()
+        # no optimizer step since the previous row (a step the GradScaler skipped): the lr it would have used
+        if self._moves is True and previous_now is not None:
+            return previous_now  # set before the previous row, unchanged until this step
+        if self._moves is False or previous_now is None or previous_now == now:
+            return now
+        return (math.nan,) * self.host_width  # not known which: left out, said once (warning)
 
     def current(self) -> tuple[float, ...]:
         """The param groups' learning rates now (a CPU tensor lr is read without device involvement)."""
@@ -161,12 +193,24 @@ class LearningRate(Metric):
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         first = raw[0]
+        if math.isnan(first):  # a skipped step's lr that could not be told (see warning)
+            return [None] * len(raw)
         return [first, *(None if v == first else v for v in raw[1:])]
 
     def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
         present = raw != raw[:, :1]  # NaN differs from everything, as in finalize
-        present[:, 0] = True
+        known = ~np.isnan(raw[:, 0])
+        present[:, 0] = known
+        present &= known[:, None]
         return raw, present
+
+    def warning(self, raw: Sequence[float]) -> str | None:
+        if not math.isnan(raw[0]):
+            return None
+        return (
+            f"{self.name}: a step the GradScaler skipped ran no optimizer step, and whether the lr moved before "
+            "or after tap.step was not known yet, so the lr that step would have used is left out of its row"
+        )
 
 
 class _TakeLearningRate:
