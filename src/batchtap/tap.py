@@ -359,19 +359,29 @@ class Tap:
     def _finish(self, status: RunStatus, reason: str | None, *, timeout: float | None = None) -> None:
         run = self._run
         assert run is not None
+        timeout = self.end_timeout if timeout is None else timeout
+        found: BaseException | None = None
         try:
             run.close()
+            if status is RunStatus.FINISHED:
+                # sync: end of run — the last blocks are checked before the run's status is stored:
+                # an error only their values reveal (a class index out of range) fails the run and
+                # is raised below, where a later step() would have raised it
+                self._pipeline.drain(timeout)
+                found = self._control.take_error()
+                if found is not None:
+                    status, reason = RunStatus.FAILED, f"{type(found).__name__}: {found}"
             run.info.status = status
             run.info.stop_reason = reason
             run.info.ended_at = time.time()
             self._pipeline.end_run(dataclasses.replace(run.info), writes=run.writes)
             # sync: end of run — every captured step reaches the sinks before run() returns, within end_timeout.
-            self._pipeline.finish_run(
-                run.info, timeout=self.end_timeout if timeout is None else timeout, last_step=run.step - 1
-            )
+            self._pipeline.finish_run(run.info, timeout=timeout, last_step=run.step - 1)
         finally:
             self._run = None
             AT_EXIT.running(self, False)
+        if found is not None:
+            raise found
 
     def _end_at_exit(self) -> None:
         """Interpreter exit: a run still open is ended as failed, waiting at most ``exit_timeout``;
