@@ -55,11 +55,19 @@ class Resolved:
         loss: 0-dim, detached, on the tensor's device: the loss with the constants undone.
         call: the recorded loss call under the constants, if one was found.
         undone: what was undone, in words (``"x GradScaler scale"``, ``"/ constant"``), root first.
+        scale: the GradScaler scale the tensor was multiplied by, when it was (a device tensor).
+        divided: a constant factor other than the GradScaler scale was undone (an accumulation
+            count, a loss weight).
+        shape: the graph's node names from the tensor down to the loss's own node: micro-batches
+            of one accumulated loss have the same shape, different losses rarely do.
     """
 
     loss: torch.Tensor
     call: LossCall | None
     undone: tuple[str, ...]
+    scale: torch.Tensor | None = None
+    divided: bool = False
+    shape: tuple[str, ...] = ()
 
 
 def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Tensor | None = None) -> Resolved:
@@ -84,13 +92,15 @@ def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Te
     """
     node = tensor.grad_fn
     factors: list[tuple[str, Any]] = []  # (op, constant) from the root down
+    names: list[str] = []
     for _ in range(_MAX_NODES):
         if node is None:
             break
+        name = node.name()
+        names.append(name)
         call = calls.get(node)
         if call is not None:
-            return Resolved(_value_of(call), call, tuple(_describe(op, c, scale) for op, c in factors))
-        name = node.name()
+            return _resolved(_value_of(call), call, factors, scale, names)
         following = node.next_functions
         if name in _THROUGH and following:
             node = following[0][0]
@@ -109,7 +119,29 @@ def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Te
     value = tensor.detach()
     for op, constant in reversed(factors):  # innermost factor last applied: undo from the root down
         value = value / constant if op == _MUL else value * constant
-    return Resolved(value, None, tuple(_describe(op, c, scale) for op, c in factors))
+    return _resolved(value, None, factors, scale, names)
+
+
+def _resolved(
+    value: torch.Tensor,
+    call: LossCall | None,
+    factors: list[tuple[str, Any]],
+    scale: torch.Tensor | None,
+    names: list[str],
+) -> Resolved:
+    scaled = [_is_scale(c, scale) for _, c in factors]
+    return Resolved(
+        value,
+        call,
+        tuple(_describe(op, c, scale) for op, c in factors),
+        scale=scale if any(scaled) else None,
+        divided=not all(scaled),
+        shape=tuple(names),
+    )
+
+
+def _is_scale(constant: Any, scale: torch.Tensor | None) -> bool:
+    return scale is not None and isinstance(constant, torch.Tensor) and constant.data_ptr() == scale.data_ptr()
 
 
 def _value_of(call: LossCall) -> torch.Tensor:
@@ -124,6 +156,6 @@ def _value_of(call: LossCall) -> torch.Tensor:
 
 def _describe(op: str, constant: Any, scale: torch.Tensor | None) -> str:
     sign = "x" if op == _MUL else "/"
-    if scale is not None and isinstance(constant, torch.Tensor) and constant.data_ptr() == scale.data_ptr():
+    if _is_scale(constant, scale):
         return f"{sign} GradScaler scale"
     return f"{sign} constant"

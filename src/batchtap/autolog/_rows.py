@@ -27,12 +27,35 @@ __all__ = ["MicroBatch", "Rows"]
 
 @dataclasses.dataclass(slots=True)
 class MicroBatch:
-    """One ``backward()``: its loss (constants undone) and what its classification loss saw."""
+    """One ``backward()``: its loss (constants undone) and what its classification loss saw.
+
+    Attributes:
+        loss: the loss with every constant factor undone (accumulation count, GradScaler scale).
+        raw: the tensor given to ``backward()`` (detached); None for a sum of several.
+        scale: the GradScaler scale ``raw`` carries, if any.
+        divided: ``raw`` carries a constant factor other than the scale.
+        shape: the graph's node names down to the loss (see :class:`~batchtap.autolog._graph.Resolved`).
+    """
 
     loss: torch.Tensor
     outputs: torch.Tensor | None = None
     targets: torch.Tensor | None = None
     ignore_index: int = -100
+    raw: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    divided: bool = False
+    shape: tuple[str, ...] = ()
+
+    def given(self) -> torch.Tensor:
+        """What the gradients saw of this loss: the tensor given to ``backward()`` with the
+        GradScaler scale undone, any other factor (a loss weight) kept. Device ops only."""
+        if self.raw is None:
+            return self.loss
+        return self.raw / self.scale if self.scale is not None else self.raw
+
+
+#: what several backward() calls before one optimizer step are
+_ACCUMULATION, _LOSSES = "accumulation", "losses"
 
 
 class Rows:
@@ -53,6 +76,7 @@ class Rows:
         self.optimizers: list[torch.optim.Optimizer] = []  # slot order: the order they were made (or first stepped)
         self._slots: dict[int, int] = {}
         self.pending: list[MicroBatch] = []
+        self._kind: str | None = None  # what the pending backward() calls are, once there are two
         self.events = 0  # optimizer steps seen (the loader watch reads it)
         self.rows = 0
         self._row: dict[int, StepEvent] = {}
@@ -80,16 +104,52 @@ class Rows:
         self.optimizers.append(optimizer)
 
     def on_backward(self, micro: MicroBatch) -> None:
-        self.pending.append(micro)
-        if len(self.optimizers) <= 1 and len(self.pending) > 1:
-            # gradient accumulation: the earlier micro-batch belongs to the coming step of the one optimizer
+        pending = self.pending
+        pending.append(micro)
+        if len(pending) == 2 and self._kind is None:
+            self._kind = self._several(pending[0], pending[1])
+        if len(self.optimizers) <= 1 and len(pending) > 1:
+            if self._kind == _ACCUMULATION:
+                # the earlier micro-batch belongs to the coming step of the one optimizer: hand it over
+                self._accumulate(pending.pop(0))
+            else:
+                pending[:] = [_summed(pending)]
+
+    def drop_pending(self) -> bool:
+        """Forget the pending ``backward()`` calls (their optimizer step raised); returns whether
+        some micro-batches of them were already handed to ``tap.accumulate``."""
+        self.pending.clear()
+        self._kind = None
+        return len(self.optimizers) <= 1 and self._accumulated > 0  # one optimizer: handed over at backward
+
+    def _several(self, first: MicroBatch, second: MicroBatch) -> str:
+        """What two ``backward()`` calls before one optimizer step are, from their graphs alone:
+        micro-batches of gradient accumulation (the same loss graph, each divided by a constant)
+        or several losses (a GAN's discriminator on real and fake data, a multi-loss loop)."""
+        if first.divided and second.divided and first.shape == second.shape:
             self.say(
                 "accumulation",
-                "several backward() calls before one optimizer step: recorded as gradient-accumulation "
-                "micro-batches (loss = their sample-weighted mean, each with its division by the "
-                "accumulation count undone; accuracy over all their targets)",
+                "several backward() calls before one optimizer step, each the same loss graph divided by a "
+                "constant: recorded as gradient-accumulation micro-batches (loss = their sample-weighted mean, "
+                "each with its division by the accumulation count undone; accuracy over all their targets)",
             )
-            self._accumulate(self.pending.pop(0))
+            return _ACCUMULATION
+        if not first.divided and not second.divided:
+            self.say(
+                "several-losses",
+                "several backward() calls before one optimizer step, none divided by a constant: recorded as "
+                "several losses, loss = their sum (what the step's gradients are the gradient of; a loop "
+                "accumulating micro-batches without dividing by their count minimizes that sum too)",
+            )
+        else:
+            self.say(
+                "losses-assumed",
+                "several backward() calls before one optimizer step that are not one loss graph divided by a "
+                "constant each (different graphs, or some divided and some not): assumed to be several "
+                "losses, loss = the sum of the tensors given to backward() (their constant weights kept, "
+                "the GradScaler scale undone), which is what the step's gradients are the gradient of",
+            )
+        return _LOSSES
 
     def on_step(self, event: StepEvent) -> None:
         self.events += 1
@@ -111,6 +171,9 @@ class Rows:
         if event.scale is not None:
             self._scaler = True
         micro, self.pending = self.pending, []
+        kind, self._kind = self._kind, None
+        if len(micro) > 1 and kind == _LOSSES:
+            micro = [_summed(micro)]
         if slot == 0:
             if len(micro) == 1 and not self._accumulated and len(self.optimizers) == 1:
                 self._direct = micro[0]
@@ -198,6 +261,18 @@ class Rows:
             )
             return False
         return True
+
+
+def _summed(micro: list[MicroBatch]) -> MicroBatch:
+    """Several losses of one optimizer step as one: the sum of what the gradients saw of each, with
+    the first classification loss's logits and targets (accuracy)."""
+    total = micro[0].given()
+    for m in micro[1:]:
+        total = total + m.given()
+    first = next((m for m in micro if m.outputs is not None), None)
+    if first is None:
+        return MicroBatch(total)
+    return MicroBatch(total, first.outputs, first.targets, first.ignore_index)
 
 
 def _any_skip(skips: list[torch.Tensor | float]) -> torch.Tensor | float | None:

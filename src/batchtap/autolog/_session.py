@@ -220,6 +220,19 @@ class Session:
         self.patches.replace(dist, "destroy_process_group", destroy_process_group)
 
     def _on_backward(self, tensors: Any) -> None:
+        if self.steps.raised():
+            # the backward() calls before an optimizer step that raised belong to no recorded step
+            handed = self.rows.drop_pending()
+            self.say(
+                "step-raised",
+                "an optimizer step raised and the loop went on: the backward() calls before it are not recorded"
+                + (
+                    " (except accumulation micro-batches already handed over: they count in the next step's row)"
+                    if handed
+                    else ""
+                )
+                + "; later steps are",
+            )
         if isinstance(tensors, (list, tuple)):
             if len(tensors) != 1:
                 self.say("several-tensors", "backward() of several tensors at once: their losses are not recorded")
@@ -231,7 +244,7 @@ class Session:
             self.say("non-scalar", "backward() of a non-scalar tensor (with a gradient argument): loss not recorded")
             return
         calls = self.calls
-        found = resolve(tensors, calls.by_node)
+        found = resolve(tensors, calls.by_node, self.steps.loss_scale())
         call = found.call if found.call is not None and found.call.logits is not None else calls.last_classification()
         calls.clear()
         if found.call is None:
@@ -249,7 +262,9 @@ class Session:
                     "targets) was computed with a gradient: loss only, no accuracy (a custom or regression "
                     "loss, or a loss function imported by name before bt.autolog() ran)",
                 )
-        micro = MicroBatch(found.loss)
+        micro = MicroBatch(
+            found.loss, raw=tensors.detach(), scale=found.scale, divided=found.divided, shape=found.shape
+        )
         if call is not None and call.logits is not None:
             micro.outputs, micro.targets, micro.ignore_index = call.logits, call.targets, call.ignore_index
         self.rows.on_backward(micro)

@@ -16,12 +16,14 @@ comes later). Three more seams complete the picture:
   ``optimizer.step(closure)``: with a closure, the gradient norm is taken in the post-hook.
 
 An optimizer subclass whose ``step`` calls ``super().step()`` fires the hooks twice: only the
-outermost pair counts. Nothing here reads a device value.
+outermost pair counts (told from the call stack, so a ``step`` that raised, whose post-hook never
+fired, does not hold later steps as nested). Nothing here reads a device value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -30,6 +32,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from batchtap.autolog._patches import PatchRegistry
+from batchtap.metrics._optimizer_hooks import StepNesting, has_closure
 from batchtap.metrics.functional import grads_norm
 
 __all__ = ["StepEvent", "OptimizerSteps"]
@@ -78,9 +81,10 @@ class OptimizerSteps:
         self._on_step = on_step
         self._on_optimizer = on_optimizer
         self._guard = guard
-        self._depth = 0
+        self._nesting = StepNesting()  # only the outermost step() call's hooks count
         self._open: _OpenStep | None = None
         self._clip: tuple[torch.Tensor, int] | None = None  # (pre-clip norm, id of its first parameter)
+        self._scaler: weakref.ref[torch.amp.GradScaler] | None = None  # the GradScaler that last scaled a loss
         self._scaler_step: list[StepEvent] | None = None  # inside GradScaler.step: the hooks' event goes here
         self._params: weakref.WeakKeyDictionary[torch.optim.Optimizer, frozenset[int]] = weakref.WeakKeyDictionary()
         self._known: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -115,17 +119,16 @@ class OptimizerSteps:
     # ------------------------------------------------------------------ the step hooks
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._depth:
-            self._depth += 1  # super().step() of a subclass, or an optimizer wrapping another
-            return
-        self._depth = 1
+        if not self._nesting.pre(sys._getframe(1)):
+            return  # super().step() of a subclass, or an optimizer wrapping another
+        self._open = None  # an earlier step that raised left its step open: it is not recorded
         if not self.enabled or torch.compiler.is_compiling():
             return
         self._guard(lambda: self._begin(optimizer, args, kwargs))
 
     def _begin(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.known(optimizer)
-        closure = (args[0] if args else kwargs.get("closure")) is not None
+        closure = has_closure(args, kwargs)
         found_inf = getattr(optimizer, "found_inf", None)  # set by GradScaler.step for a fused optimizer
         grad_scale = getattr(optimizer, "grad_scale", None)
         open_step = _OpenStep(optimizer, learning_rates(optimizer), closure, found_inf)
@@ -134,8 +137,7 @@ class OptimizerSteps:
         self._open = open_step
 
     def _post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._depth = max(self._depth - 1, 0)
-        if self._depth:
+        if not self._nesting.post():
             return
         open_step, self._open = self._open, None
         if open_step is None or not self.enabled:
@@ -222,6 +224,30 @@ class OptimizerSteps:
         step.__wrapped__ = original  # type: ignore[attr-defined]
         step.__doc__ = original.__doc__
         patches.replace(scaler_type, "step", step)
+
+        original_scale = scaler_type.scale
+
+        def scale(scaler: torch.amp.GradScaler, outputs: Any) -> Any:
+            if steps.enabled and scaler.is_enabled():
+                steps._scaler = weakref.ref(scaler)  # its scale is a factor to undo, not a loss weight
+            return original_scale(scaler, outputs)
+
+        scale.__wrapped__ = original_scale  # type: ignore[attr-defined]
+        scale.__doc__ = original_scale.__doc__
+        patches.replace(scaler_type, "scale", scale)
+
+    def raised(self) -> bool:
+        """Whether an optimizer step raised since the last check (it is still open but no longer on
+        the stack: its post-hook never came); called at each ``backward()``. Closes it."""
+        if not self._nesting.stale(sys._getframe(1)):
+            return False
+        self._open = None
+        return True
+
+    def loss_scale(self) -> torch.Tensor | None:
+        """The scale tensor of the GradScaler that last scaled a loss (None without one)."""
+        scaler = self._scaler() if self._scaler is not None else None
+        return getattr(scaler, "_scale", None) if scaler is not None else None
 
     def _scaler_done(
         self,

@@ -70,6 +70,16 @@ class StepNesting:
         self._outer = caller
         return True
 
+    def stale(self, here: types.FrameType) -> bool:
+        """Whether a call is open that is no longer on the stack seen from ``here`` (its ``step``
+        raised); such a call is closed. Costs a compare when no call is open."""
+        if not self.depth or _on_stack(self._outer, here):
+            return False
+        self.depth = 0
+        self._outer = None
+        self.recovered += 1
+        return True
+
     def post(self) -> bool:
         """A post-hook fired: True when it closes the outermost call."""
         if not self.depth:
