@@ -143,3 +143,19 @@ def test_jsonl_sparse_records_are_record_lines_marked_sparse(tmp_path) -> None:
         "sparse": True, "val_loss": 0.25, "val_acc": "nan",
     }  # fmt: skip
     assert rows[2]["type"] == "event" and rows[2]["kind"] == "skip"
+
+
+def test_values_logged_at_every_step_print_once_per_every_steps_and_evaluation_always() -> None:
+    # Lightning's self.log(..., on_step=True) logs at every training step: one eval line per step
+    # would drown the step lines (issue 29 item 5); evaluation values, logged far apart, all print.
+    stream = io.StringIO()
+    console = bt.sinks.Console(every=10, stream=stream, live=False)
+    run = RunInfo(id="r", name="r", config={}, started_at=0.0)
+    console.start_run(run)
+    for step in range(30):
+        console.write([Record("r", step, 0, step, 0, float(step), {"train_loss": 1.0}, sparse=True)])
+    for step in (100, 105):
+        console.write([Record("r", step, 1, 0, 0, float(step), {"val_loss": 0.5}, sparse=True)])
+    console.end_run(RunInfo(id="r", name="r", config={}, started_at=0.0, status=RunStatus.FINISHED))
+    lines = [line for line in stream.getvalue().splitlines() if line.startswith("eval")]
+    assert [line.split()[2] for line in lines] == ["0", "10", "20", "100"]

@@ -114,8 +114,10 @@ class Console(Sink):
     MiB) and is formatted for its size (``loss=7.5e+29``, never 30 digits); ``batchtap tail``
     prints the same (:func:`format_value`).
 
-    Values logged with ``Tap.log()`` (sparse records) always get a line of their own, e.g.
-    ``eval  step 200  val_loss 0.3100  val_acc 90.00%`` (:func:`format_sparse`), above the bar.
+    Values logged with ``Tap.log()`` (sparse records) get a line of their own, e.g.
+    ``eval  step 200  val_loss 0.3100  val_acc 90.00%`` (:func:`format_sparse`), above the bar;
+    the same names logged again within ``every`` steps (a per-step ``self.log`` in Lightning) print
+    once per ``every`` steps. Every value is stored either way.
     Anomalies, actions, warnings and skipped steps (AMP) are printed in step order, one line per
     step and kind (a NaN that poisons five values is one line); at most ``max_anomaly_lines``
     anomaly lines and as many skip lines per run, then only counted; the final line gives both
@@ -167,6 +169,7 @@ class Console(Sink):
         if not (isinstance(rate_window, (int, float)) and rate_window > 0):
             raise ConfigError(f"Console rate_window must be > 0 seconds, got {rate_window!r}")
         self.every = every
+        self._sparse_printed: dict[frozenset[str], int] = {}  # logged names -> step of their last line
         self.stream = real_stream(stream if stream is not None else sys.stderr)
         self._stream_name = _std_name(self.stream)  # how the stream travels to another process
         self._live_arg = live
@@ -213,6 +216,7 @@ class Console(Sink):
     def start_run(self, run: RunInfo) -> None:
         self._run, self._last = run, None
         self._anomalies = self._anomaly_lines = self._skips = self._skip_lines = 0
+        self._sparse_printed.clear()
         if self.guard_stdout and not self._guarding:
             guard_stdout()
             self._guarding = True
@@ -235,7 +239,8 @@ class Console(Sink):
         steps: list[Record] = []
         for r in records:
             if r.sparse:
-                lines.append((r.step, 2, r.wall_time, format_sparse(r)))
+                if self._sparse_due(r):
+                    lines.append((r.step, 2, r.wall_time, format_sparse(r)))
                 continue
             self._last = r
             if self.live:
@@ -256,6 +261,17 @@ class Console(Sink):
             self._print([line for _, _, _, line in lines])
         if steps:
             self._update_bar(steps)
+
+    def _sparse_due(self, record: Record) -> bool:
+        """Whether a ``Tap.log()`` line is printed: the same names logged again within ``every``
+        steps (Lightning's ``self.log(..., on_step=True)`` logs at every step) print once per
+        ``every`` steps, like the step lines; evaluation values, logged far apart, always print."""
+        names = frozenset(record.values)
+        last = self._sparse_printed.get(names)
+        if last is not None and 0 <= record.step - last < self.every:
+            return False
+        self._sparse_printed[names] = record.step
+        return True
 
     def end_run(self, run: RunInfo) -> None:
         with SCREEN.lock:
