@@ -5,7 +5,8 @@ logits and targets of the classification loss computed for it). With one optimiz
 loop) a row closes at each of its steps: one micro-batch goes to ``tap.step(loss=, outputs=,
 targets=)``, the Tap's short path; several go to ``tap.accumulate`` (each handed over as soon as
 the next one arrives, so no more than one micro-batch's logits are held beyond the loop's own)
-and ``tap.step()``. With several optimizers (a GAN) a row closes once every optimizer stepped
+and ``tap.step()``; several that are not one loss graph divided by a constant each are several
+losses, summed into one micro-batch. With several optimizers (a GAN) a row closes once every optimizer stepped
 (or when one steps a second time before the others did): the first optimizer's micro-batches are
 the Tap's loss and accuracy, the others' losses are ``loss_1``... of :class:`OptimizerFacts`.
 """
