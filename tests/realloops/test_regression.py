@@ -57,7 +57,11 @@ def test_regression_mlp_default_metrics(sink: ListSink) -> None:
                 sched.step()
 
     rows = assert_one_record_per_step(sink.records, STEPS)
-    assert_clean(sink.events)
+    # [24, 2] float targets fit regression and one-hot labels alike: the default accuracy is left
+    # out, and said once (issue 27); nothing else is reported on this clean run
+    notes = [e for e in sink.events if e.kind is bt.EventKind.WARNING and "no accuracy is recorded" in e.message]
+    assert len(notes) == 1 and notes[0].step == 0
+    assert_clean([e for e in sink.events if e not in notes])
     assert_all_finite(rows)
     assert len({r["lr"] for r in expected}) == 3  # the scheduler changed the lr twice
     for record, ref in zip(rows, expected):
