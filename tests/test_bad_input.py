@@ -180,7 +180,9 @@ def test_each_target_boundary_alone_raises_through_the_tap(bad: int, smallest: i
             id="duplicate-metric",
         ),
         pytest.param(
-            dict(metrics=["loss"]), r"metrics\[0\] must be a batchtap.metrics.Metric object, got 'loss'; fix: ", id="metric-not-object"
+            dict(metrics=["loss"]),
+            r"metrics\[0\] must be a batchtap.metrics.Metric object, got 'loss'; fix: ",
+            id="metric-not-object",
         ),
         pytest.param(
             dict(
