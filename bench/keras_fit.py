@@ -9,6 +9,11 @@ One backend per process (Keras picks it once): run it once per backend.
     KERAS_BACKEND=tensorflow .venv/bin/python bench/keras_fit.py
     KERAS_BACKEND=torch .venv/bin/python bench/keras_fit.py
     KERAS_BACKEND=tensorflow .venv/bin/python bench/keras_fit.py --jit --steps-per-execution 10
+
+``--compiled-step N`` (TensorFlow) times only the compiled train step, called N times in a tight
+loop on one fixed batch, without and with the ops ``BatchtapCallback`` adds (its hooks on
+``compute_loss`` and ``optimizer.apply``, NaN freeze included): the in-graph cost without
+``fit()``'s per-step host work, which on a shared machine drowns it.
 """
 
 from __future__ import annotations
@@ -86,6 +91,46 @@ def fit_once(variant: str, x: np.ndarray, y: np.ndarray, args: argparse.Namespac
     return statistics.median(clock.seconds[1:]) / batches
 
 
+def compiled_step_once(variant: str, x: np.ndarray, y: np.ndarray, args: argparse.Namespace) -> float:
+    """Seconds per call of a tf.function train step (the Keras hooks in it for ``batchtap``)."""
+    import tensorflow as tf
+
+    from batchtap.integrations._keras_tf import TFRecorder
+
+    model = keras.Sequential(
+        [
+            keras.Input((x.shape[1],)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
+    model.optimizer.build(model.trainable_variables)
+    xb, yb = tf.constant(x[: args.batch_size]), tf.constant(y[: args.batch_size])
+    recorder = None
+    if variant == "batchtap":
+        tap = bt.Tap(metrics=[bt.metrics.Loss()], sinks=[], flush_every=50)
+        recorder = TFRecorder(model, tap, flush_every=None, freeze_on_nan=True)
+
+    @tf.function(jit_compile=args.jit)
+    def step(xs: Any, ys: Any) -> None:
+        with tf.GradientTape() as tape:
+            y_pred = model(xs, training=True)
+            loss = model.compute_loss(xs, ys, y_pred, training=True)
+        grads = tape.gradient(loss, model.trainable_variables)
+        model.optimizer.apply(grads, model.trainable_variables)
+
+    for _ in range(50):
+        step(xb, yb)
+    start = time.perf_counter()
+    for _ in range(args.compiled_step):
+        step(xb, yb)
+    seconds = (time.perf_counter() - start) / args.compiled_step
+    if recorder is not None:
+        recorder.remove()
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -94,21 +139,24 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--jit", action="store_true")
     parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--compiled-step", type=int, default=0, help="time N calls of the compiled step only")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.batches * args.batch_size, 32)).astype("float32")
     y = rng.integers(0, 10, size=len(x))
-    variants = ("plain", "batchtap", "float(loss)")
+    variants: tuple[str, ...] = ("plain", "batchtap", "float(loss)")
+    run_once = fit_once
+    what = f"steps_per_execution={args.steps_per_execution}, {args.batches} batches of {args.batch_size}, "
+    what += f"median of {args.repeats} interleaved rounds (epochs 2-{args.epochs})"
+    if args.compiled_step:
+        variants, run_once = ("plain", "batchtap"), compiled_step_once
+        what = f"compiled step only, {args.compiled_step} calls per round, median of {args.repeats} interleaved rounds"
     times: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):
         for variant in variants:
-            times[variant].append(fit_once(variant, x, y, args))
+            times[variant].append(run_once(variant, x, y, args))
     base = statistics.median(times["plain"])
-    print(
-        f"keras {keras.__version__}, backend {keras.backend.backend()}, jit_compile={args.jit}, "
-        f"steps_per_execution={args.steps_per_execution}, {args.batches} batches of {args.batch_size}, "
-        f"median of {args.repeats} interleaved rounds (epochs 2-{args.epochs})"
-    )
+    print(f"keras {keras.__version__}, backend {keras.backend.backend()}, jit_compile={args.jit}, {what}")
     print("| variant | us per step (median) | vs plain | runs (us) |")
     print("|---|---|---|---|")
     for variant in variants:

@@ -52,6 +52,24 @@ def check_tap_for_tf(tap: Tap) -> None:
         )
 
 
+def _class_scores(tf: Any, outputs: Any) -> Any:
+    """What to take the top-1 class of: ``outputs``, or, where ``outputs`` is a traced ``Softmax``
+    op's result (a Keras ``softmax`` output layer), that op's logits.
+
+    Why: Keras computes the loss of a softmax output from its logits, so the softmax itself is
+    pruned from the step unless something reads it; reading it for accuracy kept it alive and cost
+    ~80-110 us per step on the TensorFlow CPU build with oneDNN (measured: a tiny MLP whose whole
+    compiled step is ~0.27 ms), the argmax of the logits ~6 us. Softmax never reverses the order of
+    two logits, so the top class is the same, except where two distinct top logits round to the
+    same float32 probability (Keras' accuracy then counts the lower class index, this the class
+    with the larger logit).
+    """
+    op = None if tf.executing_eagerly() else getattr(outputs, "op", None)
+    if op is None or op.type != "Softmax":
+        return outputs
+    return op.inputs[0]  # the raw Softmax op always normalizes the last axis, the one argmax reads
+
+
 def _tf() -> Any:
     return require("tensorflow", extra="keras", purpose="batchtap's TensorFlow capture")
 
@@ -177,7 +195,7 @@ class TFCapture:
         classes = outputs.shape[-1] if outputs.shape.rank else None
         if not outputs.shape.rank or outputs.shape.rank < 2 or classes is None or classes < 2:
             return nan, nan  # a single score per sample (binary, regression): no class to pick
-        predicted = tf.argmax(outputs, axis=-1)
+        predicted = tf.argmax(_class_scores(tf, outputs), axis=-1)
         if targets.shape.rank == outputs.shape.rank and targets.shape[-1] == classes:
             wanted = tf.argmax(targets, axis=-1)  # one-hot (categorical) targets
         else:
