@@ -76,7 +76,11 @@ def test_a_process_group_kill_leaves_no_segment_once_a_new_tap_runs_and_the_run_
     os.killpg(proc.pid, signal.SIGKILL)  # the training process, its pipeline process, the resource tracker
     proc.wait(30)
     _wait_gone(proc.pid)
-    assert _segments_of(proc.pid) == segments, "nobody of the killed group was left to remove it"
+    # nobody of the killed group was left to remove its segment; it is abandoned by our rule (another
+    # batchtap process on this host, whose first Tap sweeps, may remove it meanwhile, as designed)
+    left = _segments_of(proc.pid)
+    assert set(left) <= set(segments)
+    assert all(_stale.segment_abandoned(name) for name in left), left
     with batchtap.store.open(db) as st:
         run = st.run(run_id)
     assert run.status is bt.RunStatus.KILLED  # a later batchtap process on this host sees the owner gone

@@ -32,8 +32,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from batchtap.autolog._patches import PatchRegistry
-from batchtap.metrics._optimizer_hooks import StepNesting, has_closure
 from batchtap.metrics.functional import grads_norm
+from batchtap.metrics.optimizer_hooks import StepNesting, has_closure
 
 __all__ = ["StepEvent", "OptimizerSteps"]
 

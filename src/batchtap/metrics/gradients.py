@@ -13,7 +13,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from batchtap.errors import ConfigError, InputError
 from batchtap.metrics import functional as F
-from batchtap.metrics._optimizer_hooks import StepNesting, has_closure, scaler_states, scaler_stepped_since
 from batchtap.metrics._shared import Filled, step_device
 from batchtap.metrics.base import (
     Metric,
@@ -21,6 +20,7 @@ from batchtap.metrics.base import (
     StepTiming,
 )
 from batchtap.metrics.domain import NONNEGATIVE, Domain, Output, Reduce
+from batchtap.metrics.optimizer_hooks import StepNesting, has_closure, scaler_states, scaler_stepped_since
 
 # GradNorm's host state column: where this step's value is, or why there is none
 _NORM_ON_DEVICE, _NORM_ON_HOST, _NORM_NOT_PASSED, _NORM_NO_GRADIENT = 1.0, 2.0, 0.0, -1.0

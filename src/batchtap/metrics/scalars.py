@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from batchtap.errors import ConfigError, InputError
-from batchtap.metrics._optimizer_hooks import scaler_states, scaler_stepped_since
 from batchtap.metrics._shared import everywhere, step_device
 from batchtap.metrics.base import (
     BlockTiming,
@@ -24,6 +23,7 @@ from batchtap.metrics.base import (
     StepTiming,
 )
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, Domain, Output, Reduce
+from batchtap.metrics.optimizer_hooks import scaler_states, scaler_stepped_since
 
 
 class Loss(Metric):
