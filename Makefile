@@ -63,7 +63,7 @@ bench: $(TEST_STAMP)
 	$(BIN)/python bench/overhead.py
 
 # A sampled mutation run over the critical modules (on demand, not in CI; ~30-60 min on 2 cores).
-# Pass options through MUTATE_ARGS, e.g. make mutate MUTATE_ARGS="--only pipeline/reduce.py --fraction 1".
+# Pass options through MUTATE_ARGS, e.g. make mutate MUTATE_ARGS="--only pipeline/chain/reduce.py --fraction 1".
 # Results: mutants.json; what the score means and the survivors' explanations: TESTING.md.
 mutate: $(TEST_STAMP)
 	$(BIN)/python tools/mutate.py $(MUTATE_ARGS)

@@ -39,7 +39,7 @@ from torch import nn
 
 import batchtap as bt
 import batchtap.tap as tap_module
-from batchtap.pipeline.reduce import Reducer
+from batchtap.pipeline.chain.reduce import Reducer
 
 
 def _model() -> nn.Module:

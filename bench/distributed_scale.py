@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import batchtap as bt
-from batchtap.pipeline.reduce import Reducer
+from batchtap.pipeline.chain.reduce import Reducer
 
 
 def _wchar() -> int:

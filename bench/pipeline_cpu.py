@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import batchtap as bt
-from batchtap.pipeline import thread as thread_pipeline
+from batchtap.pipeline.transport import thread as thread_pipeline
 
 
 def _metrics(kind: str) -> list[bt.metrics.Metric]:

@@ -142,6 +142,34 @@ def test_dependencies_point_one_way(package: str) -> None:
     assert not bad, "\n".join(bad)
 
 
+# pipeline/ split by job: subpackage -> the pipeline subpackages it must not import. The chain runs the
+# same under either transport and in one process or many, so it imports neither; rank agreement is
+# driven by the training thread and never by how messages travel.
+PIPELINE_PARTS = {
+    "chain": {"transport", "ranks"},
+    "ranks": {"transport"},
+    "transport": {"ranks"},
+}
+
+
+def test_every_pipeline_part_has_an_entry() -> None:
+    parts = {p.name for p in (SRC / "pipeline").iterdir() if (p / "__init__.py").is_file()}
+    loose = sorted(p.name for p in (SRC / "pipeline").glob("*.py") if p.name != "__init__.py")
+    assert parts == set(PIPELINE_PARTS), f"pipeline subpackages {sorted(parts)} vs entries {sorted(PIPELINE_PARTS)}"
+    assert not loose, f"modules loose in pipeline/ (put each in the part that does its job): {loose}"
+
+
+@pytest.mark.parametrize("part", sorted(PIPELINE_PARTS))
+def test_pipeline_parts_point_one_way(part: str) -> None:
+    bad = []
+    for path in sorted((SRC / "pipeline" / part).rglob("*.py")):
+        for name in sorted(_imported(path)):
+            pieces = name.split(".")
+            if pieces[1] == "pipeline" and len(pieces) > 2 and pieces[2] in PIPELINE_PARTS[part]:
+                bad.append(f"{path.relative_to(SRC)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
 def test_every_top_level_module_has_an_entry() -> None:
     assert set(TOP_FORBIDDEN) == TOP_MODULES, (
         f"top-level modules without an entry in TOP_FORBIDDEN: {sorted(TOP_MODULES - set(TOP_FORBIDDEN))}; "
@@ -333,7 +361,7 @@ def _owner(target: str) -> str:
 def test_no_package_imports_another_packages_private_module() -> None:
     """``batchtap.<pkg>._mod`` (and ``_name``s of ``<pkg>``'s modules) are imported only from inside
     ``<pkg>``; batchtap's own top-level helpers (``batchtap._env`` ...) from anywhere in batchtap.
-    What other packages need is a public module (``store/url.py``, ``pipeline/ranks.py``)."""
+    What other packages need is a public module (``store/url.py``, ``pipeline/ranks/group.py``)."""
     bad = []
     for path in SRC.rglob("*.py"):
         importer = _module_name(path)

@@ -3,7 +3,7 @@
 Usage::
 
     .venv/bin/python tools/mutate.py                      # every module in MODULES, sampled (--fraction)
-    .venv/bin/python tools/mutate.py --only pipeline/reduce.py --fraction 1   # every mutant of one module
+    .venv/bin/python tools/mutate.py --only pipeline/chain/reduce.py --fraction 1   # every mutant of one module
     .venv/bin/python tools/mutate.py --ids mutants.txt    # re-run the mutants listed (one id a line)
 
 Why a script of our own: mutmut 3 rewrites the package into a trampoline tree and cannot follow the
@@ -69,7 +69,7 @@ TESTS: dict[str, list[str]] = {
     "metrics/timing.py": ["tests/metrics", "tests/test_properties.py", "tests/test_bad_input.py"],
     "metrics/functional.py": ["tests/metrics", "tests/test_properties.py"],
     "metrics/domain.py": ["tests/metrics", "tests/test_bad_input.py"],
-    "pipeline/decode.py": [
+    "pipeline/chain/decode.py": [
         "tests/pipeline/test_decode.py",
         "tests/metrics/test_domains.py",
         "tests/test_bad_input.py",
@@ -77,14 +77,14 @@ TESTS: dict[str, list[str]] = {
         "tests/metrics/test_builtin.py",
     ],
     # the fast arithmetic first (-x stops there); the real gloo runs only for what survives it
-    "pipeline/reduce.py": [
+    "pipeline/chain/reduce.py": [
         "tests/pipeline/test_reduce.py",
         "tests/pipeline/test_reduce_packing.py",
         _DIST + "test_every_reduction_kind_over_real_ranks",
         _DIST + "test_reduced_loss_and_accuracy_equal_the_union_reference",
         _DIST + "test_straggler_fields_name_the_slow_rank",
     ],
-    "pipeline/dispatch.py": ["tests/pipeline/test_dispatch.py", "tests/faults/test_three_mutants.py"],
+    "pipeline/chain/dispatch.py": ["tests/pipeline/test_dispatch.py", "tests/faults/test_three_mutants.py"],
     "sinks/resilient.py": ["tests/sinks/test_resilient.py"],
     "rules/engine.py": ["tests/rules/test_engine.py", "tests/test_tap_rules.py"],
     "store/schema.py": ["tests/store/test_schema.py", "tests/sinks/test_sqlite.py"],
@@ -103,9 +103,9 @@ MODULES = [
     "metrics/timing.py",
     "metrics/functional.py",
     "metrics/domain.py",
-    "pipeline/decode.py",
-    "pipeline/reduce.py",
-    "pipeline/dispatch.py",
+    "pipeline/chain/decode.py",
+    "pipeline/chain/reduce.py",
+    "pipeline/chain/dispatch.py",
     "sinks/resilient.py",
     "rules/engine.py",
     "store/schema.py",
@@ -117,7 +117,7 @@ MODULES = [
 PINNED: dict[str, tuple[str, ...]] = {
     "capture/accumulate.py": ("_combine",),
     "metrics/accuracy.py": ("_fused_top1",),
-    "pipeline/dispatch.py": ("_drop_oldest",),
+    "pipeline/chain/dispatch.py": ("_drop_oldest",),
 }
 
 #: attribute swaps: torch's elementwise min/max, and a count's dtype narrowed (float32 -> float16)

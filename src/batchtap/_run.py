@@ -39,10 +39,10 @@ from batchtap.errors import ConfigError, DistributedError, InputError
 from batchtap.metrics.base import Metric, StepInputs
 from batchtap.metrics.inputs import check_count, check_scalar, device_of, overflow_message, samples_of
 from batchtap.metrics.left_out import warn_left_out
-from batchtap.pipeline.agreement import ProcessGroups, RankAgreement
-from batchtap.pipeline.chain import ReduceSpec
-from batchtap.pipeline.control import Control
-from batchtap.pipeline.host import PipelineHost
+from batchtap.pipeline.chain.control import Control
+from batchtap.pipeline.chain.stages import ReduceSpec
+from batchtap.pipeline.ranks.agreement import ProcessGroups, RankAgreement
+from batchtap.pipeline.transport.host import PipelineHost
 from batchtap.records import Event, EventKind, RunInfo
 from batchtap.recovery.actions import ActionRunner
 

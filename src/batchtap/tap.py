@@ -3,9 +3,9 @@
 A ``Tap`` is configuration, the run's life cycle and the step call. Per run it owns a
 :class:`~batchtap.capture.session.RunCapture` (the device ring, its clock, flusher and NaN guard),
 made at the first step, and hands flushed blocks to the pipeline: a thread of this process
-(:mod:`batchtap.pipeline.thread`) or a process of its own (:mod:`batchtap.pipeline.process`) that
+(:mod:`batchtap.pipeline.transport.thread`) or a process of its own (:mod:`batchtap.pipeline.transport.process`) that
 decodes, validates, reduces across ranks, runs the rules and feeds the sinks. What comes back (rule
-verdicts, the stop state, errors) waits in one :class:`~batchtap.pipeline.control.Control`, read at
+verdicts, the stop state, errors) waits in one :class:`~batchtap.pipeline.chain.control.Control`, read at
 step boundaries. Per step the training thread only launches a few small device ops and writes host
 arrays; it never reads a device value.
 
@@ -54,13 +54,13 @@ from batchtap.metrics.inputs import (
     check_metrics,
     declared_extras,
 )
-from batchtap.pipeline import ranks
-from batchtap.pipeline.agreement import ProcessGroups, RankAgreement
-from batchtap.pipeline.control import Control
-from batchtap.pipeline.core import PipelineSettings
-from batchtap.pipeline.dispatch import Backpressure
-from batchtap.pipeline.host import PipelineHost, PipelineKind
-from batchtap.pipeline.make import make_pipeline
+from batchtap.pipeline.chain.control import Control
+from batchtap.pipeline.chain.core import PipelineSettings
+from batchtap.pipeline.chain.dispatch import Backpressure
+from batchtap.pipeline.ranks import group as ranks
+from batchtap.pipeline.ranks.agreement import ProcessGroups, RankAgreement
+from batchtap.pipeline.transport.host import PipelineHost, PipelineKind
+from batchtap.pipeline.transport.make import make_pipeline
 from batchtap.records import Event, EventKind, RunInfo, RunStatus
 from batchtap.recovery.actions import ActionRunner
 from batchtap.recovery.rollback import Rollback

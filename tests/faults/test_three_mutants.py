@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import batchtap as bt
-from batchtap.pipeline.dispatch import Dispatcher
+from batchtap.pipeline.chain.dispatch import Dispatcher
 from batchtap.records import Event, EventKind, Record, RunInfo
 from batchtap.sinks.base import Sink
 from tests.conftest import ListSink

@@ -11,7 +11,7 @@ from batchtap.capture.flush import BlockData
 from batchtap.metrics import Loss, StepTime
 from batchtap.metrics.base import Metric
 from batchtap.metrics.layout import Layout
-from batchtap.pipeline.messages import BlockRows, OpenChain
+from batchtap.pipeline.chain.messages import BlockRows, OpenChain
 
 
 def metrics() -> tuple[Metric, ...]:

@@ -10,7 +10,7 @@ from math import isfinite
 from batchtap.capture.flush import BlockData
 from batchtap.metrics.base import StepTiming
 from batchtap.metrics.layout import Layout
-from batchtap.pipeline.decode import Decoder
+from batchtap.pipeline.chain.decode import Decoder
 from batchtap.records import Event, EventKind, Record
 
 __all__ = ["RowDecoder", "Decoded"]

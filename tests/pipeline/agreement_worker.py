@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from batchtap.pipeline.agreement import ProcessGroups, RankAgreement
-from batchtap.pipeline.control import Control, Verdict
+from batchtap.pipeline.chain.control import Control, Verdict
+from batchtap.pipeline.ranks.agreement import ProcessGroups, RankAgreement
 
 FLUSHES = 5
 

@@ -20,8 +20,8 @@ from batchtap.capture.flush import Block, BlockData, Flusher
 from batchtap.capture.ring import MetricRing
 from batchtap.metrics import Loss
 from batchtap.metrics.layout import Layout
-from batchtap.pipeline.control import Control
-from batchtap.pipeline.thread import ThreadPipeline
+from batchtap.pipeline.chain.control import Control
+from batchtap.pipeline.transport.thread import ThreadPipeline
 from tests.conftest import ListSink
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from batchtap.pipeline.control import Control, Verdict
+from batchtap.pipeline.chain.control import Control, Verdict
 
 
 def test_verdicts_are_taken_oldest_first_and_counted() -> None:

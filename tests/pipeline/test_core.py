@@ -1,4 +1,4 @@
-"""PipelineCore on its own: every message of batchtap.pipeline.messages, built directly from BlockData."""
+"""PipelineCore on its own: every message of batchtap.pipeline.chain.messages, built directly from BlockData."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from batchtap.errors import InputError
 from batchtap.metrics import Accuracy
 from batchtap.metrics.base import StepInputs
-from batchtap.pipeline.control import Control
-from batchtap.pipeline.core import PipelineCore, PipelineSettings
-from batchtap.pipeline.messages import (
+from batchtap.pipeline.chain.control import Control
+from batchtap.pipeline.chain.core import PipelineCore, PipelineSettings
+from batchtap.pipeline.chain.messages import (
     Barrier,
     BlockRows,
     Close,

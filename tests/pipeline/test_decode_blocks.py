@@ -15,8 +15,8 @@ import batchtap as bt
 from batchtap.capture.flush import BlockData
 from batchtap.metrics import StepInputs
 from batchtap.metrics.layout import Layout
-from batchtap.pipeline.decode import Decoder
-from batchtap.pipeline.rows import DecodedBlock
+from batchtap.pipeline.chain.decode import Decoder
+from batchtap.pipeline.chain.rows import DecodedBlock
 from tests.pipeline._row_decoder import RowDecoder
 
 VALUES = [0.0, 1.0, 2.0, 0.5, 3.0, -1.0, 7.0, math.nan, math.inf, -math.inf, 1e9, 16.0]

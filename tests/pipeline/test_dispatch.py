@@ -8,7 +8,7 @@ import time
 import torch
 
 import batchtap as bt
-from batchtap.pipeline.dispatch import Dispatcher
+from batchtap.pipeline.chain.dispatch import Dispatcher
 from batchtap.records import EventKind, Record
 from tests.conftest import ListSink
 

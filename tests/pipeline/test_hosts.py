@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from batchtap.metrics.layout import Layout
-from batchtap.pipeline.control import Control
-from batchtap.pipeline.core import PipelineSettings
-from batchtap.pipeline.crossing import dumps_to_child
-from batchtap.pipeline.host import PipelineHost
-from batchtap.pipeline.make import make_pipeline
-from batchtap.pipeline.messages import BlockRows, RunStart
-from batchtap.pipeline.process import ProcessPipeline
-from batchtap.pipeline.thread import ThreadPipeline
+from batchtap.pipeline.chain.control import Control
+from batchtap.pipeline.chain.core import PipelineSettings
+from batchtap.pipeline.chain.messages import BlockRows, RunStart
+from batchtap.pipeline.transport.crossing import dumps_to_child
+from batchtap.pipeline.transport.host import PipelineHost
+from batchtap.pipeline.transport.make import make_pipeline
+from batchtap.pipeline.transport.process import ProcessPipeline
+from batchtap.pipeline.transport.thread import ThreadPipeline
 from batchtap.records import Event, EventKind, RunInfo, RunStatus
 from tests.pipeline._blocks import loss_block, metrics
 from tests.pipeline.process_sinks import FileListSink, received
@@ -104,8 +104,8 @@ def test_the_pipeline_process_needs_no_torch_for_a_runs_start() -> None:
     payload = dumps_to_child(RunStart(run), {})
     code = (
         "import sys\n"
-        "from batchtap.pipeline import child, crossing\n"
-        "from batchtap.pipeline.messages import RunStart\n"
+        "from batchtap.pipeline.transport import child, crossing\n"
+        "from batchtap.pipeline.chain.messages import RunStart\n"
         "from tests.pipeline.probe_sinks import ModulesSink\n"
         f"message = crossing.loads_from_parent({payload!r})\n"
         "assert isinstance(message, RunStart) and type(message.run.environment['torch']) is str\n"

@@ -18,8 +18,8 @@ import pytest
 import torch.distributed as dist
 
 from batchtap.metrics.domain import Output, Reduce
-from batchtap.pipeline.reduce import STRAGGLER_FIELDS, Reducer
-from batchtap.pipeline.rows import DecodedBlock
+from batchtap.pipeline.chain.reduce import STRAGGLER_FIELDS, Reducer
+from batchtap.pipeline.chain.rows import DecodedBlock
 from batchtap.records import ALL_RANKS, Event, EventKind, Record
 
 OUTPUTS = (

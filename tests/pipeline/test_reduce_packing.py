@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from batchtap.metrics.domain import Reduce
-from batchtap.pipeline.reduce import Reducer
-from batchtap.pipeline.rows import DecodedBlock
+from batchtap.pipeline.chain.reduce import Reducer
+from batchtap.pipeline.chain.rows import DecodedBlock
 from batchtap.records import ALL_RANKS, Record
 from tests.pipeline.test_reduce import OUTPUTS  # one of each reduction kind
 

@@ -1,10 +1,10 @@
 """What a pipeline does with each thing handed to it, wherever it runs.
 
-:class:`PipelineCore` holds the sink workers (:class:`~batchtap.pipeline.dispatch.Dispatcher`), the
-rules stage, the open runs' chains and the :class:`~batchtap.pipeline.control.Control` it posts to.
-:meth:`PipelineCore.handle` takes every message of :mod:`batchtap.pipeline.messages`, in order, from
-whichever host feeds it: the pipeline thread (:mod:`batchtap.pipeline.thread`), the pipeline
-process (:mod:`batchtap.pipeline.child`), or the thread a failed pipeline process hands over to.
+:class:`PipelineCore` holds the sink workers (:class:`~batchtap.pipeline.chain.dispatch.Dispatcher`), the
+rules stage, the open runs' chains and the :class:`~batchtap.pipeline.chain.control.Control` it posts to.
+:meth:`PipelineCore.handle` takes every message of :mod:`batchtap.pipeline.chain.messages`, in order, from
+whichever host feeds it: the pipeline thread (:mod:`batchtap.pipeline.transport.thread`), the pipeline
+process (:mod:`batchtap.pipeline.transport.child`), or the thread a failed pipeline process hands over to.
 Calls come from one thread at a time.
 
 The core imports torch only when a chain opens (the metrics' decoding needs it), so a pipeline
@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from batchtap.errors import InputError
-from batchtap.pipeline.control import Control
-from batchtap.pipeline.dispatch import Backpressure, Dispatcher
-from batchtap.pipeline.ending import wait_for_sinks
-from batchtap.pipeline.messages import (
+from batchtap.pipeline.chain.control import Control
+from batchtap.pipeline.chain.dispatch import Backpressure, Dispatcher
+from batchtap.pipeline.chain.ending import wait_for_sinks
+from batchtap.pipeline.chain.messages import (
     Barrier,
     BlockRows,
     Close,
@@ -41,7 +41,7 @@ from batchtap.pipeline.messages import (
 from batchtap.sinks.base import Sink
 
 if TYPE_CHECKING:
-    from batchtap.pipeline.chain import ReduceSpec, RulesStage, RunChain
+    from batchtap.pipeline.chain.stages import ReduceSpec, RulesStage, RunChain
     from batchtap.rules.engine import RuleEngine
 
 __all__ = ["PipelineCore", "PipelineSettings"]
@@ -128,7 +128,7 @@ class PipelineCore:
                 self.close(timeout)
                 return True
             case _:
-                raise TypeError(f"expected a pipeline message (batchtap.pipeline.messages), got {message!r}")
+                raise TypeError(f"expected a pipeline message (batchtap.pipeline.chain.messages), got {message!r}")
         return None
 
     # ------------------------------------------------------------------ the hand-overs
@@ -137,7 +137,7 @@ class PipelineCore:
         # Imported here, not at the top: the metrics' decoding needs torch, which a pipeline
         # process loads only once a run has a chain (it answers the run's start without it).
         from batchtap.metrics.layout import Layout
-        from batchtap.pipeline.chain import RulesStage, RunChain
+        from batchtap.pipeline.chain.stages import RulesStage, RunChain
 
         if self.engine is not None:
             if self._rules is None:

@@ -1,7 +1,7 @@
 """A block of decoded rows as arrays, and the records made from them once.
 
-The decoder (:mod:`batchtap.pipeline.decode`) fills a :class:`DecodedBlock`; the cross-rank reducer
-(:mod:`batchtap.pipeline.reduce`) reads its arrays and returns another; :attr:`DecodedBlock.records`
+The decoder (:mod:`batchtap.pipeline.chain.decode`) fills a :class:`DecodedBlock`; the cross-rank reducer
+(:mod:`batchtap.pipeline.chain.reduce`) reads its arrays and returns another; :attr:`DecodedBlock.records`
 turns the arrays into :class:`~batchtap.records.Record` objects once, for the rules and the sinks.
 """
 

@@ -1,16 +1,16 @@
 """What the ``Tap`` asks of a pipeline, wherever it runs, and how one is made.
 
 A host is the training thread's side of a pipeline. Every call turns into a message of
-:mod:`batchtap.pipeline.messages`: :meth:`PipelineHost.send` hands one over (never waits),
+:mod:`batchtap.pipeline.chain.messages`: :meth:`PipelineHost.send` hands one over (never waits),
 :meth:`PipelineHost.ask` hands a request over and waits (bounded) for its answer. A flushed block
 and ``log()`` values wait for their device copies first, which only the host knows how to do
 (:meth:`PipelineHost.submit`, :meth:`PipelineHost.logged`).
 
-Two hosts: :class:`~batchtap.pipeline.thread.ThreadPipeline` (a thread of the training process)
-and :class:`~batchtap.pipeline.process.ProcessPipeline` (a process of its own, fed through shared
-memory, with a thread to fall back to); :func:`~batchtap.pipeline.make.make_pipeline` makes the one
-the Tap's settings name. Both feed a :class:`~batchtap.pipeline.core.PipelineCore` and post to the
-same :class:`~batchtap.pipeline.control.Control`.
+Two hosts: :class:`~batchtap.pipeline.transport.thread.ThreadPipeline` (a thread of the training process)
+and :class:`~batchtap.pipeline.transport.process.ProcessPipeline` (a process of its own, fed through shared
+memory, with a thread to fall back to); :func:`~batchtap.pipeline.transport.make.make_pipeline` makes the one
+the Tap's settings name. Both feed a :class:`~batchtap.pipeline.chain.core.PipelineCore` and post to the
+same :class:`~batchtap.pipeline.chain.control.Control`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import abc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from batchtap.pipeline.messages import (
+from batchtap.pipeline.chain.messages import (
     Barrier,
     EpochStart,
     Events,
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from batchtap.capture.flush import Block
     from batchtap.capture.logged import Logged
     from batchtap.metrics.layout import Layout
-    from batchtap.pipeline.chain import ReduceSpec
+    from batchtap.pipeline.chain.stages import ReduceSpec
     from batchtap.sinks.base import Sink
 
 __all__ = ["PipelineHost", "PipelineKind"]

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from batchtap.errors import DistributedError
-from batchtap.pipeline import ranks
-from batchtap.pipeline.control import Control
-from batchtap.pipeline.reduce import new_group
+from batchtap.pipeline.chain.control import Control
+from batchtap.pipeline.chain.reduce import new_group
+from batchtap.pipeline.ranks import group as ranks
 
 __all__ = ["RankAgreement", "ProcessGroups"]
 

@@ -1,8 +1,8 @@
 """The pipeline process itself: one loop over the training process's messages, in order.
 
-Each message goes to the same :meth:`~batchtap.pipeline.core.PipelineCore.handle` as on the
-pipeline thread; a :class:`~batchtap.pipeline.crossing.Published` block is read from its segment
-first. What the core posts to its :class:`~batchtap.pipeline.control.Control` goes back over the
+Each message goes to the same :meth:`~batchtap.pipeline.chain.core.PipelineCore.handle` as on the
+pipeline thread; a :class:`~batchtap.pipeline.transport.crossing.Published` block is read from its segment
+first. What the core posts to its :class:`~batchtap.pipeline.chain.control.Control` goes back over the
 pipe. Every few messages (or when nothing more waits) the process *confirms*: once its sinks took
 what it handled (bounded), it frees those segment slots and acknowledges, and the training process
 forgets those messages (it resends the others to a restarted process).
@@ -28,9 +28,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from batchtap.pipeline.control import Control
-from batchtap.pipeline.core import PipelineCore
-from batchtap.pipeline.crossing import (
+from batchtap.pipeline.chain.control import Control
+from batchtap.pipeline.chain.core import PipelineCore
+from batchtap.pipeline.chain.messages import Close, Request, RunEnd, RunStart
+from batchtap.pipeline.transport.crossing import (
     Ack,
     ChildChain,
     Counted,
@@ -44,8 +45,7 @@ from batchtap.pipeline.crossing import (
     loads_from_parent,
     rows_of,
 )
-from batchtap.pipeline.messages import Close, Request, RunEnd, RunStart
-from batchtap.pipeline.shm import BlockSegment
+from batchtap.pipeline.transport.shm import BlockSegment
 from batchtap.records import RunInfo, RunStatus
 
 __all__ = ["main"]
@@ -149,7 +149,7 @@ class _Worker:
         self.unconfirmed = 0
 
     def handle(self, envelope: Envelope) -> bool:
-        """Handle one envelope; False after :class:`~batchtap.pipeline.messages.Close`."""
+        """Handle one envelope; False after :class:`~batchtap.pipeline.chain.messages.Close`."""
         message = envelope.message
         try:
             if isinstance(message, Close):

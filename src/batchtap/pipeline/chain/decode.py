@@ -23,7 +23,7 @@ import numpy as np
 from batchtap.capture.flush import BlockData
 from batchtap.metrics.base import BlockTiming, Metric, StepTiming
 from batchtap.metrics.layout import Layout
-from batchtap.pipeline.rows import DecodedBlock
+from batchtap.pipeline.chain.rows import DecodedBlock
 from batchtap.records import Event, EventKind
 
 __all__ = ["Decoder"]

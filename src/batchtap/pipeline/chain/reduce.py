@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from batchtap.metrics.domain import Output, Reduce
-from batchtap.pipeline.rows import DecodedBlock
+from batchtap.pipeline.chain.rows import DecodedBlock
 from batchtap.records import ALL_RANKS, Event, EventKind, Record
 
 __all__ = ["Reducer", "STRAGGLER_FIELDS"]

@@ -1,6 +1,6 @@
 """Leaving a run: wait for the sinks, but never forever, and say exactly what is missing where.
 
-Used by :meth:`~batchtap.pipeline.core.PipelineCore.finish_run`; the host it runs in says how to
+Used by :meth:`~batchtap.pipeline.chain.core.PipelineCore.finish_run`; the host it runs in says how to
 wait for what is still on its way to the core (``drain``).
 """
 
@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from batchtap.pipeline.dispatch import Dispatcher
+from batchtap.pipeline.chain.dispatch import Dispatcher
 from batchtap.records import Event, EventKind, RunInfo
 
 __all__ = ["wait_for_sinks"]

@@ -3,7 +3,7 @@
 Everything the training thread hands over goes through one FIFO queue, so sinks see a run's start,
 its blocks and its end in order. The thread reads each block back once its copy completed
 (:meth:`~batchtap.capture.flush.Block.read`) and hands every message to its
-:class:`~batchtap.pipeline.core.PipelineCore`. The training thread never waits for it except in
+:class:`~batchtap.pipeline.chain.core.PipelineCore`. The training thread never waits for it except in
 :meth:`ThreadPipeline.drain` (run start and end, explicit flush) and when the ring is full.
 """
 
@@ -19,10 +19,9 @@ from typing import Any
 from batchtap.capture.clock import DeviceGate
 from batchtap.capture.flush import Block, wait_until
 from batchtap.capture.logged import Logged
-from batchtap.pipeline.control import Control
-from batchtap.pipeline.core import PipelineCore, PipelineSettings
-from batchtap.pipeline.host import PipelineHost
-from batchtap.pipeline.messages import (
+from batchtap.pipeline.chain.control import Control
+from batchtap.pipeline.chain.core import PipelineCore, PipelineSettings
+from batchtap.pipeline.chain.messages import (
     Barrier,
     BlockRows,
     Close,
@@ -32,6 +31,7 @@ from batchtap.pipeline.messages import (
     OpenChain,
     Request,
 )
+from batchtap.pipeline.transport.host import PipelineHost
 from batchtap.sinks.base import Sink
 
 __all__ = ["ThreadPipeline"]

@@ -1,7 +1,7 @@
 """Everything the training side hands to a pipeline, one frozen dataclass per kind.
 
 Both hosts (the pipeline thread, the pipeline process), the process's failover to a thread and its
-restart all move these same values, and :meth:`~batchtap.pipeline.core.PipelineCore.handle` is the
+restart all move these same values, and :meth:`~batchtap.pipeline.chain.core.PipelineCore.handle` is the
 one place that says what each does. The sink calls are the record codec's own values
 (:class:`~batchtap.records.RunStart`, :class:`~batchtap.records.RunEnd`,
 :class:`~batchtap.records.EpochStart`), which the sinks' workers and the resilient sink's spool use
@@ -24,7 +24,7 @@ from batchtap.capture.flush import BlockData
 from batchtap.records import EpochStart, Event, Record, RunEnd, RunInfo, RunStart
 
 if TYPE_CHECKING:
-    from batchtap.pipeline.chain import ReduceSpec
+    from batchtap.pipeline.chain.stages import ReduceSpec
 
 __all__ = [
     "Barrier",
@@ -62,7 +62,7 @@ class OpenChain:
 
     ``metrics`` are the run's metrics in layout order. ``reduce`` is the cross-rank reduction or
     None; in a pipeline process its ``group`` is where the processes meet (see
-    :mod:`batchtap.pipeline.child`).
+    :mod:`batchtap.pipeline.transport.child`).
     """
 
     chain: int

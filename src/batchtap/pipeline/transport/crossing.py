@@ -2,9 +2,9 @@
 
 Messages travel as pickles over a pipe, in an :class:`Envelope` (its sequence number and, for a
 request, the key its answer comes back under). A block's rows do not travel in the pipe: they
-are written into the run's shared-memory segment (:mod:`batchtap.pipeline.shm`) and a
+are written into the run's shared-memory segment (:mod:`batchtap.pipeline.transport.shm`) and a
 :class:`Published` names the slot. The pipeline process answers with :class:`Ack`,
-:class:`Reply` and what its :class:`~batchtap.pipeline.control.Control` is told
+:class:`Reply` and what its :class:`~batchtap.pipeline.chain.control.Control` is told
 (:class:`Posted`, :class:`Failed`, :class:`Counted`).
 
 Objects that belong to the training side (modules, optimizers, tensors, GradScalers) are never
@@ -29,8 +29,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from batchtap.pipeline.messages import BlockRows, Handover, OpenChain, Request
-from batchtap.pipeline.shm import SegmentShape
+from batchtap.pipeline.chain.messages import BlockRows, Handover, OpenChain, Request
+from batchtap.pipeline.transport.shm import SegmentShape
 from batchtap.records import Record
 
 __all__ = [
@@ -57,7 +57,7 @@ __all__ = [
 @dataclasses.dataclass(frozen=True, slots=True)
 class Published:
     """A block's rows, published in its chain's segment as block ``seq`` (the crossing form of
-    :class:`~batchtap.pipeline.messages.BlockRows`)."""
+    :class:`~batchtap.pipeline.chain.messages.BlockRows`)."""
 
     chain: int
     seq: int
@@ -66,7 +66,7 @@ class Published:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChildChain:
-    """An :class:`~batchtap.pipeline.messages.OpenChain` and the segment its blocks come through."""
+    """An :class:`~batchtap.pipeline.chain.messages.OpenChain` and the segment its blocks come through."""
 
     open: OpenChain
     segment: SegmentShape

@@ -3,7 +3,7 @@
 A :class:`RunChain` holds what one run's blocks go through; :meth:`RunChain.process` runs every stage
 but the dispatch and returns a :class:`Processed` (records and events for the sinks, the rules'
 verdict for the training thread). The same chain runs on the pipeline thread
-(:mod:`batchtap.pipeline.thread`) or in the pipeline process (:mod:`batchtap.pipeline.process`).
+(:mod:`batchtap.pipeline.transport.thread`) or in the pipeline process (:mod:`batchtap.pipeline.transport.process`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 from batchtap.capture.flush import BlockData
 from batchtap.metrics.layout import Layout
-from batchtap.pipeline.control import Verdict
-from batchtap.pipeline.decode import Decoder
-from batchtap.pipeline.reduce import Reducer
+from batchtap.pipeline.chain.control import Verdict
+from batchtap.pipeline.chain.decode import Decoder
+from batchtap.pipeline.chain.reduce import Reducer
 from batchtap.records import ALL_RANKS, Event, Record
 from batchtap.rules.engine import RuleEngine
 

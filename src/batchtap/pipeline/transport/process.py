@@ -2,14 +2,14 @@
 
 The training process only captures. At each flush it reads the block back (at once on the CPU; on a
 GPU a small forwarder thread polls the copy's marker first), writes its rows into a shared-memory
-segment (:mod:`batchtap.pipeline.shm`) and sends a one-line notice down a pipe. The pipeline
-process (:mod:`batchtap.pipeline.child`) runs the same :class:`~batchtap.pipeline.core.PipelineCore`
+segment (:mod:`batchtap.pipeline.transport.shm`) and sends a one-line notice down a pipe. The pipeline
+process (:mod:`batchtap.pipeline.transport.child`) runs the same :class:`~batchtap.pipeline.chain.core.PipelineCore`
 as the pipeline thread: decode, validate, reduce across ranks, rules, sinks. Its sinks' work never
 holds the training process's GIL. Rule verdicts, errors and anomaly counts come back on the pipe and
-are posted to the :class:`~batchtap.pipeline.control.Control`, where the training thread acts on
+are posted to the :class:`~batchtap.pipeline.chain.control.Control`, where the training thread acts on
 them at the same step boundaries as with the thread pipeline. What crosses, and how, is
-:mod:`batchtap.pipeline.crossing`; the training side of the pipe is
-:class:`~batchtap.pipeline.link.ProcessLink`.
+:mod:`batchtap.pipeline.transport.crossing`; the training side of the pipe is
+:class:`~batchtap.pipeline.transport.link.ProcessLink`.
 
 Failure handling:
 
@@ -40,11 +40,11 @@ from batchtap.capture.clock import DeviceGate
 from batchtap.capture.flush import Block
 from batchtap.capture.logged import Logged
 from batchtap.errors import ConfigError
-from batchtap.pipeline.control import Control
-from batchtap.pipeline.core import PipelineSettings
-from batchtap.pipeline.host import PipelineHost
-from batchtap.pipeline.link import ProcessLink
-from batchtap.pipeline.messages import Handover, OpenChain, Request
+from batchtap.pipeline.chain.control import Control
+from batchtap.pipeline.chain.core import PipelineSettings
+from batchtap.pipeline.chain.messages import Handover, OpenChain, Request
+from batchtap.pipeline.transport.host import PipelineHost
+from batchtap.pipeline.transport.link import ProcessLink
 from batchtap.sinks.base import Sink
 
 __all__ = ["ProcessPipeline"]
@@ -53,7 +53,7 @@ __all__ = ["ProcessPipeline"]
 class ProcessPipeline(PipelineHost):
     """The training process's side of the process pipeline (see the module docstring).
 
-    Args as for :class:`~batchtap.pipeline.thread.ThreadPipeline` (the sinks and settings are
+    Args as for :class:`~batchtap.pipeline.transport.thread.ThreadPipeline` (the sinks and settings are
     pickled into the pipeline process).
 
     Raises:
@@ -83,7 +83,7 @@ class ProcessPipeline(PipelineHost):
 
     def _fall_back(self) -> PipelineHost:
         """The process died twice: a thread of this process takes over (called by the link)."""
-        from batchtap.pipeline.thread import ThreadPipeline
+        from batchtap.pipeline.transport.thread import ThreadPipeline
 
         self.current = ThreadPipeline(self.sinks, self.control, self._settings, gate=self.gate)
         return self.current

@@ -1,10 +1,10 @@
-"""The training process's end of one pipeline process (:mod:`batchtap.pipeline.child`).
+"""The training process's end of one pipeline process (:mod:`batchtap.pipeline.transport.child`).
 
 Everything handed over waits in one outbox, in order, until it can be sent: a block once its copy
 completed and its segment has room (it is then read and written into the segment), ``log()``
 values once their copy completed, the rest at once. On the CPU nothing waits and the calling thread
 sends; otherwise a forwarder thread polls. A receiver thread takes what comes back: answers,
-acknowledgements, and what the process tells the :class:`~batchtap.pipeline.control.Control`.
+acknowledgements, and what the process tells the :class:`~batchtap.pipeline.chain.control.Control`.
 
 Every message sent stays *unconfirmed* until the process acknowledges it. When the process dies it
 is restarted once, and the open run, its chains and every unconfirmed message are sent again
@@ -30,10 +30,21 @@ from batchtap.capture.clock import DeviceGate
 from batchtap.capture.flush import POLL_INTERVAL, Block
 from batchtap.capture.logged import Logged
 from batchtap.errors import ConfigError
-from batchtap.pipeline import child
-from batchtap.pipeline.control import Control
-from batchtap.pipeline.core import PipelineSettings
-from batchtap.pipeline.crossing import (
+from batchtap.pipeline.chain.control import Control
+from batchtap.pipeline.chain.core import PipelineSettings
+from batchtap.pipeline.chain.messages import (
+    Close,
+    Events,
+    FinishRun,
+    Handover,
+    LoggedValues,
+    OpenChain,
+    Request,
+    RunEnd,
+    RunStart,
+)
+from batchtap.pipeline.transport import child
+from batchtap.pipeline.transport.crossing import (
     Ack,
     ChildChain,
     Counted,
@@ -50,19 +61,8 @@ from batchtap.pipeline.crossing import (
     rows_of,
     without_main,
 )
-from batchtap.pipeline.host import PipelineHost
-from batchtap.pipeline.messages import (
-    Close,
-    Events,
-    FinishRun,
-    Handover,
-    LoggedValues,
-    OpenChain,
-    Request,
-    RunEnd,
-    RunStart,
-)
-from batchtap.pipeline.shm import BlockSegment
+from batchtap.pipeline.transport.host import PipelineHost
+from batchtap.pipeline.transport.shm import BlockSegment
 from batchtap.records import Event, EventKind, RunInfo
 from batchtap.sinks.base import Sink
 
