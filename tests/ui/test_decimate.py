@@ -271,3 +271,76 @@ def test_postgresql_gives_the_same_points_as_sqlite(db: Path, pg_schema: str) ->
     finally:
         pg.close()
         lite.close()
+
+
+# -- edges where a wrong comparison would still pass the tests above --------------------------------
+EDGE = "edge0001"
+EDGE_STEPS = 1000
+EDGE_SPIKE = {90: 77.0, 745: 5000.0}  # a bucket of one step at a window's end; a spike past a window
+HUGE_DIP = {500: -1.0994021643521015e276}  # alone in its bucket: SQLite's %!.17g text of it is inexact
+
+
+def edge_value(step: int) -> float:
+    return HUGE_DIP.get(step, EDGE_SPIKE.get(step, 1.0 + (step % 7) * 0.125))
+
+
+def write_edge_run(sink: Any) -> None:
+    sink.start_run(RunInfo(EDGE, "edges", {}, started_at=0.0, metrics=("loss",)))
+    sink.write(
+        [
+            Record(EDGE, step=s, epoch=0, batch=s, rank=0, wall_time=10.0 + s, values={"loss": edge_value(s)})
+            for s in range(EDGE_STEPS)
+        ]
+    )
+    sink.end_run(RunInfo(EDGE, "edges", {}, started_at=0.0, status=RunStatus.FINISHED, ended_at=2000.0))
+    sink.close()
+
+
+@pytest.fixture(scope="module")
+def edge_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("edges") / "edges.db"
+    write_edge_run(SQLite(path))
+    return path
+
+
+def assert_edges(store: ReadOnlyStore) -> None:
+    """The three edges, on any store holding the edge run."""
+    # Exactly two points per pixel is still sent raw; one more is decimated.
+    raw = store.series(EDGE, "loss", start=100, end=119, width=10)
+    assert raw["mode"] == "raw" and raw["step"] == list(range(100, 120))
+    assert store.series(EDGE, "loss", start=100, end=120, width=10)["mode"] == "minmax"
+    # A huge negative minimum, alone in its bucket, comes back exact (read again past 1e100).
+    whole = store.series(EDGE, "loss", width=10)
+    assert whole["bucket"] == 100
+    i = whole["lo"].index(500)
+    assert whole["value"][i] == HUGE_DIP[500] and whole["hi"][i] == 599
+    # A window that is not a multiple of the bucket: its last bucket is clipped at the window's end,
+    # so the spike at step 745, outside the window, is not drawn.
+    clipped = store.series(EDGE, "loss", start=0, end=740, width=10)
+    assert clipped["mode"] == "minmax" and clipped["bucket"] == 75
+    assert clipped["hi"][-1] == 740 and max(clipped["step"]) == 740
+    assert EDGE_SPIKE[745] not in clipped["value"]
+    assert max(clipped["value"]) == max(edge_value(s) for s in range(741))
+    # A last bucket that starts on the window's last step (91 steps in buckets of 10) is kept.
+    single = store.series(EDGE, "loss", start=0, end=90, width=10)
+    assert single["bucket"] == 10 and single["lo"][-1] == 90 and single["hi"][-1] == 90
+    assert single["value"][-2:] == [EDGE_SPIKE[90], EDGE_SPIKE[90]]
+
+
+def test_decimation_edges_on_sqlite(edge_db: Path) -> None:
+    store = ReadOnlyStore(edge_db)
+    try:
+        assert_edges(store)
+    finally:
+        store.close()
+
+
+def test_decimation_edges_on_postgresql(pg_schema: str) -> None:
+    from batchtap.sinks.postgres import Postgres
+
+    write_edge_run(Postgres(PG_DSN, schema=pg_schema))
+    store = ReadOnlyStore(PG_DSN, schema=pg_schema)
+    try:
+        assert_edges(store)
+    finally:
+        store.close()
