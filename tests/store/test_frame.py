@@ -74,7 +74,12 @@ def test_frame_is_the_pivot_of_the_records_with_logged_values(backend: Backend) 
                 want = ref[name].get(int(step), math.nan)  # NaN where nothing was stored at that step
                 assert _same(got, want), (name, step)
         assert math.isnan(frame.loc[9, "loss"]) and frame.loc[9, "val_loss"] == ref["val_loss"][9]
-        assert frame.attrs == {"run_id": run.id, "run_name": run.name, "sparse": ["bleu", "val_acc", "val_loss"]}
+        assert frame.attrs == {
+            "run_id": run.id,
+            "run_name": run.name,
+            "sparse": ["bleu", "val_acc", "val_loss"],
+            "rolled_back": [],
+        }
         picked = st.frame(run.id[:6], ["val_loss", "loss"])  # by id prefix, in the order asked
         assert list(picked.columns) == ["val_loss", "loss"] and list(picked.index) == list(range(40))
 

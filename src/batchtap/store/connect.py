@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from batchtap._optional import require
 from batchtap.store.errors import StoreError
-from batchtap.store.schema import POSTGRES, SQLITE, _current_version, ensure_schema
+from batchtap.store.schema import POSTGRES, SCHEMA_VERSION, SQLITE, _current_version, ensure_schema
 from batchtap.store.url import redact_dsn, redact_message
 
-__all__ = ["connect_sqlite", "connect_postgres"]
+__all__ = ["connect_sqlite", "connect_postgres", "ConnectionPool"]
 
 
 def _network_options(
@@ -49,7 +52,16 @@ def _network_options(
     return out
 
 
-def connect_sqlite(path: str | os.PathLike[str], *, create: bool, busy_timeout_s: float = 10.0) -> sqlite3.Connection:
+def _dsn_options(psycopg: Any, dsn: str) -> str:
+    try:
+        return str(psycopg.conninfo.conninfo_to_dict(dsn).get("options", ""))
+    except psycopg.Error:
+        return ""
+
+
+def connect_sqlite(
+    path: str | os.PathLike[str], *, create: bool, busy_timeout_s: float = 10.0, migrate: bool = True
+) -> sqlite3.Connection:
     """Open a SQLite store: with ``create`` for writing (made when missing, WAL mode, schema up
     to date), else for reading only.
 
@@ -64,14 +76,17 @@ def connect_sqlite(path: str | os.PathLike[str], *, create: bool, busy_timeout_s
     thread other than the one that opened it (batchtap writes from its dispatcher thread), one
     thread at a time.
 
+    ``migrate=False`` (a reader that must never write, such as the browser view) refuses an older
+    store instead of migrating it.
+
     Raises:
         StoreError: the file cannot be created or opened, is not a SQLite database, is not a
-            batchtap store, or has a newer schema version.
+            batchtap store, or has a newer schema version (or an older one with ``migrate=False``).
     """
     p = Path(path)
     where = str(p)
     if not create:
-        return _open_reader(p, where, busy_timeout_s)
+        return _open_reader(p, where, busy_timeout_s, migrate)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -119,7 +134,7 @@ def _store_error(exc: BaseException, where: str) -> BaseException:
     return exc
 
 
-def _open_reader(p: Path, where: str, busy_timeout_s: float) -> sqlite3.Connection:
+def _open_reader(p: Path, where: str, busy_timeout_s: float, migrate: bool) -> sqlite3.Connection:
     if not p.is_file():
         raise StoreError(
             f"no batchtap store at {where}: the file does not exist; expected a SQLite file "
@@ -149,6 +164,13 @@ def _open_reader(p: Path, where: str, busy_timeout_s: float) -> sqlite3.Connecti
             conn.close()
             raise _store_error(exc, where) from exc
     assert conn is not None
+    if not migrate:
+        try:
+            refuse_older(version, where)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
     try:
         ensure_schema(conn, SQLITE, where=where, create=False)
         return conn
@@ -168,6 +190,30 @@ def _open_reader(p: Path, where: str, busy_timeout_s: float) -> sqlite3.Connecti
         conn.close()
         raise _store_error(exc, where) from exc
     return conn
+
+
+def refuse_older(version: int | None, where: str) -> None:
+    """Raise unless the store is at this batchtap's schema version (a reader that may not migrate).
+
+    Raises:
+        StoreError: empty, older or newer, with what to do about it.
+    """
+    if version is None:
+        raise StoreError(
+            f"{where} is empty, not a batchtap store; expected a store written by bt.sinks.SQLite or "
+            "bt.sinks.Postgres; fix: check the path or URL (and --schema)"
+        )
+    if version < SCHEMA_VERSION:
+        raise StoreError(
+            f"{where} has schema version {version}, older than this batchtap's {SCHEMA_VERSION}; this reader "
+            "opens stores read-only and does not migrate them; fix: run `batchtap runs --db ...` once (it "
+            "migrates), then open it again"
+        )
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"{where} has schema version {version}, but this batchtap knows versions up to {SCHEMA_VERSION}; "
+            "fix: upgrade batchtap (pip install -U batchtap)"
+        )
 
 
 def _switch_to_wal(conn: sqlite3.Connection, busy_timeout_s: float) -> str:
@@ -198,6 +244,7 @@ def connect_postgres(
     purpose: str,
     network_timeout_s: float | None = 30.0,
     statement_timeout_s: float | None = None,
+    read_only: bool = False,
 ) -> Any:
     """Open a psycopg 3 connection (autocommit) to a PostgreSQL store, its schema up to date.
 
@@ -213,6 +260,8 @@ def connect_postgres(
             Settings the DSN gives itself win.
         statement_timeout_s: the server cancels any statement running longer (``None``: the
             server's setting).
+        read_only: every transaction of the session is read-only (the server refuses any write),
+            and an older schema is refused instead of migrated.
 
     Raises:
         StoreError: the server cannot be reached or the schema is not usable; the message names
@@ -220,13 +269,17 @@ def connect_postgres(
     """
     psycopg = require("psycopg", extra="postgres", purpose=purpose)
     shown = redact_dsn(dsn)
+    options = _network_options(psycopg, dsn, network_timeout_s, statement_timeout_s)
+    if read_only:
+        given = options.get("options") or _dsn_options(psycopg, dsn)
+        options["options"] = f"{given} -c default_transaction_read_only=on".strip()
     try:
         conn = psycopg.connect(
             dsn,
             autocommit=True,
             connect_timeout=max(1, round(connect_timeout_s)),
-            application_name="batchtap",
-            **_network_options(psycopg, dsn, network_timeout_s, statement_timeout_s),
+            application_name="batchtap-reader" if read_only else "batchtap",
+            **options,
         )
     except psycopg.Error as exc:
         # libpq's messages name host and port, never the password; the DSN we print is redacted.
@@ -246,7 +299,10 @@ def connect_postgres(
                     pass  # another process created it at the same moment (IF NOT EXISTS is not atomic)
             conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
         where = shown if schema is None else f"{shown} (schema {schema!r})"
-        ensure_schema(conn, POSTGRES, where=where, create=create)
+        if read_only:
+            refuse_older(_current_version(conn, POSTGRES, where), where)
+        else:
+            ensure_schema(conn, POSTGRES, where=where, create=create)
     except StoreError:
         conn.close()
         raise
@@ -258,3 +314,127 @@ def connect_postgres(
             "create and write tables; fix: grant them or choose another database or schema"
         ) from None
     return conn
+
+
+class ConnectionPool:
+    """Read connections shared by a reader's threads: each call takes one no other thread is using,
+    and gives it back; bounded, and closed when idle.
+
+    A connection per thread that lives as long as its thread leaks when the threads come and go (a
+    server's worker threads end after a few idle seconds and new ones start with the next burst):
+    each leaked SQLite connection holds a file descriptor and maps the file. Here at most ``size``
+    connections are open at once (a caller past that waits for one to come back), at most ``keep``
+    wait idle between calls, and an idle one is closed after ``idle_s`` seconds.
+
+    Args:
+        opener: opens one connection (called outside the pool's lock).
+        size: most connections open at once.
+        keep: most idle connections kept for the next call.
+        idle_s: an idle connection is closed after this many seconds.
+
+    Example:
+        >>> import sqlite3
+        >>> pool = ConnectionPool(lambda: sqlite3.connect(":memory:", check_same_thread=False))
+        >>> with pool.connection() as conn:
+        ...     conn.execute("SELECT 1").fetchone()
+        (1,)
+        >>> pool.open_count
+        1
+        >>> pool.close(); pool.open_count
+        0
+    """
+
+    def __init__(self, opener: Callable[[], Any], *, size: int = 8, keep: int = 2, idle_s: float = 10.0) -> None:
+        if size < 1 or keep < 0 or idle_s <= 0:
+            raise ValueError(f"size must be >= 1, keep >= 0 and idle_s > 0, got {size}, {keep}, {idle_s}")
+        self._opener = opener
+        self._keep = keep
+        self._idle_s = idle_s
+        self._slots = threading.BoundedSemaphore(size)
+        self._lock = threading.Lock()
+        self._idle: list[tuple[Any, float]] = []  # (connection, when it came back), oldest first
+        self._open = 0
+        self._closed = False
+        self._timer: threading.Timer | None = None
+
+    @property
+    def open_count(self) -> int:
+        """Connections open now (in use or idle)."""
+        return self._open
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[Any]:
+        """A connection for this call only; given back (or closed) when the block ends."""
+        self._slots.acquire()
+        try:
+            conn = self._take()
+            try:
+                yield conn
+            finally:
+                self._give(conn)
+        finally:
+            self._slots.release()
+
+    def _take(self) -> Any:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the store was closed; fix: open it again")
+            if self._idle:
+                return self._idle.pop()[0]  # the most recently used: its pages are warm
+            self._open += 1
+        try:
+            return self._opener()
+        except BaseException:
+            with self._lock:
+                self._open -= 1
+            raise
+
+    def _give(self, conn: Any) -> None:
+        with self._lock:
+            keep = not self._closed and len(self._idle) < self._keep
+            if keep:
+                self._idle.append((conn, time.monotonic()))
+                if self._timer is None:
+                    self._arm()
+            else:
+                self._open -= 1
+        if not keep:
+            _close_quietly(conn)
+
+    def _arm(self) -> None:
+        # under self._lock
+        self._timer = threading.Timer(self._idle_s, self._reap)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _reap(self) -> None:
+        """Close the connections idle for ``idle_s`` seconds (runs on a timer thread)."""
+        cutoff = time.monotonic() - self._idle_s
+        with self._lock:
+            old = [c for c, t in self._idle if t <= cutoff]
+            self._idle = [(c, t) for c, t in self._idle if t > cutoff]
+            self._open -= len(old)
+            self._timer = None
+            if self._idle and not self._closed:
+                self._arm()
+        for conn in old:
+            _close_quietly(conn)
+
+    def close(self) -> None:
+        """Close the idle connections now; those in use are closed when they come back."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        for conn in idle:
+            _close_quietly(conn)
+
+
+def _close_quietly(conn: Any) -> None:
+    try:
+        conn.close()
+    except Exception:  # noqa: BLE001 - a connection that cannot close cleanly is gone either way
+        pass

@@ -30,6 +30,7 @@ class RunSource(Protocol):
     def metric_names(self, run: str, /) -> list[str]: ...
     def sparse_names(self, run: str, /) -> list[str]: ...
     def series(self, run: str, metric: str, /, rank: int | None = None) -> Sequence[Any]: ...
+    def rolled_back(self, run: str, /) -> tuple[range, ...]: ...
 
 
 def run_frame(
@@ -39,6 +40,7 @@ def run_frame(
     *,
     rank: int | None = None,
     positions: bool = False,
+    rolled_back: bool = False,
 ) -> Any:
     """See :meth:`batchtap.store.Store.frame` (this is its implementation); ``run`` is a name, an id
     or a prefix of one, or a ``RunRow``."""
@@ -71,6 +73,11 @@ def run_frame(
     frame = pd.DataFrame(columns, columns=names) if columns else pd.DataFrame(index=pd.Index([], dtype="int64"))
     frame = frame.sort_index()
     frame.index.name = "step"
+    undone = store.rolled_back(row.id)
+    if undone and not rolled_back:
+        # The kept trajectory: a rollback's undone steps are what the model no longer is.
+        drop = frame.index.isin([s for r in undone for s in r])
+        frame = frame[~drop]
     if positions:
         taken = {name for name in names if name in POSITION_COLUMNS}
         frame = frame.rename(columns={name: CLASH_PREFIX + name for name in taken})
@@ -78,5 +85,10 @@ def run_frame(
         for i, col in enumerate(POSITION_COLUMNS):
             dtype = "float64" if col == "wall_time" else "int64"
             frame.insert(i, col, pd.Series([p[i] for p in pos], index=frame.index, dtype=dtype))
-    frame.attrs.update(run_id=row.id, run_name=row.name, sparse=[n for n in names if n in sparse])
+    frame.attrs.update(
+        run_id=row.id,
+        run_name=row.name,
+        sparse=[n for n in names if n in sparse],
+        rolled_back=[(r.start, r.stop - 1) for r in undone],
+    )
     return frame

@@ -1,8 +1,15 @@
 """Reading a store: runs, one run's metric series, its sparse (``Tap.log()``) values, events.
 
-Used by the tests and the ``batchtap`` CLI. A reader never creates a store and never writes, except
-to apply the migrations an older store lacks. On SQLite it reads while a training process writes
-(WAL mode: readers see every committed block and never wait for the writer).
+The one reader of the project: the ``batchtap`` CLI, the Python API (``batchtap.store.open``) and the
+browser view (``batchtap.ui.data`` turns its results into JSON) all read through :class:`Store`, so
+they agree on a run's status (including the derived ``killed``), its steps, and its best and last
+values (on the kept trajectory: steps a rollback undid are left out of every summary).
+
+A reader never creates a store and never writes, except to apply the migrations an older store
+lacks (``migrate=False`` refuses such a store instead). Its connections are read-only and shared by
+its threads through a bounded pool (:class:`~batchtap.store.connect.ConnectionPool`): one per
+concurrent call, closed when idle. On SQLite it reads while a training process writes (WAL mode:
+readers see every committed block and never wait for the writer).
 """
 
 from __future__ import annotations
@@ -10,19 +17,21 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple
 
 from batchtap._stale import owner_gone
 from batchtap.records import Event, EventKind, Record, RunStatus
-from batchtap.store.connect import connect_postgres, connect_sqlite
+from batchtap.store.connect import ConnectionPool, connect_postgres, connect_sqlite
 from batchtap.store.errors import MetricNotFound, RunNotFound, StoreError
 from batchtap.store.schema import POSTGRES, SQLITE, Dialect, text_to_float
 from batchtap.store.url import parse_url
 
-__all__ = ["open", "Store", "RunRow", "Point"]
+__all__ = ["open", "Store", "RunRow", "Point", "MetricSummary", "best_is_max", "killed_reason"]
 
 _NAN = float("nan")
 
@@ -106,20 +115,88 @@ _RUN_SELECT = (
 )
 
 
-def _run_from_row(row: tuple[Any, ...]) -> RunRow:
-    (rid, name, status, started, ended, reason, config, world, env, metrics, steps, first, last, last_wall) = row
+def killed_reason(environment: dict[str, Any]) -> str:
+    """The stop reason shown for a run read as ``killed`` (see :attr:`RunRow.status`)."""
+    return (
+        f"the training process (pid {environment.get('pid')} on {environment.get('host')}) is gone and "
+        "never ended the run (killed with its process group, e.g. by SLURM, Kubernetes or the OOM killer); "
+        "seen by a later batchtap process"
+    )
+
+
+def _status(stored: str, reason: str | None, environment: dict[str, Any]) -> tuple[RunStatus, str | None]:
+    """A run's status as every reader shows it: the stored one, or ``killed`` for a ``running`` run
+    whose training process is certainly gone (the one owner-gone rule, :func:`batchtap._stale.owner_gone`)."""
     try:
-        run_status = RunStatus(status)
+        run_status = RunStatus(stored)
     except ValueError:
         run_status = RunStatus.RUNNING
-    environment = json.loads(env) if env else {}
     if run_status is RunStatus.RUNNING and owner_gone(environment):
-        run_status = RunStatus.KILLED
-        reason = (
-            f"the training process (pid {environment.get('pid')} on {environment.get('host')}) is gone and "
-            "never ended the run (killed with its process group, e.g. by SLURM, Kubernetes or the OOM killer); "
-            "seen by a later batchtap process"
-        )
+        return RunStatus.KILLED, killed_reason(environment)
+    return run_status, reason
+
+
+def _json_object(text: str | None) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def best_is_max(metric: str) -> bool:
+    """Whether larger is better for a metric, judged by its name (accuracy-like, throughput).
+
+    Example:
+        >>> best_is_max("val_acc"), best_is_max("loss")
+        (True, False)
+    """
+    name = metric.lower()
+    return any(k in name for k in ("acc", "throughput", "f1", "precision", "recall", "auc"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MetricSummary:
+    """One metric of one run summed up on its kept trajectory (steps a rollback undid left out).
+
+    Attributes:
+        metric: the name.
+        rank: the rank summed up (``-1``: the rows reduced over ranks).
+        count: stored values (NaN included).
+        nans: values stored as NaN (they failed validation; the anomaly keeps the raw value).
+        last: the value at the latest kept step (``nan`` when it failed validation), ``None`` without any.
+        last_step: that step.
+        last_wall_time: its wall time.
+        min: the smallest finite value, ``None`` without any.
+        max: the largest finite value, ``None`` without any.
+        higher_is_better: what :attr:`best` picks (:func:`best_is_max`).
+    """
+
+    metric: str
+    rank: int
+    count: int
+    nans: int
+    last: float | None
+    last_step: int | None
+    last_wall_time: float | None
+    min: float | None
+    max: float | None
+    higher_is_better: bool
+
+    @property
+    def best(self) -> float | None:
+        """:attr:`max` when higher is better, else :attr:`min`."""
+        return self.max if self.higher_is_better else self.min
+
+
+# A rollback's action event names the steps it undid: "undone steps 51..55" (recovery/rollback.py).
+_UNDONE = re.compile(r"\bundone steps (\d+)\.\.(\d+)")
+
+
+def _run_from_row(row: tuple[Any, ...]) -> RunRow:
+    (rid, name, status, started, ended, reason, config, world, env, metrics, steps, first, last, last_wall) = row
+    environment = _json_object(env)
+    run_status, reason = _status(status, reason, environment)
     return RunRow(
         id=rid,
         name=name,
@@ -127,7 +204,7 @@ def _run_from_row(row: tuple[Any, ...]) -> RunRow:
         started_at=float(started),
         ended_at=None if ended is None else float(ended),
         stop_reason=reason,
-        config=json.loads(config) if config else {},
+        config=_json_object(config),
         world_size=int(world),
         environment=environment,
         metrics=tuple(json.loads(metrics)) if metrics else (),
@@ -156,16 +233,26 @@ class Store:
         [Point(step=0, value=0.5, wall_time=1.0, epoch=0, batch=0)]
     """
 
-    def __init__(self, conn: Any, dialect: Dialect, where: str) -> None:
-        self._conn = conn
+    def __init__(self, pool: ConnectionPool, dialect: Dialect, where: str) -> None:
+        self._pool = pool
         self._d = dialect
         #: the store's location, safe to print (no password).
         self.where = where
 
     # -- life cycle -------------------------------------------------------------------------
+    @property
+    def dialect(self) -> Dialect:
+        """The store's SQL dialect (:data:`~batchtap.store.schema.SQLITE` or ``POSTGRES``)."""
+        return self._d
+
+    @property
+    def open_connections(self) -> int:
+        """Connections open now (bounded; idle ones close after a few seconds)."""
+        return self._pool.open_count
+
     def close(self) -> None:
-        """Close the connection."""
-        self._conn.close()
+        """Close the connections (one in use by another thread closes when its call ends)."""
+        self._pool.close()
 
     def __enter__(self) -> Store:
         return self
@@ -177,7 +264,13 @@ class Store:
 
     # -- queries ----------------------------------------------------------------------------
     def _all(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        return list(self._conn.execute(self._d.q(sql), params).fetchall())
+        with self._pool.connection() as conn:
+            return list(conn.execute(self._d.q(sql), params).fetchall())
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Rows of one read-only statement (``?`` placeholders, values only as ``params``): the
+        decimation queries of the browser view. The connection refuses writes."""
+        return self._all(sql, tuple(params))
 
     def runs(self) -> list[RunRow]:
         """Every run, oldest first, with its status, step count and timings."""
@@ -245,6 +338,130 @@ class Store:
             ref=ref,
             candidates=close,
         )
+
+    def status(self, run: str | RunRow) -> tuple[RunStatus, float | None, str | None]:
+        """A run's status (``killed`` derived as in :class:`RunRow`), end time and stop reason: one
+        probe of the runs table, no scan of its values (what a live view polls).
+
+        Raises:
+            RunNotFound: no such run.
+        """
+        run_id = self._id(run)
+        rows = self._all("SELECT status, ended_at, stop_reason, environment FROM runs WHERE id = ?", (run_id,))
+        stored, ended, reason, env = rows[0]
+        status, reason = _status(stored, reason, _json_object(env))
+        return status, None if ended is None else float(ended), reason
+
+    def rolled_back(self, run: str | RunRow) -> tuple[range, ...]:
+        """The steps of a run that rollbacks undid (an abandoned trajectory), in order.
+
+        Their values stay stored (the charts draw them as what happened) but no summary counts them:
+        :meth:`summary`, the best value, ``batchtap show``/``runs``, the browser view and :meth:`frame`
+        read the kept trajectory.
+        """
+        run_id = self._id(run)
+        rows = self._all(
+            "SELECT message FROM events WHERE run_id = ? AND kind = ? AND message LIKE ?",
+            (run_id, EventKind.ACTION.value, "%undone steps %"),
+        )
+        out = []
+        for (message,) in rows:
+            found = _UNDONE.search(str(message))
+            if found:
+                out.append(range(int(found.group(1)), int(found.group(2)) + 1))
+        return tuple(sorted(out, key=lambda r: (r.start, r.stop)))
+
+    @staticmethod
+    def _kept(undone: Sequence[range]) -> tuple[str, tuple[Any, ...]]:
+        """SQL (`` AND ...``) and its parameters leaving out the steps in ``undone``."""
+        sql = "".join(" AND NOT (step >= ? AND step <= ?)" for _ in undone)
+        return sql, tuple(v for r in undone for v in (r.start, r.stop - 1))
+
+    def summary(
+        self,
+        run: str | RunRow,
+        metric: str,
+        rank: int | None = None,
+        *,
+        undone: Sequence[range] | None = None,
+    ) -> MetricSummary:
+        """One metric summed up on the run's kept trajectory: count, NaNs, last, min, max, best.
+
+        Args:
+            run: the run's id, unique id prefix or name, or a :class:`RunRow`.
+            metric: the metric.
+            rank: as :meth:`series` (default: the reduced rows when stored, else the lowest rank).
+            undone: the steps to leave out (default: :meth:`rolled_back`; pass it when summing up
+                several metrics of one run).
+
+        Raises:
+            RunNotFound: no such run.
+            MetricNotFound: the run has no metric of that name.
+
+        Example:
+            >>> import tempfile, os, batchtap.store
+            >>> from batchtap.sinks.sqlite import SQLite
+            >>> from batchtap.records import Record, RunInfo
+            >>> path = os.path.join(tempfile.mkdtemp(), "bt.db")
+            >>> sink = SQLite(path)
+            >>> sink.start_run(RunInfo("a1b2", "demo", {}, started_at=0.0))
+            >>> sink.write([Record("a1b2", step=s, epoch=0, batch=s, rank=0, wall_time=1.0 + s,
+            ...                    values={"loss": v}) for s, v in enumerate([0.9, 0.5, 0.7])])
+            >>> sink.close()
+            >>> with batchtap.store.open(path) as st:
+            ...     s = st.summary("demo", "loss")
+            >>> s.last, s.min, s.best, s.count
+            (0.7, 0.5, 0.5, 3)
+        """
+        run_id = self._id(run)
+        if rank is None:
+            found = self._all("SELECT MIN(rank) FROM metrics WHERE run_id = ? AND metric = ?", (run_id, metric))
+            rank = None if not found or found[0][0] is None else int(found[0][0])
+        higher = best_is_max(metric)
+        if rank is None:
+            self._check_metric(run_id, metric)
+            return MetricSummary(metric, 0, 0, 0, None, None, None, None, None, higher)
+        kept, kept_params = self._kept(self.rolled_back(run_id) if undone is None else undone)
+        key = (run_id, metric, rank)
+        # NaN is stored as NULL; +-inf stay, but are not a finite min or max.
+        agg = self._all(
+            "SELECT COUNT(*), COUNT(value) FROM metrics WHERE run_id = ? AND metric = ? AND rank = ?" + kept,
+            key + kept_params,
+        )[0]
+        bounds = self._all(
+            "SELECT MIN(value), MAX(value) FROM metrics WHERE run_id = ? AND metric = ? AND rank = ?"
+            " AND value > ? AND value < ?" + kept,
+            key + (-math.inf, math.inf) + kept_params,
+        )[0]
+        last = self._all(
+            "SELECT step, value, wall_time FROM metrics WHERE run_id = ? AND metric = ? AND rank = ?"
+            + kept
+            + " ORDER BY step DESC LIMIT 1",
+            key + kept_params,
+        )
+        return MetricSummary(
+            metric=metric,
+            rank=rank,
+            count=int(agg[0]),
+            nans=int(agg[0]) - int(agg[1]),
+            last=(None if not last else _NAN if last[0][1] is None else float(last[0][1])),
+            last_step=None if not last else int(last[0][0]),
+            last_wall_time=None if not last else float(last[0][2]),
+            min=None if bounds[0] is None else float(bounds[0]),
+            max=None if bounds[1] is None else float(bounds[1]),
+            higher_is_better=higher,
+        )
+
+    def main_metric(self, run: str | RunRow) -> str | None:
+        """The metric a run is judged by in tables: ``loss`` when it has values, else its first
+        declared metric with values, else its first step metric; ``None`` without any."""
+        row = run if isinstance(run, RunRow) else self.run(run)
+        for name in ["loss", *(m for m in row.metrics if m != "loss")]:
+            if self._all("SELECT 1 FROM metrics WHERE run_id = ? AND metric = ? LIMIT 1", (row.id, name)):
+                return name
+        sparse = set(self.sparse_names(row.id))
+        rest = [m for m in self.metric_names(row.id) if m not in sparse]
+        return rest[0] if rest else None
 
     def metric_names(self, run_id: str | RunRow) -> list[str]:
         """Names of the metrics with stored values in a run: the declared ones in their order, then
@@ -397,6 +614,7 @@ class Store:
         *,
         rank: int | None = None,
         positions: bool = False,
+        rolled_back: bool = False,
     ) -> Any:
         """A run as a wide ``pandas.DataFrame``: one row per step (index ``step``), one float column
         per metric, step values first (declared order), then the values logged with ``Tap.log()``.
@@ -413,6 +631,8 @@ class Store:
                 the reduced rows when stored, else the lowest rank (as :meth:`series`).
             positions: also give each step's ``epoch``, ``batch`` and ``wall_time`` as the first
                 columns (a metric of one of those names is then renamed ``metric:<name>``).
+            rolled_back: keep the rows of steps a rollback undid (default: the kept trajectory
+                only; ``frame.attrs["rolled_back"]`` lists the undone ranges as ``(first, last)``).
 
         Raises:
             RunNotFound: no such run.
@@ -441,7 +661,7 @@ class Store:
         """
         from batchtap.store.frame import run_frame
 
-        return run_frame(self, run, metrics, rank=rank, positions=positions)
+        return run_frame(self, run, metrics, rank=rank, positions=positions, rolled_back=rolled_back)
 
     def iter_metrics(self, run_id: str | RunRow) -> Iterator[tuple[str, int, int, float]]:
         """Every stored value of a run as ``(metric, step, rank, value)``, by metric then step.
@@ -450,12 +670,13 @@ class Store:
             RunNotFound: no such run (``run_id`` is resolved as :meth:`run` does).
         """
         run_id = self._id(run_id)
-        cur = self._conn.execute(
-            self._d.q("SELECT metric, step, rank, value FROM metrics WHERE run_id = ? ORDER BY metric, step, rank"),
-            (run_id,),
-        )
-        for metric, step, rank, value in cur:
-            yield metric, int(step), int(rank), _NAN if value is None else float(value)
+        with self._pool.connection() as conn:
+            cur = conn.execute(
+                self._d.q("SELECT metric, step, rank, value FROM metrics WHERE run_id = ? ORDER BY metric, step, rank"),
+                (run_id,),
+            )
+            for metric, step, rank, value in cur:
+                yield metric, int(step), int(rank), _NAN if value is None else float(value)
 
     def events(self, run_id: str | RunRow) -> list[Event]:
         """Events of a run in step order.
@@ -475,13 +696,30 @@ class Store:
         ]
 
 
-def open(url: str | os.PathLike[str], *, schema: str | None = None) -> Store:  # noqa: A001 - the API name
+#: How much of a SQLite store each reading connection maps into memory: a decimation scans every
+#: row of a line (~30 % faster through the map than a read() per page). Address space, shared
+#: between the pool's connections through the page cache.
+MMAP_BYTES = 256 << 20
+
+
+def open(  # noqa: A001 - the API name
+    url: str | os.PathLike[str],
+    *,
+    schema: str | None = None,
+    migrate: bool = True,
+    connections: int = 8,
+    idle_s: float = 10.0,
+) -> Store:
     """Open a batchtap store for reading.
 
     Args:
         url: a SQLite file path, ``sqlite:///path``, or ``postgresql://user@host/db``.
         schema: for PostgreSQL, the schema (namespace) holding the tables; ``None`` uses the
             server's ``search_path``.
+        migrate: apply the migrations an older store lacks (the one write a reader makes);
+            ``False`` refuses such a store and every connection is read-only (the browser view).
+        connections: most connections open at once (threads past that wait for one).
+        idle_s: an unused connection is closed after this many seconds.
 
     Raises:
         StoreError: the store does not exist, is not a batchtap store, has a newer schema version,
@@ -489,10 +727,27 @@ def open(url: str | os.PathLike[str], *, schema: str | None = None) -> Store:  #
     """
     loc = parse_url(url)
     if loc.kind == "sqlite":
-        conn = connect_sqlite(loc.target, create=False)
-        return Store(conn, SQLITE, loc.display())
+        target = loc.target
+
+        def sqlite_conn() -> Any:
+            conn = connect_sqlite(target, create=False, migrate=migrate)
+            conn.execute(f"PRAGMA mmap_size = {MMAP_BYTES}")
+            return conn
+
+        return _opened(ConnectionPool(sqlite_conn, size=connections, idle_s=idle_s), SQLITE, loc.display())
     if schema is not None and not schema:
         raise StoreError("schema must be a non-empty name or None, got ''")
-    conn = connect_postgres(loc.target, schema=schema, create=False, purpose="batchtap.store.open")
+    dsn = loc.target
+
+    def pg_conn() -> Any:
+        return connect_postgres(dsn, schema=schema, create=False, purpose="batchtap.store.open", read_only=not migrate)
+
     where = loc.display() if schema is None else f"{loc.display()} (schema {schema!r})"
-    return Store(conn, POSTGRES, where)
+    return _opened(ConnectionPool(pg_conn, size=connections, idle_s=idle_s), POSTGRES, where)
+
+
+def _opened(pool: ConnectionPool, dialect: Dialect, where: str) -> Store:
+    """A store over ``pool`` once one connection opened (a bad path or URL fails here, not later)."""
+    with pool.connection():
+        pass
+    return Store(pool, dialect, where)
