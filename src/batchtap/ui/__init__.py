@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from batchtap._optional import require
-from batchtap.ui.auth import is_loopback, new_token
+from batchtap.ui.auth import allowed_hosts, check_token, is_loopback, new_token
 
 __all__ = ["serve", "start", "UIServer"]
 
@@ -70,11 +70,12 @@ def _build(
     from batchtap.ui.app import make_app
     from batchtap.ui.data import ReadOnlyStore
 
+    token = check_token(token)  # before the store opens: a bad token is the caller's to fix
     if token is None and not is_loopback(host):
         token = new_token()  # any other interface: nobody reads without the printed link
     store = ReadOnlyStore(db if db is not None else (os.environ.get("BATCHTAP_DB") or DEFAULT_DB), schema=schema)
     holder: dict[str, Any] = {}
-    app = make_app(store, token=token, stopping=lambda: bool(holder["server"].should_exit))
+    app = make_app(store, token=token, hosts=allowed_hosts(host), stopping=lambda: bool(holder["server"].should_exit))
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=_GRACE_S, lifespan="off"
     )
@@ -105,10 +106,15 @@ def start(
         host: interface to bind; anything but loopback requires a token.
         port: TCP port; 0 picks a free one (see :attr:`UIServer.url`).
         token: require this token on every request; generated when ``host`` is not loopback.
+            Non-empty printable ASCII (see :func:`batchtap.ui.auth.check_token`).
         schema: PostgreSQL schema holding the tables.
         log_level: uvicorn's log level.
 
+    Only the loopback Host names and ``host`` itself are answered, unless ``host`` is every
+    interface (``0.0.0.0``, ``::``), where the token guards every request.
+
     Raises:
+        batchtap.errors.ConfigError: an empty token, or one that is not printable ASCII.
         batchtap.store.StoreError: the store cannot be opened read-only.
         ImportError: the ``ui`` extra is missing.
     """

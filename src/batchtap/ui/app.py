@@ -18,6 +18,7 @@ this server only: even a name that slipped through as HTML could not run or fetc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from importlib import resources
 from typing import Any
@@ -30,7 +31,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from batchtap.ui.auth import TokenGate
+from batchtap.ui.auth import LOOPBACK_HOSTS, TokenGate
 from batchtap.ui.data import ReadOnlyStore
 from batchtap.ui.live import stream_run
 
@@ -47,14 +48,28 @@ class BadRequest(Exception):
     """A query parameter that is missing or malformed."""
 
 
+# Steps and counts are stored as 64-bit integers; a query number outside this range (1e30, inf)
+# could only overflow the database's integer or the stream's arithmetic.
+_QUERY_INT_LIMIT = 2**62
+
+
 def _int(request: Request, name: str) -> int | None:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return None
     try:
-        return int(float(raw))
+        value = int(raw)
     except ValueError:
-        raise BadRequest(f"query parameter {name!r} must be an integer, got {raw[:40]!r}") from None
+        try:  # "1e3" or "10.0" from a chart's axis: whole numbers only
+            as_float = float(raw)
+        except ValueError:
+            as_float = math.nan
+        if not (math.isfinite(as_float) and as_float.is_integer()):
+            raise BadRequest(f"query parameter {name!r} must be an integer, got {raw[:40]!r}") from None
+        value = int(as_float)
+    if not -_QUERY_INT_LIMIT <= value <= _QUERY_INT_LIMIT:
+        raise BadRequest(f"query parameter {name!r} must be an integer between -2**62 and 2**62, got {raw[:40]!r}")
+    return value
 
 
 def _int_or(request: Request, name: str, default: int) -> int:
@@ -66,13 +81,24 @@ def _json(data: Any, status: int = 200) -> JSONResponse:
     return JSONResponse(data, status_code=status, headers={"cache-control": "no-store"})
 
 
-def make_app(store: ReadOnlyStore, *, token: str | None = None, stopping: Callable[[], bool] = lambda: False) -> Any:
+def make_app(
+    store: ReadOnlyStore,
+    *,
+    token: str | None = None,
+    hosts: frozenset[str] | None = LOOPBACK_HOSTS,
+    stopping: Callable[[], bool] = lambda: False,
+) -> Any:
     """The ASGI application over an open store.
 
     Args:
         store: the store, opened read-only.
         token: when set, every request must carry it (``?token=``, the cookie, or a bearer header).
+        hosts: the exact Host names answered (:func:`batchtap.ui.auth.allowed_hosts`); ``None``: any
+            (only with a token).
         stopping: true once the server shuts down (ends the live streams).
+
+    Raises:
+        ConfigError: a token that cannot be used, or ``hosts=None`` without a token.
     """
     page = resources.files("batchtap.ui").joinpath("static", "index.html").read_text(encoding="utf-8")
 
@@ -138,4 +164,4 @@ def make_app(store: ReadOnlyStore, *, token: str | None = None, stopping: Callab
         exception_handlers={BadRequest: bad_request},
         middleware=[Middleware(GZipMiddleware, minimum_size=2048)],
     )
-    return TokenGate(app, token)
+    return TokenGate(app, token, hosts)
