@@ -88,6 +88,18 @@ class RunRow:
     last_wall_time: float | None
 
     @property
+    def tags(self) -> tuple[str, ...]:
+        """The run's tags (``tap.run(tags=)``, ``batchtap tag``), kept in its environment."""
+        tags = self.environment.get("tags")
+        return tuple(str(t) for t in tags) if isinstance(tags, list) else ()
+
+    @property
+    def notes(self) -> str | None:
+        """The run's note (``tap.run(notes=)``, ``batchtap tag --notes``), ``None`` without one."""
+        notes = self.environment.get("notes")
+        return None if notes is None else str(notes)
+
+    @property
     def duration(self) -> float | None:
         """Seconds from start to end (or to the latest stored value while running)."""
         end = self.ended_at if self.ended_at is not None else self.last_wall_time

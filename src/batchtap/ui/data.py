@@ -1,33 +1,61 @@
-"""Read-only reads of a store for the browser view: runs, decimated series, events, live tails.
+"""The browser view's JSON over the one store reader (:class:`batchtap.store.Store`).
 
-The store is opened read-only whatever its engine (SQLite ``mode=ro``; PostgreSQL with
-``default_transaction_read_only``), so the UI cannot write to it even by mistake; a store that
-would need a migration is refused instead of migrated. Every query takes its values as parameters:
-nothing that arrives in a request reaches SQL as text.
+The store is opened read-only whatever its engine (``batchtap.store.open(url, migrate=False)``:
+SQLite ``mode=ro``; PostgreSQL with ``default_transaction_read_only``), so the UI cannot write to
+it even by mistake; a store that would need a migration is refused instead of migrated. Its
+connections are a bounded pool shared by the server's threads, closed when idle. Status (with the
+derived ``killed``), steps, best and last values come from the reader, so the UI, ``batchtap show``
+/ ``runs`` and ``Store.frame()`` agree; best values are taken on the kept trajectory (steps a
+rollback undid are left out). Every query takes its values as parameters: nothing that arrives in
+a request reaches SQL as text (the runs filter is parsed and matched in Python,
+:mod:`batchtap.store.runquery`).
 
 A series is sent as it is when the asked step range holds at most two points per pixel, else
 decimated to ``width`` buckets of equal step span, each kept as its minimum and its maximum (so a
 one-step spike survives any zoom level) and its mean (what the smoothed line follows). The
 buckets are aggregated by the database, and the lines of runs that have ended are kept in memory
 (:mod:`batchtap.ui.decimate`).
+
+JSON endpoints (for the page's scripts; every value that JSON cannot carry, NaN or inf, is ``null``):
+
+* ``GET /api/runs?q=QUERY`` -> ``{"store", "now", "query", "runs": [RUN, ...]}``, newest first. ``q``
+  is optional: a filter such as ``lr<0.01 and status=finished`` (see :mod:`batchtap.store.runquery`;
+  fields ``id name status steps best last duration anomalies tag notes``, else config keys). A query
+  that does not parse, or names a key no run has, is ``400 {"error": ...}``. ``now`` is the server's
+  ``time.time()`` (a running run's duration grows from ``started_at`` to it).
+* RUN (a runs-table row): ``id``, ``short_id`` (8 characters), ``name``, ``status`` (``running``,
+  ``finished``, ``failed``, ``stopped``, ``killed``), ``started_at``, ``ended_at``, ``stop_reason``,
+  ``config`` (an object: the parsed arguments under ``batchtap run``), ``world_size``,
+  ``environment``, ``declared`` (declared metric names), ``tags`` (list of str), ``notes`` (str or
+  null), ``main`` (the metric judged: ``loss`` when present), ``higher_is_better``, ``steps`` (distinct
+  steps stored), ``last_step``, ``last_value``, ``best_value``, ``min_value``, ``max_value`` (best/min/max
+  on the kept trajectory), ``last_wall``, ``duration`` (seconds; to the last stored value while
+  running), ``rolled_back`` (``[[first, last], ...]`` undone steps), ``events`` (count per kind),
+  ``anomalies``.
+* ``GET /api/runs/live?q=QUERY`` -> server-sent events. First ``runs`` with every matching RUN, then,
+  once a second while anything changes, ``runs`` with ``{"now", "runs": [RUN, ...], "removed": [id]}``:
+  the new runs and every run whose status, steps or end moved (running runs each time: their
+  duration moves). The page merges them by ``id``.
+* ``GET /api/runs/{id}`` — one RUN plus ``metrics``, ``sparse`` and ``ranks`` (per metric). ``{id}``
+  (here and below) is a full id, a unique id prefix (the 8-character short id) or a run name (the
+  latest run of it); ``404 {"error"}`` when none matches, naming the closest.
+* ``GET /api/runs/{id}/series?metric=&rank=&start=&end=&width=`` — one line (see :meth:`ReadOnlyStore.series`).
+* ``GET /api/runs/{id}/events``, ``/ranks?metric=``, ``/live?after=&events=`` — as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import sqlite3
-import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from batchtap._optional import require
-from batchtap.store.errors import StoreError
-from batchtap.store.schema import POSTGRES, SCHEMA_VERSION, SQLITE, Dialect
-from batchtap.store.url import parse_url, redact_dsn, redact_message
+from batchtap.store import runquery
+from batchtap.store.errors import RunNotFound
+from batchtap.store.reader import Store
+from batchtap.store.rows import RunRow, best_is_max
+from batchtap.store.schema import SQLITE, Dialect
 from batchtap.ui.decimate import (
     POSTGRES_BUCKETS,
     SQLITE_BUCKETS,
@@ -38,15 +66,13 @@ from batchtap.ui.decimate import (
     parse_sqlite_bucket,
 )
 
-__all__ = ["ReadOnlyStore", "MAX_WIDTH", "MIN_WIDTH", "clean", "best_is_max"]
+__all__ = ["ReadOnlyStore", "MAX_WIDTH", "MIN_WIDTH", "clean", "best_is_max", "SeriesKey"]
 
 #: Bounds on the number of buckets a request may ask for (the chart's width in pixels).
 MIN_WIDTH = 10
 MAX_WIDTH = 4000
 #: Raw points are sent while a range holds at most this many points per bucket.
 RAW_PER_BUCKET = 2
-#: How much of a SQLite store each reading connection maps into memory.
-MMAP_BYTES = 1 << 30
 #: Events sent for one run at most (the newest are dropped past it, and the page says so).
 MAX_EVENTS = 20_000
 
@@ -64,17 +90,6 @@ def clean(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def best_is_max(metric: str) -> bool:
-    """Whether larger is better for a metric, judged by its name (accuracy-like, throughput).
-
-    Example:
-        >>> best_is_max("val_acc"), best_is_max("loss")
-        (True, False)
-    """
-    name = metric.lower()
-    return any(k in name for k in ("acc", "throughput", "f1", "precision", "recall", "auc"))
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class SeriesKey:
     """Which stored rows make one line: a run's metric at one rank (``-1``: reduced over ranks)."""
@@ -85,146 +100,147 @@ class SeriesKey:
 
 
 class ReadOnlyStore:
-    """Read-only access to a store from the server's threads: a SQLite connection per thread, or
-    one PostgreSQL connection taken in turn.
+    """The browser view's reads: JSON-ready dicts over one read-only :class:`batchtap.store.Store`.
 
     Args:
         url: SQLite path, ``sqlite:///path`` or ``postgresql://...``.
         schema: PostgreSQL schema holding the tables (``None``: the server's ``search_path``).
+        connections: most connections open at once (the server's threads share them).
+        idle_s: an unused connection is closed after this many seconds.
 
     Raises:
         StoreError: missing, unreachable, not a batchtap store, or at another schema version.
     """
 
-    def __init__(self, url: str | os.PathLike[str], *, schema: str | None = None) -> None:
-        loc = parse_url(url)
-        self.where = loc.display()
-        self._lock = threading.Lock()
-        self._local = threading.local()
-        self._opened: list[Any] = []
-        self._path = Path(loc.target)
-        self._shared: Any = None
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        schema: str | None = None,
+        connections: int = 8,
+        idle_s: float = 10.0,
+    ) -> None:
+        import batchtap.store
+
+        #: the one reader; every read below goes through it.
+        self.reader: Store = batchtap.store.open(
+            url, schema=schema, migrate=False, connections=connections, idle_s=idle_s
+        )
+        self.where = self.reader.where
+        self.dialect: Dialect = self.reader.dialect
         #: Decimated lines of runs that have ended, kept between requests (see :class:`LineCache`).
         self.lines = LineCache()
-        if loc.kind == "sqlite":
-            self.dialect: Dialect = SQLITE
-            self._conn()  # open one now: a bad path fails here, not at the first request
-        else:
-            self.dialect = POSTGRES
-            self._shared = _open_postgres(loc.target, schema, self.where)
-            self._opened.append(self._shared)
-            if schema is not None:
-                self.where = f"{self.where} (schema {schema!r})"
-        try:
-            _check_version(self, self.where)
-        except BaseException:
-            self.close()
-            raise
 
     def close(self) -> None:
-        """Close every connection opened."""
-        with self._lock:
-            for conn in self._opened:
-                conn.close()
-            self._opened.clear()
-
-    def _conn(self) -> Any:
-        """This thread's SQLite connection (the server's threads read in parallel), or the one
-        PostgreSQL connection."""
-        if self._shared is not None:
-            return self._shared
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = _open_sqlite(self._path, self.where)
-            with self._lock:
-                self._opened.append(conn)
-        return conn
+        """Close every connection."""
+        self.reader.close()
 
     def _all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        conn = self._conn()
-        if self._shared is None:
-            return list(conn.execute(self.dialect.q(sql), tuple(params)).fetchall())
-        with self._lock:  # psycopg serialises a connection's queries; keep whole reads together
-            return list(conn.execute(self.dialect.q(sql), tuple(params)).fetchall())
+        return self.reader.query(sql, params)
 
     def _one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
         rows = self._all(sql, params)
         return rows[0] if rows else None
 
     # -- runs ------------------------------------------------------------------------------
-    def runs(self) -> list[dict[str, Any]]:
-        """Every run, newest first, with its summary (see :meth:`summary`)."""
-        rows = self._all(f"SELECT {_RUN_FIELDS} FROM runs ORDER BY started_at DESC, id")
-        return [self.summary(_run_dict(r)) for r in rows]
-
-    def run(self, run_id: str) -> dict[str, Any] | None:
-        """One run by exact id, with its summary (no step count), metric names, sparse names and ranks; ``None``
-        when there is no such run."""
-        row = self._one(f"SELECT {_RUN_FIELDS} FROM runs WHERE id = ?", (run_id,))
-        if row is None:
+    def resolve(self, ref: str) -> str | None:
+        """The id of the run ``ref`` names (id, unique id prefix such as the short id, or name);
+        ``None`` when none matches."""
+        try:
+            return self.reader.run(ref).id
+        except RunNotFound:
             return None
-        run = self.summary(_run_dict(row), counts=False)  # a run page needs no scan of its rows
-        names = self.metric_names(run_id)
+
+    def runs(self, query: str | None = None) -> list[dict[str, Any]]:
+        """Every run, newest first, as a runs-table row (see the module's documentation), those
+        matching ``query`` when given.
+
+        Raises:
+            QueryError: the query does not parse or names a key no run has.
+        """
+        parsed = runquery.parse(query) if query else None
+        rows = sorted(self.reader.runs(), key=lambda r: (-r.started_at, r.id))
+        out = [self.summary(r) for r in rows]
+        return parsed.filter(out) if parsed is not None else out
+
+    def run(self, ref: str) -> dict[str, Any] | None:
+        """One run (id, unique id prefix or name) with its summary, metric names, sparse names and
+        ranks; ``None`` when there is no such run."""
+        try:
+            row = self.reader.run(ref)
+        except RunNotFound:
+            return None
+        run = self.summary(row)
+        names = self.reader.metric_names(row.id)
         run["metrics"] = names
-        run["sparse"] = [
-            r[0] for r in self._all("SELECT metric FROM sparse_metrics WHERE run_id = ? ORDER BY metric", (run_id,))
-        ]
-        run["ranks"] = {m: self.ranks(run_id, m) for m in names}
+        run["sparse"] = self.reader.sparse_names(row.id)
+        run["ranks"] = {m: self.ranks(row.id, m) for m in names}
         return run
 
     def status(self, run_id: str) -> tuple[str, float | None, str | None] | None:
-        """A run's status, end time and stop reason (``None``: no such run)."""
-        row = self._one("SELECT status, ended_at, stop_reason FROM runs WHERE id = ?", (run_id,))
-        return None if row is None else (str(row[0]), None if row[1] is None else float(row[1]), row[2])
+        """A run's status (``killed`` derived as the CLI does), end time and stop reason
+        (``None``: no such run)."""
+        try:
+            status, ended, reason = self.reader.status(run_id)
+        except RunNotFound:
+            return None
+        return status.value, ended, reason
 
-    def summary(self, run: dict[str, Any], *, counts: bool = True) -> dict[str, Any]:
-        """Add steps, last step, last and best values of the main metric (``loss`` when the run
-        has it, else its first declared metric) and the anomaly count to a run's fields.
-        ``counts=False`` leaves out the steps and the best value (a scan of the metric's rows)."""
-        declared = [m for m in run["declared"] if m != "loss"]
-        main = None
-        for name in ["loss", *declared]:
-            if self._first_rank(run["id"], name) is not None:
-                main = name
-                break
-        run.update(main=main, steps=0, last_step=None, last_value=None, best_value=None, last_wall=None)
+    def summary(self, row: RunRow) -> dict[str, Any]:
+        """A run as a runs-table row: its stored fields, and the main metric (``loss`` when the
+        run has it) summed up on the kept trajectory by the reader (:meth:`Store.summary`)."""
+        run: dict[str, Any] = {
+            "id": row.id,
+            "short_id": row.id[:8],
+            "name": row.name,
+            "status": row.status.value,
+            "started_at": row.started_at,
+            "ended_at": row.ended_at,
+            "stop_reason": row.stop_reason,
+            "config": row.config,
+            "world_size": row.world_size,
+            "environment": row.environment,
+            "declared": list(row.metrics),
+            "tags": list(row.tags),
+            "notes": row.notes,
+            "steps": row.steps,
+            "last_wall": row.last_wall_time,
+            "duration": None if row.duration is None else max(0.0, row.duration),
+        }
+        main = self.reader.main_metric(row)
+        undone = self.reader.rolled_back(row.id)
+        run.update(main=main, higher_is_better=None, last_step=None, last_value=None, best_value=None)
+        run.update(min_value=None, max_value=None, rolled_back=[[r.start, r.stop - 1] for r in undone])
         if main is not None:
-            key = SeriesKey(run["id"], main, self._first_rank(run["id"], main) or 0)
-            agg = "MAX" if best_is_max(main) else "MIN"
-            count, best = (None, None)
-            if counts:
-                count, best = self._one(
-                    f"SELECT COUNT(*), {agg}(value) FROM metrics WHERE run_id = ? AND metric = ? AND rank = ?",
-                    (key.run_id, key.metric, key.rank),
-                ) or (0, None)
-            last = self._one(
-                "SELECT step, value, wall_time FROM metrics WHERE run_id = ? AND metric = ? AND rank = ?"
-                " ORDER BY step DESC LIMIT 1",
-                (key.run_id, key.metric, key.rank),
+            s = self.reader.summary(row.id, main, undone=undone)
+            run.update(
+                higher_is_better=s.higher_is_better,
+                last_step=s.last_step,
+                last_value=clean(s.last),
+                best_value=clean(s.best),
+                min_value=clean(s.min),
+                max_value=clean(s.max),
             )
-            run.update(steps=None if count is None else int(count), best_value=clean(best))
-            if last is not None:
-                run.update(last_step=int(last[0]), last_value=clean(last[1]), last_wall=float(last[2]))
-        kinds = self._all("SELECT kind, COUNT(*) FROM events WHERE run_id = ? GROUP BY kind", (run["id"],))
+        kinds = self._all("SELECT kind, COUNT(*) FROM events WHERE run_id = ? GROUP BY kind", (row.id,))
         run["events"] = {str(k): int(n) for k, n in kinds}
         run["anomalies"] = run["events"].get("anomaly", 0)
-        end = run["ended_at"] if run["ended_at"] is not None else run["last_wall"]
-        run["duration"] = None if end is None else max(0.0, end - run["started_at"])
         return run
 
+    def changes(self, seen: dict[str, tuple[Any, ...]]) -> tuple[list[RunRow], list[str]]:
+        """The runs new or moved since ``seen`` (id -> fingerprint, updated in place) and the ids
+        gone: what the live runs table sends. A running run always counts as moved."""
+        rows = self.reader.runs()
+        now = {r.id: (r.status.value, r.steps, r.ended_at, r.last_wall_time) for r in rows}
+        moved = [r for r in rows if seen.get(r.id) != now[r.id] or r.status.value == "running"]
+        gone = [rid for rid in seen if rid not in now]
+        seen.clear()
+        seen.update(now)
+        return moved, gone
+
     def metric_names(self, run_id: str) -> list[str]:
-        """Names with stored values: declared ones in their order, then the others sorted."""
-        # A skip scan over the primary key's (run_id, metric) prefix: one probe per name.
-        rows = self._all(
-            "WITH RECURSIVE m(name) AS (SELECT MIN(metric) FROM metrics WHERE run_id = ?"
-            " UNION ALL SELECT (SELECT MIN(metric) FROM metrics WHERE run_id = ? AND metric > m.name)"
-            " FROM m WHERE m.name IS NOT NULL) SELECT name FROM m WHERE name IS NOT NULL",
-            (run_id, run_id),
-        )
-        present = [r[0] for r in rows]
-        declared = self._one("SELECT metric_names FROM runs WHERE id = ?", (run_id,))
-        order = [m for m in (json.loads(declared[0]) if declared and declared[0] else []) if m in present]
-        return order + sorted(set(present) - set(order))
+        """Names with stored values: declared ones in their order, then the others sorted, then
+        the names logged with ``Tap.log()``."""
+        return self.reader.metric_names(run_id)
 
     def _first_rank(self, run_id: str, metric: str) -> int | None:
         # The reduced rows (rank -1) exist at every step when a run has them, so the smallest rank
@@ -395,42 +411,6 @@ class ReadOnlyStore:
         row = self._one("SELECT COUNT(*) FROM events WHERE run_id = ?", (run_id,))
         return int(row[0]) if row else 0
 
-    def value_at(self, run_id: str, metric: str, rank: int, step: int) -> float | None:
-        """The latest finite value of a line at or before ``step`` (where an event marker sits)."""
-        row = self._one(
-            "SELECT value FROM metrics WHERE run_id = ? AND metric = ? AND rank = ? AND step <= ?"
-            " AND value IS NOT NULL ORDER BY step DESC LIMIT 1",
-            (run_id, metric, rank, step),
-        )
-        return None if row is None else clean(row[0])
-
-
-_RUN_FIELDS = "id, name, status, started_at, ended_at, stop_reason, config, world_size, environment, metric_names"
-
-
-def _run_dict(row: tuple[Any, ...]) -> dict[str, Any]:
-    rid, name, status, started, ended, reason, config, world, env, metrics = row
-    return {
-        "id": str(rid),
-        "name": str(name),
-        "status": str(status),
-        "started_at": float(started),
-        "ended_at": None if ended is None else float(ended),
-        "stop_reason": reason,
-        "config": _json_object(config),
-        "world_size": int(world),
-        "environment": _json_object(env),
-        "declared": list(json.loads(metrics)) if metrics else [],
-    }
-
-
-def _json_object(text: str | None) -> dict[str, Any]:
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
 
 def _columns(mode: str, rank: int, rows: Sequence[tuple[Any, ...]], bucket: int) -> dict[str, Any]:
     """Points of (step, value, wall[, lo, hi, mean]) as the columns a chart's data source takes.
@@ -458,80 +438,3 @@ def _minmax_columns(rank: int, buckets: Sequence[Bucket], bucket: int, last_step
         b1 = min(b0 + bucket - 1, last_step)
         rows += [(b0, low, wall, b0, b1, mean), (b1, high, wall, b0, b1, mean)]
     return _columns("minmax", rank, rows, bucket)
-
-
-def _open_sqlite(path: Path, where: str) -> sqlite3.Connection:
-    if not path.is_file():
-        raise StoreError(
-            f"no batchtap store at {where}: the file does not exist; expected a SQLite file written by "
-            "bt.sinks.SQLite; fix: check the path (or run `batchtap demo` to make runs/batchtap.db)"
-        )
-    # mode=ro: SQLite refuses every write on this connection; the UI never creates, migrates or
-    # changes the journal mode of a store, and reads beside a training process writing it (WAL).
-    uri = path.resolve().as_uri() + "?mode=ro"
-    try:
-        conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None, timeout=10.0)
-        conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
-        # Read pages through a memory map instead of a read() call per 4 kB page: a decimation
-        # scans every row of a line (~30% faster here). Address space only; SQLite maps no more
-        # than the file holds and never writes through a read-only connection's map.
-        conn.execute(f"PRAGMA mmap_size = {MMAP_BYTES}")
-    except sqlite3.Error as exc:
-        raise StoreError(
-            f"cannot read SQLite store {where}: {exc}; expected a readable SQLite file (and its -wal/-shm "
-            "files, or a writable directory for them); fix: check the path and its permissions"
-        ) from None
-    return conn
-
-
-def _open_postgres(dsn: str, schema: str | None, where: str) -> Any:
-    psycopg = require("psycopg", extra="postgres", purpose="batchtap ui on PostgreSQL")
-    try:
-        conn = psycopg.connect(
-            dsn,
-            autocommit=True,
-            connect_timeout=5,
-            application_name="batchtap-ui",
-            # Every transaction of this session is read-only: the server refuses any write.
-            options="-c default_transaction_read_only=on",
-        )
-    except psycopg.Error as exc:
-        reason = redact_message(str(exc).strip().replace("\n", " "), dsn)
-        raise StoreError(
-            f"cannot connect to PostgreSQL at {redact_dsn(dsn)}: {reason}; expected a reachable server "
-            "accepting this user and database; fix: check host, port, user, database and that it is running"
-        ) from None
-    if schema is not None:
-        sql = require("psycopg.sql", extra="postgres", purpose="batchtap ui on PostgreSQL")
-        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
-    return conn
-
-
-def _check_version(store: ReadOnlyStore, where: str) -> None:
-    if store.dialect is SQLITE:
-        tables = {r[0] for r in store._all("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    else:
-        tables = {
-            r[0]
-            for r in store._all(
-                "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()"
-            )
-        }
-    if "schema_version" not in tables:
-        raise StoreError(
-            f"{where} is not a batchtap store (no schema_version table); expected a store written by "
-            "bt.sinks.SQLite or bt.sinks.Postgres; fix: check the path or URL (and --schema)"
-        )
-    row = store._one("SELECT MAX(version) FROM schema_version")
-    version = int(row[0]) if row and row[0] is not None else 0
-    if version < SCHEMA_VERSION:
-        raise StoreError(
-            f"{where} has schema version {version}, older than this batchtap's {SCHEMA_VERSION}; the UI opens "
-            "stores read-only and does not migrate them; fix: run `batchtap runs --db ...` once (it migrates), "
-            "then start the UI again"
-        )
-    if version > SCHEMA_VERSION:
-        raise StoreError(
-            f"{where} has schema version {version}, but this batchtap knows versions up to {SCHEMA_VERSION}; "
-            "fix: upgrade batchtap (pip install -U batchtap)"
-        )

@@ -19,12 +19,15 @@ import anyio.to_thread
 
 from batchtap.ui.data import ReadOnlyStore
 
-__all__ = ["stream_run", "sse"]
+__all__ = ["stream_run", "stream_runs", "sse"]
 
 #: Seconds between two reads of the store (what bounds the delay from a flush to the page).
 INTERVAL = 0.2
 #: A comment line this often keeps proxies from closing an idle stream.
 KEEPALIVE = 15.0
+#: Seconds between two reads of the runs table by the live runs table (a read of every run's row
+#: and step figures: heavier than one run's key probes).
+RUNS_INTERVAL = 1.0
 
 
 def sse(event: str, data: Any) -> bytes:
@@ -105,3 +108,50 @@ def _read(
         update["events"] = store.events(run_id)
         events_seen = count
     return update, new_status, events_seen
+
+
+async def stream_runs(
+    store: ReadOnlyStore,
+    query: str | None,
+    stopping: Callable[[], bool],
+    interval: float = RUNS_INTERVAL,
+) -> AsyncIterator[bytes]:
+    """Server-sent ``runs`` messages for the runs table: every matching run first, then the runs
+    that are new or moved (status, steps, end; running runs each time, their duration grows) and
+    the ids of runs gone, as often as ``interval`` while anything changes.
+
+    Args:
+        store: the store.
+        query: the runs filter (already checked to parse by the caller), or ``None``.
+        stopping: true once the server shuts down.
+        interval: seconds between reads.
+    """
+    seen: dict[str, tuple[Any, ...]] = {}
+    idle = 0.0
+    yield b"retry: 1000\n\n"
+    while not stopping():
+        update = await anyio.to_thread.run_sync(_runs_update, store, query, seen)
+        if update["runs"] or update["removed"] or update["first"]:
+            idle = 0.0
+            yield sse("runs", update)
+        await asyncio.sleep(interval)
+        idle += interval
+        if idle >= KEEPALIVE:
+            idle = 0.0
+            yield b": keepalive\n\n"
+
+
+def _runs_update(store: ReadOnlyStore, query: str | None, seen: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
+    import time
+
+    from batchtap.store import runquery
+
+    first = not seen
+    moved, gone = store.changes(seen)
+    rows = [store.summary(r) for r in sorted(moved, key=lambda r: (-r.started_at, r.id))]
+    if query:
+        # a run that moved out of the filter (its status changed) leaves the table
+        kept = runquery.parse(query).matching(rows)
+        gone += [r["id"] for r in rows if r not in kept]
+        rows = kept
+    return {"first": first, "now": time.time(), "runs": rows, "removed": gone}
