@@ -60,6 +60,7 @@ _FOUNDATION = {
     "_userframes",
     "_validate",
     "_format",
+    "_units",
     "_stale",
 } & TOP_MODULES
 _ASSEMBLY = {"tap", "_run", "_defaults"}
