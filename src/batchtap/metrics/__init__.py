@@ -12,6 +12,7 @@ from batchtap.metrics.base import Combine, Metric, StepInputs, StepTiming
 from batchtap.metrics.defaults import default_metrics
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Output, Reduce
 from batchtap.metrics.gradients import GradNorm, LossScale
+from batchtap.metrics.layers import Layers
 from batchtap.metrics.scalars import Custom, Extra, LearningRate, Loss, Memory
 from batchtap.metrics.system import System
 from batchtap.metrics.timing import DataTime, StepTime, Throughput
@@ -26,6 +27,7 @@ __all__ = [
     "LearningRate",
     "GradNorm",
     "LossScale",
+    "Layers",
     "StepTime",
     "DataTime",
     "Throughput",
