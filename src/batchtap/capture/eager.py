@@ -24,8 +24,28 @@ T = TypeVar("T")
 _set_eval_frame: Callable[[Any], Any] | None = getattr(
     getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "set_eval_frame", None
 )
+
+
+def _c_skip_code() -> Callable[[Any], None] | None:
+    """Dynamo's "never compile this code object" mark, set through its C module: importing
+    ``torch._dynamo`` for it (what ``torch._dynamo.eval_frame.skip_code`` needs) would cost every
+    ``import batchtap`` seconds, for the few scripts that compile a caller of the Tap."""
+    c = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    action = getattr(c, "_FrameAction", None)
+    strategy = getattr(c, "_FrameExecStrategy", None)
+    set_strategy = getattr(c, "set_code_exec_strategy", None)
+    if action is None or strategy is None or set_strategy is None:
+        return None
+    skip = strategy(action.SKIP, action.DEFAULT)
+
+    def skip_code(code: Any) -> None:
+        set_strategy(code, skip)
+
+    return skip_code
+
+
 #: dynamo's list of code objects it never compiles (private, as above)
-_skip_code: Callable[[Any], None] | None = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
+_skip_code: Callable[[Any], None] | None = _c_skip_code()
 
 
 def eager(method: T) -> T:
@@ -38,15 +58,19 @@ def eager(method: T) -> T:
     frame-evaluation callback installed, one C call to find out) it calls the method directly, and
     otherwise hands over to torch's wrapper, which runs the method with dynamo off.
     """
-    disabled: Any = torch.compiler.disable(method)  # type: ignore[arg-type]
     if _set_eval_frame is None or _skip_code is None:
-        return disabled  # type: ignore[no-any-return]
+        return cast(T, torch.compiler.disable(method))  # type: ignore[arg-type]
     plain = cast(Callable[..., Any], method)
+    # torch's wrapper imports torch._dynamo: made at the first call from compiled code, where
+    # dynamo is loaded already (only it installs a frame-evaluation callback)
+    disabled: list[Any] = []
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if in_eager_code():  # nothing to turn off
             return plain(*args, **kwargs)
-        return disabled(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(plain))
+        return disabled[0](*args, **kwargs)
 
     functools.update_wrapper(call, plain)
     return cast(T, _skipped_by_dynamo(call, plain))
