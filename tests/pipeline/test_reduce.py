@@ -297,3 +297,20 @@ def test_a_failed_exchange_keeps_the_ranks_own_rows_and_says_so() -> None:
     assert warning.kind is EventKind.WARNING and warning.step == 5 and warning.rank == 0
     assert "rank 0: reducing over ranks failed (RuntimeError: Connection closed by peer)" in warning.message
     assert reducer.reduce(decoded, samples, times) is decoded  # never tries the group again
+
+
+def test_the_fsdp2_grad_norm_kinds_root_sum_square_of_shards_and_already_global() -> None:
+    """A gradient norm per shard combines as the root of the summed squares; a norm every rank
+    already computed globally (its own collective) is stored as it is, never combined again."""
+    outputs = (Output("shard_norm", reduce=Reduce.ROOT_SUM_SQUARE), Output("full_norm", reduce=Reduce.GLOBAL))
+    shards = [3.0, 4.0, 12.0]
+    blocks = []
+    for rank, shard in enumerate(shards):
+        records = [Record("run", 5, 0, 5, rank, 105.0, {"shard_norm": shard, "full_norm": 13.0})]
+        decoded = DecodedBlock.from_records(records, [o.name for o in outputs])
+        reducer = Reducer(outputs, group=None, rank=rank, world_size=len(shards), per_rank_rows=False)
+        blocks.append((reducer, decoded, np.full(1, 8.0), np.full(1, 0.5)))
+    for out in _run(blocks):
+        (record,) = out.records
+        assert record.values["shard_norm"] == pytest.approx(13.0, rel=1e-12)  # sqrt(9 + 16 + 144)
+        assert record.values["full_norm"] == 13.0  # not 3 * 13, not sqrt(3) * 13

@@ -5,8 +5,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from typing import Literal
 
-__all__ = ["Domain", "Reduce", "Output", "ANY_FINITE", "NONNEGATIVE", "UNIT_INTERVAL"]
+__all__ = ["Domain", "Reduce", "Output", "Weight", "ANY_FINITE", "NONNEGATIVE", "UNIT_INTERVAL"]
+
+#: what a ``MEAN`` output averages over (see :class:`Output`)
+Weight = Literal["samples", "metric"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,8 +70,14 @@ class Reduce(str, enum.Enum):
     MEAN = "mean"
     MAX = "max"
     MIN = "min"
-    #: root of the summed squares: a norm whose parts live on different ranks (sharded gradients)
+    #: root of the summed squares: a norm whose parts live on different ranks (sharded gradients,
+    #: each rank's value the norm of its own shard)
     L2 = "l2"
+    ROOT_SUM_SQUARE = "l2"  # the same kind, by what it does
+    #: already global: every rank holds the same value (a gradient norm summed over the shards on
+    #: the device, a learning rate), so it must never be combined again; the maximum of equal
+    #: values is that value (an alias of ``MAX``: the reducer needs no kind of its own)
+    GLOBAL = "max"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,9 +89,26 @@ class Output:
         domain: legal values; anything else becomes NaN plus an anomaly event.
         reduce: how the value combines across ranks.
         unit: display hint for consoles (``"%"`` shows fractions as percentages, ``"s"`` seconds).
+        weight: what a ``MEAN`` averages over, across ranks and steps: ``"samples"`` (the step's
+            samples) or ``"metric"`` (a count the metric's decoder gives per row,
+            :meth:`~batchtap.metrics.decoding.MetricDecoder.weight_block`: accuracy's kept targets).
+        higher_is_better: whether a larger value is better (accuracy), worse (loss), or neither
+            (None: a learning rate); views and "best value" summaries read it instead of guessing
+            from the name.
     """
 
     name: str
     domain: Domain = ANY_FINITE
     reduce: Reduce = Reduce.MEAN
     unit: str = ""
+    weight: Weight = "samples"
+    higher_is_better: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight not in ("samples", "metric"):
+            raise ValueError(f"Output {self.name!r}: weight must be 'samples' or 'metric', got {self.weight!r}")
+        if self.weight == "metric" and self.reduce is not Reduce.MEAN:
+            raise ValueError(
+                f"Output {self.name!r}: weight='metric' weights a MEAN, got reduce={self.reduce.value!r}; "
+                "drop weight= or use Reduce.MEAN"
+            )

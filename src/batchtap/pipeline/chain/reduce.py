@@ -27,7 +27,10 @@ that run on them take the same decisions everywhere. Values combine by their met
   (``Metric.weight``: accuracy's kept targets): global accuracy = total correct / total kept targets,
   exact for uneven per-rank batches and uneven padding;
 * ``SUM`` (throughput), ``MAX`` (step time, grad norm, lr), ``MIN``;
-* ``L2`` — the root of the summed squares: the global norm of gradients sharded over ranks;
+* ``L2`` (also named ``ROOT_SUM_SQUARE``) — the root of the summed squares: the global norm of
+  gradients sharded over ranks, each rank's value the norm of its shard;
+* ``GLOBAL`` — every rank holds the global value already (an FSDP2 gradient norm computed with a
+  collective of its own): an alias of ``MAX``, whose maximum of equal values is that value;
 
 a NaN on any rank makes the global value NaN (as the anomaly it is). A global record also carries
 the straggler view: ``slowest_rank`` (the lowest rank among those with the longest step time) and
@@ -97,7 +100,7 @@ class Reducer:
         self._mean = np.array([k is Reduce.MEAN for k in kinds], dtype=bool)
         self._l2 = np.array([k is Reduce.L2 for k in kinds], dtype=bool)
         summed = np.array([k in (Reduce.MEAN, Reduce.SUM, Reduce.L2) for k in kinds], dtype=bool)
-        extreme = ~summed  # MAX and MIN
+        extreme = ~summed  # MAX (and GLOBAL, its alias) and MIN
         # Columns of the SUM tensor: a presence/NaN code per value, a sum per summed value, a weight
         # sum per MEAN, the step time's NaN count. Of the MAX tensor: the value (MAX) or its
         # negation (MIN) per extreme value, then step time, its negation and the slowest-rank key.
