@@ -7,6 +7,7 @@ import json
 import sqlite3
 import string
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,38 @@ def test_connection_errors_never_show_the_password(password: object) -> None:
         with pytest.raises(SinkError) as err:
             Postgres(dsn, connect_timeout_s=1)  # nothing listens on port 1 / that socket
         assert SECRET not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("ch", ["@", "/", "@@", " ", "[", "]", "%40"])
+def test_a_password_is_never_read_as_part_of_the_host_name(ch: str) -> None:
+    """libpq ends the user info at the first '@': an unencoded '@' in the password sent a piece of
+    it to the name resolver as the host ("failed to resolve host 'cret@db'")."""
+    psycopg = pytest.importorskip("psycopg")
+    from batchtap.store.url import resolvable_dsn
+
+    dsn = f"postgresql://bob:Pw{ch}{SECRET}@127.0.0.1:5432/x?sslmode=disable"
+    parsed = psycopg.conninfo.conninfo_to_dict(resolvable_dsn(dsn))
+    assert parsed["host"] == "127.0.0.1" and parsed["user"] == "bob" and parsed["dbname"] == "x"
+    assert parsed["password"] == urllib.parse.unquote(f"Pw{ch}{SECRET}")
+
+
+@pytest.fixture
+def pg_schema() -> Iterator[str]:
+    from tests.store._helpers import pg_schema_fixture
+
+    yield from pg_schema_fixture()
+
+
+def test_a_store_url_with_an_at_sign_in_its_password_reaches_the_real_server(pg_schema: str) -> None:
+    pytest.importorskip("psycopg")
+    from batchtap.sinks.postgres import Postgres
+    from tests.store._helpers import PG_DSN
+
+    parts = urllib.parse.urlsplit(PG_DSN)
+    if parts.password or not parts.username:
+        pytest.skip("the test server's DSN already carries a password")
+    # the test server trusts loopback: the password is not checked, only where the host name comes from
+    dsn = PG_DSN.replace(f"//{parts.username}@", f"//{parts.username}:s@{SECRET}@", 1)
+    sink = Postgres(dsn, schema=pg_schema, connect_timeout_s=5)
+    sink.close()
+    assert SECRET not in sink.dsn

@@ -146,7 +146,9 @@ def test_a_dead_endpoint_neither_blocks_nor_fails_training_and_never_shows_the_s
     assert sink.ended[-1].status is RunStatus.FINISHED  # training went on to the end
     assert len([r for r in sink.records if not r.sparse]) == 20
     warnings = [e for e in sink.events if "webhook" in e.message]
-    assert len(warnings) == 1 and "http://127.0.0.1:" in warnings[0].message  # then quiet for the cooldown
+    # one for the anomalies' post, then quiet for the cooldown, except for the run's end: always tried
+    assert len(warnings) == 2 and all("http://127.0.0.1:" in w.message for w in warnings)
+    assert "1 event(s) not delivered" in warnings[-1].message
     assert hook.dropped >= 1 and hook.delivered == 0
     shown = capsys.readouterr()
     stored = "\n".join(str(row) for row in sqlite3.connect(db).execute("SELECT * FROM events").fetchall())
@@ -171,3 +173,168 @@ def test_it_travels_to_the_pipeline_process_and_posts_from_there(endpoint: Endpo
         for _ in range(3):
             tap.step(loss=torch.tensor(0.5))
     assert [b["batchtap"]["status"] for b in endpoint.bodies] == ["finished"]
+
+
+class Scripted:
+    """A local endpoint answering each POST from a script of (status, Location) — then 200 — and
+    keeping what each request carried: method, path, body, Authorization."""
+
+    def __init__(self, script: list[tuple[int, str | None]]) -> None:
+        self.script = list(script)
+        self.seen: list[tuple[str, str, bytes, str | None]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                outer.seen.append((self.command, self.path, self.rfile.read(length), self.headers["Authorization"]))
+                status, location = outer.script.pop(0) if outer.script else (200, None)
+                self.send_response(status)
+                if location:
+                    self.send_header("Location", location)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_POST = do_GET = _answer  # noqa: N815 (http.server's names)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _end(hook: Webhook, status: RunStatus = RunStatus.FINISHED) -> None:
+    hook.start_run(RunInfo("r1", "hooked", {}, 0.0))
+    hook.end_run(RunInfo("r1", "hooked", {}, 0.0, status=status))
+
+
+@pytest.mark.parametrize("code", [500, 502, 503, 429])
+def test_a_server_error_is_retried_until_delivered(code: int) -> None:
+    ep = Scripted([(code, None), (code, None)])
+    try:
+        hook = Webhook(ep.base + f"/hook/{SECRET}", events=("finished",), retries=2, backoff=0.001)
+        _end(hook)
+    finally:
+        ep.close()
+    assert [m for m, *_ in ep.seen] == ["POST"] * 3
+    assert hook.delivered == 1 and hook.dropped == 0 and hook.take_events() == []
+
+
+@pytest.mark.parametrize("code", [400, 403, 404])
+def test_a_client_error_is_not_retried(code: int) -> None:
+    ep = Scripted([(code, None)])
+    try:
+        hook = Webhook(ep.base + "/hook", events=("finished",), retries=3, backoff=0.001)
+        _end(hook)
+    finally:
+        ep.close()
+    assert len(ep.seen) == 1 and hook.delivered == 0 and hook.dropped == 1
+    assert f"HTTP {code}" in hook.take_events()[0].message
+
+
+@pytest.mark.parametrize("code", [307, 308])
+def test_a_307_or_308_redirect_is_followed_with_the_same_post(code: int) -> None:
+    ep = Scripted([(code, "/moved/here")])
+    try:
+        hook = Webhook(ep.base + f"/hook/{SECRET}", events=("finished",), retries=0)
+        _end(hook)
+    finally:
+        ep.close()
+    assert [(m, p) for m, p, _, _ in ep.seen] == [("POST", f"/hook/{SECRET}"), ("POST", "/moved/here")]
+    assert ep.seen[0][2] == ep.seen[1][2] and json.loads(ep.seen[1][2])["batchtap"]["status"] == "finished"
+    assert hook.delivered == 1 and hook.take_events() == []
+
+
+@pytest.mark.parametrize("code", [301, 302, 303])
+def test_a_301_302_or_303_redirect_is_refused_clearly_and_never_counted_delivered(
+    code: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ep = Scripted([(code, f"/moved/{SECRET}")])
+    try:
+        hook = Webhook(ep.base + "/hook", events=("finished",), retries=2, backoff=0.001)
+        _end(hook)
+    finally:
+        ep.close()
+    assert [m for m, *_ in ep.seen] == ["POST"]  # no GET without a body, no retry
+    assert hook.delivered == 0 and hook.dropped == 1
+    (warning,) = hook.take_events()
+    assert f"HTTP {code} redirect to {ep.base}/… refused" in warning.message and SECRET not in warning.message
+    err = capsys.readouterr().err
+    assert "did not take the run's 'finished' alert" in err and SECRET not in err
+
+
+def test_redirect_loops_end() -> None:
+    ep = Scripted([(307, "/a")] * 10)
+    try:
+        hook = Webhook(ep.base + "/hook", events=("finished",), retries=0)
+        _end(hook)
+    finally:
+        ep.close()
+    assert len(ep.seen) == 6 and hook.delivered == 0 and "more than 5 redirects" in hook.take_events()[0].message
+
+
+def test_credentials_in_the_url_are_sent_as_basic_auth_never_as_part_of_the_host_name() -> None:
+    ep = Scripted([])
+    try:
+        url = ep.base.replace("http://", "http://alice:p%40ss@") + f"/hook/{SECRET}"
+        hook = Webhook(url, events=("finished",), retries=0, timeout=5)
+        _end(hook)
+    finally:
+        ep.close()
+    # before: urllib took 'alice:p%40ss@127.0.0.1' for the host, asked the resolver for it, and never delivered
+    assert hook.delivered == 1 and len(ep.seen) == 1
+    assert ep.seen[0][3] == "Basic " + __import__("base64").b64encode(b"alice:p@ss").decode()
+    assert "alice" not in repr(hook) and "p%40ss" not in repr(hook)
+
+
+def test_the_runs_end_alert_is_tried_even_in_a_cooldown_and_its_failure_is_said(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ep = Scripted([(500, None), (500, None)])
+    try:
+        hook = Webhook(ep.base + "/hook", events=("anomaly", "stopped"), retries=0, cooldown=3600)
+        hook.start_run(RunInfo("r1", "hooked", {}, 0.0))
+        from batchtap.records import Event, EventKind
+
+        hook.write([], [Event("r1", 3, EventKind.ANOMALY, "loss=nan", 0.0, "loss", float("nan"))])
+        assert len(ep.seen) == 1 and hook.dropped == 1  # now in its cooldown
+        hook.end_run(RunInfo("r1", "hooked", {}, 0.0, status=RunStatus.STOPPED, stop_reason="nan"))
+        assert len(ep.seen) == 2  # the stopped alert was tried anyway (and failed: 500)
+        hook.end_run(RunInfo("r1", "hooked", {}, 0.0, status=RunStatus.STOPPED))
+    finally:
+        ep.close()
+    assert len(ep.seen) == 3 and hook.delivered == 1  # and a later one delivered inside the cooldown
+    assert "did not take the run's 'stopped' alert (HTTP 500)" in capsys.readouterr().err
+
+
+def test_the_end_alerts_failure_is_stored_by_the_other_sinks(tmp_path: Path) -> None:
+    ep = Scripted([(500, None)] * 3)
+    try:
+        hook = Webhook(ep.base + f"/hook/{SECRET}", events=("finished",), retries=0)
+        db = tmp_path / "runs.db"
+        with bt.Tap([bt.metrics.Loss()], sinks=[hook, bt.sinks.SQLite(db)]) as tap, tap.run("end-fails"):
+            tap.step(loss=torch.tensor(0.5))
+    finally:
+        ep.close()
+    stored = sqlite3.connect(db).execute("SELECT kind, message FROM events WHERE message LIKE '%webhook%'").fetchall()
+    assert len(stored) == 1 and stored[0][0] == "warning" and "HTTP 500" in stored[0][1]
+    assert SECRET not in stored[0][1]
+
+
+def test_a_slack_token_is_redacted_in_the_stored_config_and_argv(tmp_path: Path) -> None:
+    from batchtap._env import scrub_argv
+
+    slack = f"https://hooks.slack.com/services/{SECRET}"
+    db = tmp_path / "runs.db"
+    with bt.Tap([bt.metrics.Loss()], sinks=[bt.sinks.SQLite(db)]) as tap, tap.run("cfg", config={"alerts": slack}):
+        tap.step(loss=torch.tensor(0.5))
+    stored = "\n".join(str(r) for r in sqlite3.connect(db).execute("SELECT * FROM runs").fetchall())
+    assert SECRET not in stored and "hooks.slack.com" in stored
+    assert SECRET not in " ".join(scrub_argv(["train.py", "--alerts", slack, f"--hook={slack}"]))

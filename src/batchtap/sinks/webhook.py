@@ -12,12 +12,24 @@ left alone for ``cooldown`` seconds (what it would have received is counted as d
 dead endpoint costs one post's tries per cooldown and never backs up the pipeline into training.
 
 The URL's secrets (its path and query, where Slack and Discord keep the token, and any user or
-password) are never printed, logged or put in an event: the sink shows ``https://host/…``.
+password) are never printed, logged or put in an event: the sink shows ``https://host/…``. A
+``user:password@`` in the URL is sent as HTTP Basic authorization, never as part of the host name
+(which would go to the name resolver).
+
+Redirects: a 307 or 308 is followed with the same POST (at most 5 hops; the authorization is dropped
+when the host changes); a 301, 302 or 303 is refused with a clear warning and counted as not
+delivered, because a client following it would send a GET without the alert's body.
+
+The run's end (``stopped``, ``failed``, ...) is always tried, even while the endpoint is left alone
+after earlier failures; if it fails, the sink says so on stderr and the warning is stored by the
+other sinks at the Tap's close.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -52,6 +64,38 @@ def redact_url(url: str) -> str:
     return f"{parts.scheme}://{host}/…"
 
 
+_MAX_HOPS = 5
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Hand every 3xx back as an HTTPError: the sink decides (urllib would turn a POST into a GET)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
+def _split_credentials(url: str) -> tuple[str, str | None]:
+    """``url`` without its ``user:password@``, and the Basic authorization header value for it.
+
+    Example:
+        >>> _split_credentials("https://bob:s3@hooks.example:8443/x?y=1")
+        ('https://hooks.example:8443/x?y=1', 'Basic Ym9iOnMz')
+        >>> _split_credentials("https://hooks.example/x")
+        ('https://hooks.example/x', None)
+    """
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, None
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()
+    bare = urllib.parse.urlunsplit((parts.scheme, hostport, parts.path, parts.query, parts.fragment))
+    return bare, "Basic " + base64.b64encode(pair).decode("ascii")
+
+
 class Webhook(Sink):
     """Post chosen events of a run as JSON to ``url``.
 
@@ -63,6 +107,7 @@ class Webhook(Sink):
             Default: anomalies, actions and every end.
         timeout: seconds one post may take.
         retries: further tries of a failed post (a connection error, a timeout, a 5xx or 429).
+            Any other 4xx, and a 301/302/303 redirect, is not tried again.
         backoff: seconds before the first retry, doubled at each next one.
         cooldown: seconds the endpoint is left alone after a post failed every try.
         max_lines: most event lines in one post (the rest are counted in a last line).
@@ -110,7 +155,7 @@ class Webhook(Sink):
         for name, count, minimum in (("retries", retries, 0), ("max_lines", max_lines, 1)):
             if isinstance(count, bool) or not isinstance(count, int) or count < minimum:
                 raise ConfigError(f"Webhook {name} must be an integer >= {minimum}, got {count!r}")
-        self._url = url
+        self._url, self._auth = _split_credentials(url)
         self.shown_url = redact_url(url)
         self.events = chosen
         self.timeout, self.retries, self.backoff, self.cooldown = (
@@ -161,7 +206,15 @@ class Webhook(Sink):
         reason = f" ({run.stop_reason})" if run.stop_reason else ""
         text = f"batchtap: run '{run.name}' ({run.id[:8]}) {status}{reason}"
         facts = {"run_id": run.id, "run_name": run.name, "status": status, "stop_reason": run.stop_reason}
-        self._post(text, facts, count=1, run_id=run.id, step=-1)
+        # the run's end is the alert people wait for: tried even inside a cooldown
+        error = self._post(text, facts, count=1, run_id=run.id, step=-1, always=True)
+        if error is not None:
+            # at the run's end no later block carries the warning: say it now (stored at close)
+            print(
+                f"batchtap: webhook {self.shown_url} did not take the run's {status!r} alert ({error})",
+                file=sys.stderr,
+                flush=True,
+            )
         self._names.pop(run.id, None)
 
     def take_events(self) -> list[Event]:
@@ -174,16 +227,19 @@ class Webhook(Sink):
         run = f"run '{name}' " if name else ""
         return f"batchtap {run}{event.kind.value} at step {event.step}: {event.message}"
 
-    def _post(self, text: str, facts: dict[str, Any], *, count: int, run_id: str, step: int) -> None:
+    def _post(
+        self, text: str, facts: dict[str, Any], *, count: int, run_id: str, step: int, always: bool = False
+    ) -> str | None:
+        """Post one body; None when delivered, else why not (the warning event is queued)."""
         now = time.monotonic()
-        if now < self._quiet_until:
+        if now < self._quiet_until and not always:
             self.dropped += count
-            return
+            return "left alone after an earlier failure"
         body = json.dumps({"text": text, "batchtap": facts}, allow_nan=False, default=str).encode()
         error = self._send(body)
         if error is None:
             self.delivered += 1
-            return
+            return None
         self.dropped += count
         self._quiet_until = time.monotonic() + self.cooldown
         self._reports.append(
@@ -196,6 +252,7 @@ class Webhook(Sink):
                 time.time(),
             )
         )
+        return error
 
     def _send(self, body: bytes) -> str | None:
         """Post ``body`` with retries: None when delivered, else why not (without the URL)."""
@@ -205,18 +262,54 @@ class Webhook(Sink):
             if attempt:
                 time.sleep(pause)
                 pause *= 2
-            request = urllib.request.Request(
-                self._url, data=body, method="POST", headers={"Content-Type": "application/json"}
-            )
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    response.read()
+                self._post_once(body)
                 return None
+            except _Refused as e:
+                return str(e)  # the endpoint refuses this body: trying again cannot help
             except urllib.error.HTTPError as e:
-                why = f"HTTP {e.code}"
-                if e.code < 500 and e.code != 429:
-                    return why  # the endpoint refuses this body: trying again cannot help
+                why = f"HTTP {e.code}"  # 5xx, 429: the endpoint may take it next time
             except (urllib.error.URLError, OSError, ValueError) as e:
                 reason = getattr(e, "reason", e)
                 why = type(reason).__name__ if isinstance(reason, BaseException) else "connection failed"
         return why
+
+    def _post_once(self, body: bytes) -> None:
+        """One POST, following 307/308 redirects with the same body; raises on anything but 2xx."""
+        url, auth = self._url, self._auth
+        for _ in range(_MAX_HOPS + 1):
+            headers = {"Content-Type": "application/json"}
+            if auth is not None:
+                headers["Authorization"] = auth
+            request = urllib.request.Request(url, data=body, method="POST", headers=headers)
+            try:
+                with _OPENER.open(request, timeout=self.timeout) as response:
+                    response.read()
+                return
+            except urllib.error.HTTPError as e:
+                code = e.code
+                location = e.headers.get("Location") if e.headers is not None else None
+                e.close()
+                if code in (307, 308) and location:
+                    target = urllib.parse.urljoin(url, location)
+                    if urllib.parse.urlsplit(target).scheme not in ("http", "https"):
+                        raise _Refused(f"HTTP {code} redirect to a non-HTTP URL refused") from None
+                    target, target_auth = _split_credentials(target)
+                    if urllib.parse.urlsplit(target).netloc != urllib.parse.urlsplit(url).netloc:
+                        auth = None  # credentials are for the host they were given for
+                    url, auth = target, target_auth or auth
+                    continue
+                if code in (301, 302, 303):
+                    raise _Refused(
+                        f"HTTP {code} redirect to {redact_url(urllib.parse.urljoin(url, location or ''))} refused: "
+                        "a POST redirected this way arrives as a GET without the alert; fix: give the URL it "
+                        "redirects to"
+                    ) from None
+                if code < 500 and code != 429:
+                    raise _Refused(f"HTTP {code}") from None
+                raise
+        raise _Refused(f"more than {_MAX_HOPS} redirects")
+
+
+class _Refused(Exception):
+    """The endpoint will not take this body however often it is tried."""

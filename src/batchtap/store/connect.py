@@ -14,7 +14,7 @@ from typing import Any
 from batchtap._optional import require
 from batchtap.store.errors import StoreError
 from batchtap.store.schema import POSTGRES, SCHEMA_VERSION, SQLITE, _current_version, ensure_schema
-from batchtap.store.url import redact_dsn, redact_message
+from batchtap.store.url import redact_dsn, redact_message, resolvable_dsn
 
 __all__ = ["connect_sqlite", "connect_postgres", "ConnectionPool"]
 
@@ -269,6 +269,7 @@ def connect_postgres(
     """
     psycopg = require("psycopg", extra="postgres", purpose=purpose)
     shown = redact_dsn(dsn)
+    dsn = resolvable_dsn(dsn)  # no piece of a password may reach the name resolver as a host name
     options = _network_options(psycopg, dsn, network_timeout_s, statement_timeout_s)
     if read_only:
         given = options.get("options") or _dsn_options(psycopg, dsn)

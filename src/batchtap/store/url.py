@@ -10,7 +10,7 @@ from typing import Literal
 
 from batchtap.store.errors import StoreError
 
-__all__ = ["StoreURL", "parse_url", "redact_dsn", "redact_message", "redact_text"]
+__all__ = ["StoreURL", "parse_url", "redact_dsn", "redact_message", "redact_text", "resolvable_dsn"]
 
 _PG_SCHEMES = ("postgresql://", "postgres://")
 _SQLITE_SCHEME = "sqlite:///"
@@ -98,22 +98,67 @@ def redact_dsn(dsn: str) -> str:
     return out
 
 
+def resolvable_dsn(dsn: str) -> str:
+    """A PostgreSQL URL whose user info is percent-encoded where libpq would misread it.
+
+    libpq ends the user info at the *first* ``@``: a password holding an unencoded ``@`` (or ``/``,
+    ``?``, ``#``) would put a piece of it into the host name, which is then sent to the name resolver
+    (a DNS query off the machine) before any error. The user info here runs to the last ``@`` of the
+    part before the query, and its special characters are encoded; ``%`` is left alone (already encoded text stays
+    as it is). Anything but a ``postgresql://`` URL is returned unchanged.
+
+    Example:
+        >>> resolvable_dsn("postgresql://bob:s@cr/et@db:5432/x?sslmode=disable")
+        'postgresql://bob:s%40cr%2Fet@db:5432/x?sslmode=disable'
+        >>> resolvable_dsn("postgresql://bob:p%40ss@db/x"), resolvable_dsn("host=db password=a@b")
+        ('postgresql://bob:p%40ss@db/x', 'host=db password=a@b')
+    """
+    if not dsn.startswith(_PG_SCHEMES):
+        return dsn
+    scheme, _, rest = dsn.partition("://")
+    # the user info runs to the last '@' before the query (a query value may hold an '@' of its own)
+    query_at = min([i for i in (rest.find("?"), rest.find("#")) if i >= 0] or [len(rest)])
+    userinfo, at, hostpart = rest[:query_at].rpartition("@")
+    if not at:
+        return dsn
+    encoded = re.sub(r"[@/?#\[\] ]", lambda m: urllib.parse.quote(m.group(0), safe=""), userinfo)
+    return f"{scheme}://{encoded}@{hostpart}{rest[query_at:]}"
+
+
 # scheme://user:password@  — the user info runs to the last '@' before white space or a quote
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:@/\s'\"]*):(?P<pw>[^\s'\"]*)@")
 _QUERY_PASSWORD = re.compile(r"([?&](?:password|passwd|pwd|token|secret|api_?key)=)[^&#\s'\"]*", re.IGNORECASE)
 
 
+# an http(s) URL; a webhook's (Slack, Discord, Mattermost, Teams, Zapier, ...) keeps its token in the path
+_HTTP_URL = re.compile(r"\b(?P<head>https?://[^/\s'\"?#]+)(?P<tail>[/?#][^\s'\"]*)", re.IGNORECASE)
+_WEBHOOK_PATH = re.compile(r"/(api/)?(web)?hooks?[/b]|/services/|/triggers/|/workflows/", re.IGNORECASE)
+
+
+def _redact_webhook(m: re.Match[str]) -> str:
+    head, tail = m["head"], m["tail"]
+    host = head.rsplit("@", 1)[-1].lower()
+    if "hook" in host or _WEBHOOK_PATH.search(tail):
+        return f"{head}/***"
+    return m.group(0)
+
+
 def redact_text(text: str) -> str:
-    """``text`` with URL passwords, ``password=`` query values and ``key=value`` passwords
-    replaced by ``***`` (for argv, config values, messages).
+    """``text`` with URL passwords, ``password=`` query values, ``key=value`` passwords and the
+    token path of webhook URLs replaced by ``***`` (for argv, config values, messages).
 
     Example:
         >>> redact_text("--db postgresql://u:p@h/d --x 1")
         '--db postgresql://u:***@h/d --x 1'
+        >>> redact_text("--alerts https://hooks.slack.com/services/T0/B0/XXXX")
+        '--alerts https://hooks.slack.com/***'
+        >>> redact_text("https://discord.com/api/webhooks/123/tok https://example.com/docs/page")
+        'https://discord.com/*** https://example.com/docs/page'
     """
     if "://" in text:
         text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
         text = _QUERY_PASSWORD.sub(r"\1***", text)
+        text = _HTTP_URL.sub(_redact_webhook, text)
     if "password" in text.lower():
         text = _KV_PASSWORD.sub(r"\1***", text)
     return text

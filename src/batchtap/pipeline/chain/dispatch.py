@@ -78,6 +78,8 @@ class SinkWorker:
         self.maxsize = maxsize
         self.policy = policy
         self._warn = warn
+        self.late: collections.deque[tuple[str, str]] = collections.deque()  #: (run id, message) from end_run
+        self._ending: str | None = None
         self._items: collections.deque[_Item] = collections.deque()
         self._writes = 0  # droppable writes queued
         self._cv = threading.Condition()
@@ -179,7 +181,13 @@ class SinkWorker:
         if isinstance(item, RunStart):
             self._guarded("start_run", self.sink.start_run, item.run)
         elif isinstance(item, RunEnd):
-            self._guarded("end_run", self.sink.end_run, item.run)
+            # what a sink says in end_run (a webhook's failed final alert) comes after the run's last
+            # block: kept apart with the run's id and handed to the other sinks at close
+            self._ending = item.run.id
+            try:
+                self._guarded("end_run", self.sink.end_run, item.run)
+            finally:
+                self._ending = None
         elif isinstance(item, EpochStart):
             if self._start_epoch is not None:
                 self._guarded("start_epoch", self._start_epoch, item.run_id, item.epoch, item.total)
@@ -205,10 +213,16 @@ class SinkWorker:
                 records: list[Record] = args[0]
                 lost = f"; {len(records)} records of steps {records[0].step}..{records[-1].step} were not stored by it"
             log.warning("batchtap sink %s failed in %s: %r%s", self.name, what, exc, lost)
-            self._warn(f"sink {self.name} failed in {what}: {exc!r}{lost}")
+            self._say(f"sink {self.name} failed in {what}: {exc!r}{lost}")
         for event in self._take_events():  # e.g. a ResilientSink's outage, a SQL sink's refused rows
-            self._warn(event.message)
+            self._say(event.message)
         return ok
+
+    def _say(self, message: str) -> None:
+        if self._ending is not None:
+            self.late.append((self._ending, message))
+        else:
+            self._warn(message)
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the worker to end (after a stop); False if it had not within ``timeout``."""
@@ -311,6 +325,18 @@ class Dispatcher:
         """Close every sink, waiting at most ``timeout`` seconds in all (a hung sink is left to its
         daemon thread and reported)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._run is not None:
+            # A sink can fail in end_run (a webhook's final alert) after the run's last block: let every
+            # sink finish what it was given, then hand what they said there to the others before they close.
+            # sync: close — bounded by the close's own timeout.
+            self.flush(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            late = []
+            for w in self.workers:
+                while w.late:
+                    run_id, message = w.late.popleft()
+                    late.append(Event(run_id, self._last_step, EventKind.WARNING, message, time.time()))
+            if late:
+                self.report(late)
         for w in self.workers:
             w.put_call(_STOP)
         for w in self.workers:
