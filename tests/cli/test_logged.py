@@ -117,7 +117,7 @@ def test_runs_counts_steps_without_the_logged_values(logged: Logged) -> None:
     done = cli("runs", "--db", str(logged.db))
     assert done.returncode == 0, done.stderr
     row = next(line.split() for line in done.stdout.splitlines() if line.startswith("evals "))
-    assert row[5] == "30" and row[-1] == "0"  # steps; anomalies: skipped steps are none
+    assert row[3] == "30" and row[-1] == "0"  # steps; anomalies: skipped steps are none
 
 
 def test_plot_draws_logged_values_as_dots(logged: Logged, tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ def test_runs_and_show_read_a_postgresql_store(schema: str) -> None:
     done = cli("runs", "--db", PG_DSN, "--schema", schema)
     assert done.returncode == 0, done.stderr
     row = next(line.split() for line in done.stdout.splitlines() if line.startswith("pg-run"))
-    assert row[1:3] == [run_id[:8], "finished"] and row[5] == "12" and row[-1] == "2"
+    assert row[1:3] == [run_id[:8], "finished"] and row[3] == "12" and row[-1] == "2"
     # the schema may also come from the environment
     shown = cli("show", run_id[:6], "--db", PG_DSN, env=cli_env(BATCHTAP_DB_SCHEMA=schema))
     assert shown.returncode == 0, shown.stderr

@@ -18,13 +18,17 @@ def test_runs_lists_every_run_with_its_figures(runs: Runs) -> None:
     done = cli("runs", "--db", str(runs.db))
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].split() == ["name", "id", "status", "started", "steps", "duration", "loss", "accuracy", "anomalies"]
+    # at 80 columns (not a terminal) the start time is the column left out
+    assert lines[0].split() == ["name", "id", "status", "steps", "metric", "last", "best", "duration", "anom"]
+    assert max(len(line) for line in lines) <= 80
     rows = {line.split()[0]: line.split() for line in lines[1:]}
     assert set(rows) == {"cli-base", "cli-stop", "cli-clean"}
     base = rows["cli-base"]
-    assert base[1] == runs.base[:8] and base[2] == "finished" and base[5] == "36"
+    assert base[1] == runs.base[:8] and base[2] == "finished" and base[3] == "36" and base[4] == "loss"
     assert base[-1] == "2"  # the NaN loss: validation's anomaly and the rule's
     assert rows["cli-stop"][2] == "stopped" and rows["cli-clean"][-1] == "0"
+    wide = cli("runs", "--db", str(runs.db), env=cli_env(COLUMNS="160"))
+    assert wide.stdout.splitlines()[0].split()[-1] == "started"
 
 
 def test_db_defaults_to_the_demo_store_in_the_working_directory_then_env(runs: Runs, tmp_path: Path) -> None:

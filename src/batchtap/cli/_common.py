@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
+import textwrap
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from batchtap._defaults import DEFAULT_DB
+from batchtap._defaults import DEFAULT_DB, store_url
+from batchtap._format import number
 from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo
 from batchtap.store import RunNotFound, StoreError
 
@@ -36,6 +39,9 @@ __all__ = [
     "fmt_time",
     "fmt_rank",
     "table",
+    "fit_table",
+    "wrap",
+    "terminal_width",
     "short_id",
 ]
 
@@ -65,8 +71,8 @@ def add_db_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def db_url(args: argparse.Namespace) -> str:
-    """The store URL: ``--db``, else ``$BATCHTAP_DB``, else :data:`DEFAULT_DB`."""
-    return str(args.db or os.environ.get("BATCHTAP_DB") or DEFAULT_DB)
+    """The store URL: ``--db``, else the default store (:func:`batchtap._defaults.store_url`)."""
+    return str(args.db or store_url())
 
 
 def open_store(args: argparse.Namespace) -> Store:
@@ -197,25 +203,14 @@ def short_id(run_id: str) -> str:
 
 
 def fmt_value(x: float | None) -> str:
-    """A metric value in at most ~9 characters.
+    """A metric value as the console prints a plain number (:func:`batchtap._format.number`, the one
+    number formatter); ``-`` when there is none.
 
     Example:
         >>> [fmt_value(x) for x in (0.23456, 134.314, 31420.5, 2.2e-06, float("nan"), None)]
-        ['0.2346', '134.3', '31420', '2.2e-06', 'nan', '-']
+        ['0.2346', '134.3', '3.142e+04', '2.2e-06', 'nan', '-']
     """
-    if x is None:
-        return "-"
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x == 0:
-        return "0"
-    if 1000 <= abs(x) < 1e6:
-        return f"{x:.0f}"
-    if 1e-3 <= abs(x) < 1000:
-        return f"{x:.4g}"
-    return f"{x:.3g}"
+    return "-" if x is None else number(x)
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -277,3 +272,65 @@ def table(
     yield line(header)
     for row in rows:
         yield line(row)
+
+
+def terminal_width() -> int:
+    """Columns to fit: the terminal's width (``$COLUMNS`` first), 80 when not a terminal."""
+    return max(40, shutil.get_terminal_size((80, 24)).columns)
+
+
+def fit_table(
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    right: Sequence[bool],
+    priority: Sequence[int],
+    width: int | None = None,
+    shrink: int | None = 0,
+) -> Iterator[str]:
+    """:func:`table` within ``width`` columns: the columns of the largest ``priority`` number are
+    dropped first while the table is too wide; then the column ``shrink`` (default the first, a
+    name) is cut with ``~`` down to 12 characters.
+
+    Example:
+        >>> rows = [["a-very-long-run-name", "3f2a9c01", "finished", "2026-01-01 10:00"]]
+        >>> print("\\n".join(fit_table(["name", "id", "status", "started"], rows, right=[False] * 4,
+        ...                              priority=[1, 1, 1, 3], width=36)))
+        name              id        status
+        a-very-long-run~  3f2a9c01  finished
+    """
+    width = terminal_width() if width is None else width
+    keep = list(range(len(header)))
+
+    def size(cols: Sequence[int]) -> int:
+        return sum(max([len(header[i])] + [len(r[i]) for r in rows]) for i in cols) + 2 * (len(cols) - 1)
+
+    while size(keep) > width and len(keep) > 1:
+        worst = max(priority[i] for i in keep)
+        if worst <= 1:
+            break
+        keep.remove(max(i for i in keep if priority[i] == worst))
+    cells = [[r[i] for i in keep] for r in rows]
+    if shrink is not None and shrink in keep and size(keep) > width:
+        j = keep.index(shrink)
+        over = size(keep) - width
+        longest = max([len(header[shrink])] + [len(r[j]) for r in cells])
+        limit = max(12, longest - over)
+        for r in cells:
+            if len(r[j]) > limit:
+                r[j] = r[j][: limit - 1] + "~"
+    yield from table([header[i] for i in keep], cells, right=[right[i] for i in keep])
+
+
+def wrap(text: str, *, indent: str = "", width: int | None = None) -> list[str]:
+    """``text`` wrapped on words to ``width`` columns, later lines indented by ``indent`` (a word
+    longer than a line is cut, never left sticking out).
+
+    Example:
+        >>> wrap("step 51 anomaly: loss spike of 3.5e+31 over the median", indent="    ", width=30)
+        ['step 51 anomaly: loss spike of', '    3.5e+31 over the median']
+    """
+    width = terminal_width() if width is None else width
+    return textwrap.wrap(text, width=width, subsequent_indent=indent, break_on_hyphens=False, drop_whitespace=True) or [
+        ""
+    ]

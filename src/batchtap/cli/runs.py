@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import math
+import time
 
 from batchtap.cli._common import (
     add_db_arguments,
     events_by_kind,
+    fit_table,
     fmt_duration,
-    fmt_time,
     fmt_value,
     open_store,
     short_id,
-    table,
+    wrap,
 )
 from batchtap.cli.replay import add_spool_argument, describe, pending_spools
 from batchtap.records import EventKind
@@ -31,8 +31,10 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser = commands.add_parser(
         "runs",
         help="list the runs in a store",
-        description="List the runs in a store, newest last: name, id, status, steps, duration, "
-        "last loss and accuracy, anomaly count. A run killed with its process group reads 'killed'; a run "
+        description="List the runs in a store, newest last: name, id, status, steps, the metric each run "
+        "is judged by (loss when it has one) with its last and best value (best on the kept trajectory: "
+        "steps a rollback undid are left out), duration, anomaly count and start; on a narrow terminal the "
+        "last columns are left out first. A run killed with its process group reads 'killed'; a run "
         "with blocks still waiting in a spool (Tap(spool_dir=...)) is marked '+spool' and the spools are "
         "listed below the table (batchtap replay SPOOL_DIR delivers them).",
         epilog=EXAMPLE,
@@ -46,12 +48,9 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.set_defaults(func=main)
 
 
-def _last(points: list[float]) -> float | None:
-    # The last finite value: a run that ended on a NaN still shows where it was.
-    for v in reversed(points):
-        if not math.isnan(v):
-            return v
-    return None if not points else math.nan
+def _started(t: float) -> str:
+    """``MM-DD HH:MM`` (local time): a runs table needs no seconds or year."""
+    return time.strftime("%m-%d %H:%M", time.localtime(t))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -62,36 +61,45 @@ def main(args: argparse.Namespace) -> int:
         rows = []
         spools = pending_spools(args)
         for run in shown:
-            names = set(store.metric_names(run.id))
-            loss = _last([p.value for p in store.series(run.id, "loss")]) if "loss" in names else None
-            acc = _last([p.value for p in store.series(run.id, "accuracy")]) if "accuracy" in names else None
+            main_metric = store.main_metric(run)
+            undone = store.rolled_back(run.id)
+            # last and best of the metric the run is judged by, on its kept trajectory (the steps a
+            # rollback undid are left out), as the browser view shows them
+            summary = None if main_metric is None else store.summary(run.id, main_metric, undone=undone)
             anomalies = events_by_kind(store.events(run.id))[EventKind.ANOMALY]
             rows.append(
                 [
                     run.name,
                     short_id(run.id),
                     run.status.value + ("+spool" if run.id in spools else ""),
-                    fmt_time(run.started_at),
                     str(run.steps),
+                    main_metric or "-",
+                    fmt_value(None if summary is None else summary.last),
+                    fmt_value(None if summary is None else summary.best),
                     fmt_duration(run.duration),
-                    fmt_value(loss),
-                    fmt_value(acc),
                     str(anomalies),
+                    _started(run.started_at),
                 ]
             )
         where = store.where
     if not runs:
         print(f"no runs in {where}")
         return 0
-    header = ["name", "id", "status", "started", "steps", "duration", "loss", "accuracy", "anomalies"]
-    right = [False, False, False, False, True, True, True, True, True]
-    for line in table(header, rows, right=right):
+    header = ["name", "id", "status", "steps", "metric", "last", "best", "duration", "anom", "started"]
+    right = [False, False, False, True, False, True, True, True, True, False]
+    # what goes first on a narrow terminal: when it started, then anomalies, duration, the metric's name
+    priority = [1, 1, 1, 1, 4, 1, 2, 3, 3, 5]
+    for line in fit_table(header, rows, right=right, priority=priority):
         print(line)
     if len(shown) < len(runs):
         print(f"({len(runs) - len(shown)} older runs not shown; --all shows them)")
     listed = {info.path: info for run in shown for info in spools.get(run.id, [])}
     if listed:
-        print("pending spools (the store does not hold these blocks yet; `batchtap replay DIR` delivers them):")
+        for line in wrap(
+            "pending spools (the store does not hold these blocks yet; `batchtap replay DIR` delivers them):"
+        ):
+            print(line)
         for info in listed.values():
-            print(f"  {describe(info)}")
+            for line in wrap(f"  {describe(info)}", indent="    "):
+                print(line)
     return 0

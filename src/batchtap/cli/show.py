@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 from batchtap.cli._common import (
     add_db_arguments,
     events_by_kind,
+    fit_table,
     fmt_duration,
     fmt_rank,
     fmt_time,
     fmt_value,
     open_store,
     resolve_run,
-    table,
+    wrap,
 )
 from batchtap.cli.replay import add_spool_argument, describe, pending_spools
 from batchtap.records import EventKind
@@ -37,7 +37,8 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser = commands.add_parser(
         "show",
         help="show one run: config, environment, metrics, logged values, events",
-        description="Show one run: status, config, environment, each metric's last / min / max, the "
+        description="Show one run: status, config, environment, each metric's last / min / max (on the kept "
+        "trajectory: steps a rollback undid are left out), the "
         "values logged with tap.log() (evaluation, epoch-level: last value, its step, count), and the "
         "anomalies, actions, warnings and skipped steps with their steps. RUN is an id, a unique id "
         "prefix, or a name (the latest run of that name).",
@@ -58,6 +59,10 @@ def main(args: argparse.Namespace) -> int:
         names = store.metric_names(run.id)
         sparse = set(store.sparse_names(run.id))
         points = {m: store.series(run.id, m) for m in names}
+        undone = store.rolled_back(run.id)
+        # last / min / max on the kept trajectory (a rollback's undone steps left out), as `runs`
+        # and the browser view show them
+        summaries = {m: store.summary(run.id, m, undone=undone) for m in names}
         events = store.events(run.id)
     spools = pending_spools(args).get(run.id, [])
     metrics = [m for m in names if m not in sparse]
@@ -66,10 +71,13 @@ def main(args: argparse.Namespace) -> int:
     out: list[str] = []
     out.append(f"run {run.name}  (id {run.id})")
     status = run.status.value + (f" - {run.stop_reason}" if run.stop_reason else "")
-    out.append(f"  status       {status}")
+    out.extend(wrap(f"  status       {status}", indent=" " * 15))
     for info in spools:
-        out.append(
-            f"  spool        pending: {describe(info, run.id)}; `batchtap replay {info.path.parent}` delivers it"
+        out.extend(
+            wrap(
+                f"  spool        pending: {describe(info, run.id)}; `batchtap replay {info.path.parent}` delivers it",
+                indent=" " * 15,
+            )
         )
     out.append(f"  started      {fmt_time(run.started_at)}")
     out.append(f"  ended        {fmt_time(run.ended_at)}")
@@ -77,9 +85,17 @@ def main(args: argparse.Namespace) -> int:
     steps = f"{run.steps}" + (f" (steps {run.first_step}..{run.last_step})" if run.first_step is not None else "")
     out.append(f"  steps        {steps}")
     out.append(f"  world size   {run.world_size}")
+    if undone:
+        spans = ", ".join(f"{r.start}..{r.stop - 1}" for r in undone)
+        out.extend(wrap(f"  rolled back  steps {spans} (left out of last / min / max)", indent=" " * 15))
+    if run.tags:
+        out.extend(wrap(f"  tags         {', '.join(run.tags)}", indent=" " * 15))
+    if run.notes:
+        out.extend(wrap(f"  notes        {run.notes}", indent=" " * 15))
     out.append("config")
     if run.config:
-        out.extend("  " + line for line in json.dumps(run.config, indent=2, sort_keys=True, default=str).splitlines())
+        for line in json.dumps(run.config, indent=2, sort_keys=True, default=str).splitlines():
+            out.extend(wrap("  " + line, indent=" " * 6))
     else:
         out.append("  (none)")
     out.append("environment")
@@ -87,27 +103,28 @@ def main(args: argparse.Namespace) -> int:
     keys = [k for k in _ENV_ORDER if k in env] + sorted(k for k in env if k not in _ENV_ORDER)
     for key in keys:
         value = env[key]
+        if key in ("tags", "notes"):
+            continue  # shown above
         text = " ".join(map(str, value)) if isinstance(value, list) else str(value)
-        out.append(f"  {key:<12} {text}")
+        out.extend(wrap(f"  {key:<12} {text}", indent=" " * 15))
     if not keys:
         out.append("  (none recorded)")
     out.append("metrics")
     if metrics:
         rows = []
         for m in metrics:
-            values = series[m]
-            finite = [v for v in values if not math.isnan(v)]
+            sm = summaries[m]
             rows.append(
-                [
-                    "  " + m,
-                    fmt_value(values[-1]) if values else "-",
-                    fmt_value(min(finite)) if finite else "-",
-                    fmt_value(max(finite)) if finite else "-",
-                    str(len(values)),
-                    str(len(values) - len(finite)),
-                ]
+                ["  " + m, fmt_value(sm.last), fmt_value(sm.min), fmt_value(sm.max), str(sm.count), str(sm.nans)]
             )
-        out.extend(table(["  name", "last", "min", "max", "values", "nan"], rows, right=[False] + [True] * 5))
+        out.extend(
+            fit_table(
+                ["  name", "last", "min", "max", "values", "nan"],
+                rows,
+                right=[False] + [True] * 5,
+                priority=[1, 1, 1, 1, 2, 2],
+            )
+        )
     else:
         out.append("  (no values stored)")
     if logged:
@@ -115,30 +132,43 @@ def main(args: argparse.Namespace) -> int:
         rows = []
         for m in logged:
             values = series[m]
-            finite = [v for v in values if not math.isnan(v)]
+            sm = summaries[m]
             rows.append(
                 [
                     "  " + m,
                     str(points[m][-1].step),
                     fmt_value(values[-1]),
-                    fmt_value(min(finite)) if finite else "-",
-                    fmt_value(max(finite)) if finite else "-",
+                    fmt_value(sm.min),
+                    fmt_value(sm.max),
                     str(len(values)),
                 ]
             )
-        out.extend(table(["  name", "at step", "last", "min", "max", "values"], rows, right=[False] + [True] * 5))
+        out.extend(
+            fit_table(
+                ["  name", "at step", "last", "min", "max", "values"],
+                rows,
+                right=[False] + [True] * 5,
+                priority=[1, 1, 1, 1, 1, 2],
+            )
+        )
     counts = events_by_kind(events)
-    out.append(
-        f"events: {counts[EventKind.ANOMALY]} anomalies, {counts[EventKind.ACTION]} actions, "
-        f"{counts[EventKind.WARNING]} warnings, {counts[EventKind.SKIP]} skipped steps"
+    out.extend(
+        wrap(
+            f"events: {counts[EventKind.ANOMALY]} anomalies, {counts[EventKind.ACTION]} actions, "
+            f"{counts[EventKind.WARNING]} warnings, {counts[EventKind.SKIP]} skipped steps",
+            indent="  ",
+        )
     )
     limit = max(args.events, 0)
     if events and limit:
-        rows = []
+        # one event a paragraph: "step kind [rank] [metric=raw]" then the message, wrapped on words
         for e in events[:limit]:
-            raw = "" if e.raw_value is None else f"raw={e.raw_value!r}"
-            rows.append(["  " + str(e.step), e.kind.value, fmt_rank(e.rank), e.metric or "", raw, e.message])
-        out.extend(table(["  step", "kind", "rank", "metric", "value", "message"], rows, right=[True] + [False] * 5))
+            head = f"  {e.step:>6}  {e.kind.value}"
+            if e.rank != 0:
+                head += f" rank {fmt_rank(e.rank)}"
+            if e.metric:
+                head += f" {e.metric}" + ("" if e.raw_value is None else f"={fmt_value(e.raw_value)}")
+            out.extend(wrap(f"{head}  {e.message}", indent=" " * 10))
         if len(events) > limit:
             out.append(f"  ... {len(events) - limit} more (--events N shows more)")
     print("\n".join(out))
