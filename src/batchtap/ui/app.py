@@ -6,7 +6,10 @@ Routes:
 * ``/``, ``/run/{id}``, ``/compare?runs=a,b`` — the page (``static/index.html``; ``static/app.js``
   draws the runs table, a run, or a comparison from the path; ``static/early.js`` starts a run
   page's reads before BokehJS has loaded).
-* ``/api/runs`` — every run with its summary; ``/api/runs/{id}`` — one run with its metrics.
+* ``/api/runs?q=`` — every run (matching the filter ``q``) with its summary; ``/api/runs/live?q=``
+  — the same as server-sent events, then the runs that are new or moved; ``/api/runs/{id}`` — one
+  run with its metrics. ``{id}`` is a full id, a unique prefix (the 8-character short id) or a
+  name, here and below. The fields are listed in :mod:`batchtap.ui.data`.
 * ``/api/runs/{id}/series?metric=&rank=&start=&end=&width=`` — one line, decimated to ``width``.
 * ``/api/runs/{id}/events``, ``/api/runs/{id}/ranks?metric=`` — events; the per-rank spread.
 * ``/api/runs/{id}/live?after=&events=`` — server-sent events while the run is running.
@@ -18,7 +21,9 @@ this server only: even a name that slipped through as HTML could not run or fetc
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from collections.abc import Callable
 from importlib import resources
 from typing import Any
@@ -31,9 +36,11 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from batchtap._units import table as units_table
+from batchtap.store.runquery import QueryError
 from batchtap.ui.auth import LOOPBACK_HOSTS, TokenGate
 from batchtap.ui.data import ReadOnlyStore
-from batchtap.ui.live import stream_run
+from batchtap.ui.live import stream_run, stream_runs
 
 __all__ = ["make_app", "CSP"]
 
@@ -101,25 +108,43 @@ def make_app(
         ConfigError: a token that cannot be used, or ``hosts=None`` without a token.
     """
     page = resources.files("batchtap.ui").joinpath("static", "index.html").read_text(encoding="utf-8")
+    # The units table the console uses, as data in the page (a JSON script is not run, so the CSP
+    # needs no exception): the charts, tables and tooltips show each metric in the same unit.
+    units = json.dumps(units_table(), separators=(",", ":")).replace("<", "\\u003c")
+    page = page.replace("<!--units-->", f'<script type="application/json" id="bt-units">{units}</script>')
 
     def index(request: Request) -> Response:
         return HTMLResponse(page, headers={**_HEADERS, "cache-control": "no-store"})
 
     def runs(request: Request) -> Response:
-        return _json({"store": store.where, "runs": store.runs()})
+        query = request.query_params.get("q") or None
+        listed = store.runs(query)
+        return _json({"store": store.where, "now": time.time(), "query": query, "runs": listed})
+
+    def runs_live(request: Request) -> Response:
+        query = request.query_params.get("q") or None
+        if query:
+            store.runs(query)  # a bad query is a 400 now, not a broken stream
+        body = stream_runs(store, query, stopping)
+        return StreamingResponse(body, media_type="text/event-stream", headers={"cache-control": "no-store"})
 
     def run(request: Request) -> Response:
         found = store.run(request.path_params["run_id"])
         if found is None:
-            return _json({"error": f"no run with id {request.path_params['run_id'][:64]!r} in {store.where}"}, 404)
+            return _json({"error": f"no run {request.path_params['run_id'][:64]!r} in {store.where}"}, 404)
         return _json(found)
+
+    def run_id(request: Request) -> str:
+        """The full id of the run the path names (a short id or name works as in the CLI)."""
+        ref = request.path_params["run_id"]
+        return store.resolve(ref) or ref
 
     def series(request: Request) -> Response:
         metric = request.query_params.get("metric")
         if not metric:
             raise BadRequest("query parameter 'metric' is required (a metric name)")
         data = store.series(
-            request.path_params["run_id"],
+            run_id(request),
             metric,
             rank=_int(request, "rank"),
             start=_int(request, "start"),
@@ -129,15 +154,15 @@ def make_app(
         return _json(data)
 
     def events(request: Request) -> Response:
-        return _json({"events": store.events(request.path_params["run_id"])})
+        return _json({"events": store.events(run_id(request))})
 
     def ranks(request: Request) -> Response:
         metric = request.query_params.get("metric") or "step_time"
-        return _json(store.rank_spread(request.path_params["run_id"], metric, width=_int_or(request, "width", 1000)))
+        return _json(store.rank_spread(run_id(request), metric, width=_int_or(request, "width", 1000)))
 
     def live(request: Request) -> Response:
         after, seen = _int_or(request, "after", -(2**62)), _int_or(request, "events", 0)
-        body = stream_run(store, request.path_params["run_id"], after, seen, stopping)
+        body = stream_run(store, run_id(request), after, seen, stopping)
         return StreamingResponse(body, media_type="text/event-stream", headers={"cache-control": "no-store"})
 
     async def bad_request(request: Request, exc: Exception) -> Response:
@@ -149,6 +174,7 @@ def make_app(
         Route("/compare", index),
         Route("/favicon.ico", lambda request: Response(status_code=204)),
         Route("/api/runs", runs),
+        Route("/api/runs/live", runs_live),
         Route("/api/runs/{run_id:str}", run),
         Route("/api/runs/{run_id:str}/series", series),
         Route("/api/runs/{run_id:str}/events", events),
@@ -161,7 +187,7 @@ def make_app(
     # gzip: JSON series of long runs shrink ~4x (Starlette leaves text/event-stream alone)
     app = Starlette(
         routes=routes,
-        exception_handlers={BadRequest: bad_request},
+        exception_handlers={BadRequest: bad_request, QueryError: bad_request},
         middleware=[Middleware(GZipMiddleware, minimum_size=2048)],
     )
     return TokenGate(app, token, hosts)
