@@ -197,7 +197,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_dtensor_parameters_are_sharded_and_use_the_local_shard() -> None:
+def test_dtensor_parameters_give_the_global_norm_declared_global() -> None:
+    # The two-rank FSDP2 run (tests/realloops/test_fsdp2.py) checks the value over real shards.
     # In a subprocess: a process group here would change how every later test's Tap behaves.
     script = textwrap.dedent(
         f"""
@@ -215,11 +216,18 @@ def test_dtensor_parameters_are_sharded_and_use_the_local_shard() -> None:
         plain = torch.nn.Parameter(torch.randn(3))
         plain.grad = torch.randn(3)
         metric = bt.metrics.GradNorm([w, plain])
-        assert metric.sharded and metric.outputs()[0].reduce is bt.metrics.Reduce.L2
+        # summed over the mesh on the device: already global, never combined across ranks again
+        assert not metric.sharded and metric.outputs()[0].reduce is bt.metrics.Reduce.GLOBAL
         (got,) = metric.compute(StepInputs(None, None, None, 1.0))
-        expected = torch.cat([w.grad.to_local().flatten(), plain.grad]).norm()
+        assert type(got) is torch.Tensor, type(got)  # a plain tensor: it goes into the ring
+        expected = torch.cat([w.grad.full_tensor().flatten(), plain.grad]).norm()
         assert abs(got.item() - expected.item()) < 1e-5, (got, expected)
-        assert not bt.metrics.GradNorm([w], sharded=False).sharded
+        assert not bt.metrics.GradNorm([w], sharded=True).sharded  # DTensors know their mesh
+        # the DTensor clip_grad_norm_ returns is taken as the global norm it holds, not refused
+        total = torch.nn.utils.clip_grad_norm_([w], 1e9)  # torch itself refuses DTensors mixed with tensors
+        assert type(total) is not torch.Tensor
+        (passed,) = metric.compute(StepInputs(None, None, None, 1.0, grad_norm=total))
+        assert type(passed) is torch.Tensor and abs(passed.item() - w.grad.full_tensor().norm().item()) < 1e-5
         dist.destroy_process_group()
         print("ok")
         """

@@ -7,62 +7,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import batchtap as bt
+from tests.realloops._launch import launch
 from tests.realloops._loops import F32_REL
 
-ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out: Path, timeout: float = 120) -> list[dict]:
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            PYTHONPATH=str(ROOT),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.realloops.sharded_worker", str(out)],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    try:
-        logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results = []
-    for rank, log in enumerate(logs):
-        path = out / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} exited with {procs[rank].returncode}:\n{log}"
-        results.append(json.loads(path.read_text()))
-    return results
+    launch("tests.realloops.sharded_worker", out, WORLD, timeout=timeout)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 
 def test_sharded_grad_norm_is_the_global_norm_over_disjoint_shards(tmp_path: Path) -> None:

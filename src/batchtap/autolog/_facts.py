@@ -88,8 +88,8 @@ class OptimizerFacts(Metric):
     def outputs(self) -> tuple[Output, ...]:
         out = []
         for name in self._device_names:
-            if name.startswith("grad_norm"):
-                out.append(Output(name, NONNEGATIVE, Reduce.MAX))
+            if name.startswith("grad_norm"):  # every rank's norm is over all shards already
+                out.append(Output(name, NONNEGATIVE, Reduce.GLOBAL))
             elif name.startswith("loss_") and name != "loss_scale":
                 out.append(Output(name, ANY_FINITE, Reduce.MEAN))
             elif name == "loss_scale":
@@ -98,7 +98,7 @@ class OptimizerFacts(Metric):
                 out.append(Output(name, _SKIP_DOMAIN, Reduce.MAX))
         for i, count in enumerate(self.groups):
             out += [
-                Output(f"lr{suffix(i)}" if g == 0 else f"lr{suffix(i)}_group{g}", NONNEGATIVE, Reduce.MAX)
+                Output(f"lr{suffix(i)}" if g == 0 else f"lr{suffix(i)}_group{g}", NONNEGATIVE, Reduce.GLOBAL)
                 for g in range(count)
             ]
         return tuple(out)

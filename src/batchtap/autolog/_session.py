@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from batchtap._exit import Terminated, sigterm_received
 from batchtap.autolog._facts import OptimizerFacts
 from batchtap.autolog._graph import resolve
 from batchtap.autolog._loader import LoaderWatch
@@ -80,6 +81,7 @@ class Session:
         self._waiting: list[str] = []  # said before the run started
         self._failure: tuple[RunStatus, str] | None = None  # an uncaught exception seen at exit
         self._excepthook: Any = None
+        self._exit_code: object = None  # what sys.exit() was last called with
         for optimizer in optimizers:
             self.rows.add_optimizer(optimizer)
 
@@ -100,6 +102,7 @@ class Session:
             self.start()
         self._excepthook = sys.excepthook
         sys.excepthook = self._on_uncaught
+        self._patch_exit()
         atexit.register(self._at_exit)
 
     def start(self) -> None:
@@ -134,12 +137,19 @@ class Session:
     def _on_uncaught(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
         if issubclass(kind, KeyboardInterrupt):
             self._failure = (RunStatus.STOPPED, "KeyboardInterrupt")
+        elif issubclass(kind, Terminated):
+            self._failure = (RunStatus.STOPPED, "SIGTERM")
         else:
             self._failure = (RunStatus.FAILED, f"{kind.__name__}: {value}")
         (self._excepthook or sys.__excepthook__)(kind, value, tb)
 
     def _at_exit(self) -> None:
         status, reason = self._failure or (RunStatus.FINISHED, None)
+        if sigterm_received():  # also where another excepthook took the Terminated first
+            status, reason = RunStatus.STOPPED, "SIGTERM"
+        elif self._failure is None and self._exit_code not in (None, 0):
+            # sys.exit(n): no excepthook sees a SystemExit, and n != 0 says the script failed
+            status, reason = RunStatus.FAILED, f"the script exited with status {self._exit_code}"
         try:
             self.end(status, reason)
         except Exception:  # never turn interpreter exit into a traceback of ours
@@ -186,6 +196,20 @@ class Session:
             return None
         return self.tap.watch(iterator)
 
+    def _patch_exit(self) -> None:
+        """Note sys.exit()'s status: a SystemExit reaches no excepthook, and the exit status is not
+        visible at exit. (A bare ``raise SystemExit(n)`` is not seen: its run is stored finished.)"""
+        original = sys.exit
+        session = self
+
+        def exit(status: object = None) -> Any:  # noqa: A001 - sys.exit's own name
+            session._exit_code = 1 if status is not None and not isinstance(status, int) else status
+            return original(status)
+
+        exit.__wrapped__ = original  # type: ignore[attr-defined]
+        exit.__doc__ = original.__doc__
+        self.patches.replace(sys, "exit", exit)
+
     def _patch_backward(self) -> None:
         original = torch.autograd.backward
         session = self
@@ -220,6 +244,7 @@ class Session:
         self.patches.replace(dist, "destroy_process_group", destroy_process_group)
 
     def _on_backward(self, tensors: Any) -> None:
+        self.steps.clear_clips()  # a clip before this backward() belongs to an earlier step
         if self.steps.raised():
             # the backward() calls before an optimizer step that raised belong to no recorded step
             handed = self.rows.drop_pending()

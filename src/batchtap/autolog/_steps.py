@@ -6,8 +6,11 @@ made before they were registered. At the pre-hook the learning rate is the one t
 wherever the loop calls ``scheduler.step()``; the gradients are the step's own (``zero_grad``
 comes later). Three more seams complete the picture:
 
-* ``clip_grad_norm_`` returns the norm *before* clipping: the step's gradient norm when the loop
-  clips (computed from the gradients otherwise, on the device);
+* clipping: ``clip_grad_norm_`` returns the norm *before* clipping, and
+  ``clip_grads_with_norm_(params, max_norm, total_norm)`` (how Accelerate >= 1.x and so the HF
+  Trainer clip, after ``get_total_norm``) is handed it: that pre-clip norm is the step's gradient
+  norm for the optimizer holding those parameters (computed from the gradients otherwise, on the
+  device; for FSDP2 / ``DTensor`` gradients summed over the mesh, the global norm on every rank);
 * ``GradScaler.step``: a step the scaler skips fires no hook with a non-fused optimizer (the
   scaler decided on the host) but does with a fused one (the kernel skips on the device, the
   skip flag is the ``found_inf`` tensor handed to the optimizer); so the step is closed when
@@ -32,8 +35,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from batchtap.autolog._patches import PatchRegistry
-from batchtap.metrics.functional import grads_norm
-from batchtap.metrics.optimizer_hooks import StepNesting, has_closure
+from batchtap.metrics.optimizer_hooks import StepNesting, global_norm, gradients_norm, has_closure
 
 __all__ = ["StepEvent", "OptimizerSteps"]
 
@@ -83,7 +85,9 @@ class OptimizerSteps:
         self._guard = guard
         self._nesting = StepNesting()  # only the outermost step() call's hooks count
         self._open: _OpenStep | None = None
-        self._clip: tuple[torch.Tensor, int] | None = None  # (pre-clip norm, id of its first parameter)
+        # pre-clip norms of this step's clipping calls, by the ids of the parameters each clipped
+        # (several models: each optimizer takes its own model's, never another's)
+        self._clips: list[tuple[torch.Tensor, frozenset[int]]] = []
         self._scaler: weakref.ref[torch.amp.GradScaler] | None = None  # the GradScaler that last scaled a loss
         self._scaler_step: list[StepEvent] | None = None  # inside GradScaler.step: the hooks' event goes here
         self._params: weakref.WeakKeyDictionary[torch.optim.Optimizer, frozenset[int]] = weakref.WeakKeyDictionary()
@@ -158,16 +162,40 @@ class OptimizerSteps:
     def _norm(self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> torch.Tensor | None:
         """The pre-clip norm ``clip_grad_norm_`` returned for this optimizer's parameters, else the
         norm of its gradients (divided by the scale they still carry inside a fused scaler step)."""
-        clip, self._clip = self._clip, None
-        if clip is not None and clip[1] in self._param_ids(optimizer):
-            return clip[0]
+        clipped = self._take_clip(optimizer)
+        if clipped is not None:
+            return clipped
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return None
-        norm = grads_norm(grads, grads[0].device)
+        norm = gradients_norm(grads)
         if isinstance(grad_scale, torch.Tensor):
             norm = norm / grad_scale.to(norm.device, non_blocking=True)
         return norm
+
+    def _take_clip(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The pre-clip norm of a clipping call over this optimizer's parameters (and forget it)."""
+        if not self._clips:
+            return None
+        ids = self._param_ids(optimizer)
+        for i, (norm, clipped) in enumerate(self._clips):
+            if not clipped.isdisjoint(ids):
+                del self._clips[i]
+                return norm
+        return None
+
+    def clear_clips(self) -> None:
+        """A new ``backward()``: norms clipped before it belong to steps already taken (or never)."""
+        self._clips.clear()
+
+    def _record_clip(self, parameters: list[Any], norm: Any) -> None:
+        if not self.enabled or not parameters or not isinstance(norm, torch.Tensor) or torch.compiler.is_compiling():
+            return
+        ids = frozenset(id(p) for p in parameters)
+        norm = global_norm(norm)  # FSDP2 / DTensor gradients: the global norm as a plain tensor
+        if any(clipped == ids for _, clipped in self._clips):
+            return  # clipped twice: the first call's norm is the pre-clip one
+        self._clips.append((norm, ids))
 
     def _param_ids(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
         ids = self._params.get(optimizer)
@@ -191,8 +219,7 @@ class OptimizerSteps:
             else:
                 parameters = list(parameters)  # a generator would be used up by the original
             norm = original(parameters, *args, **kwargs)
-            if steps.enabled and parameters and isinstance(norm, torch.Tensor) and not torch.compiler.is_compiling():
-                steps._clip = (norm, id(parameters[0]))
+            steps._record_clip(parameters, norm)
             return norm
 
         clip_grad_norm_.__wrapped__ = original  # type: ignore[attr-defined]
@@ -200,6 +227,27 @@ class OptimizerSteps:
         patches.replace(clip_module, "clip_grad_norm_", clip_grad_norm_)
         if getattr(utils, "clip_grad_norm_", None) is original:
             patches.replace(utils, "clip_grad_norm_", clip_grad_norm_)
+
+        # get_total_norm + clip_grads_with_norm_: the norm handed to the clipping is the pre-clip one.
+        # Only the public name is patched: torch's own clip_grad_norm_ calls the private function,
+        # and its pre-clip norm is taken above.
+        with_norm = getattr(utils, "clip_grads_with_norm_", None)
+        if with_norm is None:
+            return
+
+        def clip_grads_with_norm_(
+            parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: Any, total_norm: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            if isinstance(parameters, torch.Tensor):
+                parameters = [parameters]
+            else:
+                parameters = list(parameters)
+            steps._record_clip(parameters, total_norm)
+            return with_norm(parameters, max_norm, total_norm, *args, **kwargs)
+
+        clip_grads_with_norm_.__wrapped__ = with_norm  # type: ignore[attr-defined]
+        clip_grads_with_norm_.__doc__ = with_norm.__doc__
+        patches.replace(utils, "clip_grads_with_norm_", clip_grads_with_norm_)
 
     # ------------------------------------------------------------------ GradScaler
 
@@ -260,8 +308,7 @@ class OptimizerSteps:
             event = events[-1]
         else:  # no hook fired: the scaler found inf/NaN gradients and skipped optimizer.step()
             self.known(optimizer)
-            clip, self._clip = self._clip, None
-            event = StepEvent(optimizer, lrs, clip[0] if clip is not None else None, skipped=1.0)
+            event = StepEvent(optimizer, lrs, self._take_clip(optimizer), skipped=1.0)
         scale = scaler._scale
         # the scale this step's loss was multiplied by; update() changes it in place later
         event.scale = scale.clone() if isinstance(scale, torch.Tensor) else None

@@ -11,8 +11,7 @@ from typing import Any, ClassVar
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from batchtap.errors import ConfigError, InputError
-from batchtap.metrics import functional as F
+from batchtap.errors import ConfigError
 from batchtap.metrics._shared import Filled, step_device
 from batchtap.metrics.base import (
     Metric,
@@ -20,7 +19,15 @@ from batchtap.metrics.base import (
     StepTiming,
 )
 from batchtap.metrics.domain import NONNEGATIVE, Domain, Output, Reduce
-from batchtap.metrics.optimizer_hooks import StepNesting, has_closure, scaler_states, scaler_stepped_since
+from batchtap.metrics.optimizer_hooks import (
+    StepNesting,
+    dtensor_type,
+    global_norm,
+    gradients_norm,
+    has_closure,
+    scaler_states,
+    scaler_stepped_since,
+)
 
 # GradNorm's host state column: where this step's value is, or why there is none
 _NORM_ON_DEVICE, _NORM_ON_HOST, _NORM_NOT_PASSED, _NORM_NO_GRADIENT = 1.0, 2.0, 0.0, -1.0
@@ -57,11 +64,19 @@ class GradNorm(Metric):
             ``grad_norm=`` (the value is left out at steps that pass none).
         name: the value's name (``grad_norm_g``... for several models).
         scaler: the AMP ``GradScaler`` whose loss scale the gradients carry.
-        sharded: each rank holds a disjoint shard of the parameters (FSDP, ZeRO): each rank's value
-            is its local norm and ranks combine as the root of the summed squares
-            (:attr:`~batchtap.metrics.Reduce.L2`), instead of the maximum over ranks that holds
-            replicated (DDP) gradients. ``None``: sharded when a parameter is a ``DTensor`` (the
-            norm then uses each gradient's local shard).
+        sharded: the plain-tensor parameters given are this rank's disjoint shard of the model's
+            (a hand-written ZeRO loop): each rank's value is its local norm (computed, or what
+            ``clip_grad_norm_`` of its local parameters returned) and ranks combine as the root of
+            the summed squares (:attr:`~batchtap.metrics.Reduce.L2`), instead of taking the value
+            every rank holds (replicated DDP gradients). ``DTensor`` parameters (FSDP2's
+            ``fully_shard``, tensor parallel) need no flag: their norm is summed over the mesh on
+            the device, so every rank holds the global norm
+            (:attr:`~batchtap.metrics.Reduce.GLOBAL`).
+
+    A passed ``grad_norm=`` is the global norm (``clip_grad_norm_`` of every parameter, of
+    ``DTensor`` ones included: pass the ``DTensor`` as returned or its ``.full_tensor()``, the same
+    value) unless ``sharded=True`` says it is this rank's local one. A global value is never
+    combined across ranks again.
 
     Example:
         >>> model = torch.nn.Linear(3, 1)
@@ -98,11 +113,12 @@ class GradNorm(Metric):
         self.parameters = params
         self.name = name
         self.scaler = scaler
-        self._dtensor = _dtensor_type()
+        self._dtensor = dtensor_type()
         dtensor = self._dtensor
         dtensors = dtensor is not None and params is not None and any(isinstance(p, dtensor) for p in params)
-        self.sharded = bool(dtensors) if sharded is None else bool(sharded)
-        self._local_shards = bool(dtensors)
+        # DTensor gradients give a global norm on every rank (summed over the mesh on the device):
+        # declaring it sharded too would combine it again (sqrt(world) x the true norm)
+        self.sharded = bool(sharded) and not dtensors
         #: whether ``tap.step(grad_norm=...)`` is this metric's value
         self.takes_step_grad_norm = name == "grad_norm"
         self._fill = Filled()
@@ -123,18 +139,13 @@ class GradNorm(Metric):
         return state
 
     def outputs(self) -> tuple[Output, ...]:
-        return (Output(self.name, NONNEGATIVE, Reduce.L2 if self.sharded else Reduce.MAX),)
+        return (Output(self.name, NONNEGATIVE, Reduce.L2 if self.sharded else Reduce.GLOBAL),)
 
     def _passed(self, inputs: StepInputs) -> torch.Tensor | float | None:
-        return inputs.grad_norm if self.takes_step_grad_norm else None
-
-    def check(self, inputs: StepInputs) -> None:
-        value = self._passed(inputs)
-        if self._dtensor is not None and isinstance(value, self._dtensor):
-            raise InputError(
-                "grad_norm is a DTensor (clip_grad_norm_ of sharded parameters); pass "
-                "grad_norm.full_tensor(), the global norm"
-            )
+        value = inputs.grad_norm if self.takes_step_grad_norm else None
+        if isinstance(value, torch.Tensor) and self._dtensor is not None and isinstance(value, self._dtensor):
+            return global_norm(value)  # clip_grad_norm_ of DTensor gradients: replicated, the global norm
+        return value
 
     # ------------------------------------------------------------------ the optimizer step's norm
 
@@ -174,10 +185,7 @@ class GradNorm(Metric):
         grads = [p.grad for p in self.parameters if p.grad is not None]
         if not grads:
             return None
-        if self._local_shards and self._dtensor is not None:
-            dtensor = self._dtensor
-            grads = [_local_shard(g) if isinstance(g, dtensor) else g for g in grads]
-        norm = F.grads_norm(grads, device or grads[0].device)
+        norm = gradients_norm(grads, device)
         scale = _scale_carried(self.scaler) if self.scaler is not None else None
         if scale is not None:  # still scaled: divide on the device, never read the scale
             norm = norm / (scale if scale.device == norm.device else scale.to(norm.device, non_blocking=True))
@@ -484,18 +492,3 @@ def _scale_carried(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
         if getattr(state.get("stage"), "name", None) in ("UNSCALED", "STEPPED"):
             return None
     return scaler._scale
-
-
-def _local_shard(grad: Any) -> torch.Tensor:
-    local: torch.Tensor = grad.to_local()  # a DTensor's own shard: no communication
-    return local
-
-
-def _dtensor_type() -> type | None:
-    """``DTensor`` when its module is loaded (a model with DTensor parameters loaded it), else None:
-    nothing is imported here, so plain runs never pay for ``torch.distributed.tensor``."""
-    for module in ("torch.distributed.tensor", "torch.distributed._tensor"):
-        found = getattr(sys.modules.get(module), "DTensor", None)
-        if isinstance(found, type):
-            return found
-    return None

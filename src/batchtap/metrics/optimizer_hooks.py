@@ -1,5 +1,6 @@
-"""Helpers for PyTorch's optimizer step hooks, shared by the metrics that take a value at the
-optimizer step (gradient norm, loss scale) and by autolog.
+"""The optimizer-step facts every front-end takes the same way: the metrics that take a value at
+the optimizer step (gradient norm, loss scale, learning rate) and autolog use these, so the rules
+for "this step's gradient norm" and "did the scaler skip" are written once.
 
 Two facts of ``torch.optim.Optimizer``'s hook wrapper shape them: the ``args`` a hook gets start
 with the optimizer itself (a closure is ``args[1]``), and an optimizer subclass whose ``step``
@@ -9,10 +10,24 @@ raises, so the nesting is told from the call stack, not from a counter a raise w
 
 from __future__ import annotations
 
+import sys
 import types
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["StepNesting", "has_closure", "scaler_states", "scaler_stepped_since"]
+import torch
+
+from batchtap.metrics.functional import grads_norm
+
+__all__ = [
+    "StepNesting",
+    "dtensor_type",
+    "global_norm",
+    "gradients_norm",
+    "has_closure",
+    "scaler_states",
+    "scaler_stepped_since",
+]
 
 
 def has_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -134,3 +149,63 @@ def scaler_stepped_since(scaler: Any, states: object) -> bool:
         return True
     # STEPPED: step() ran (a skipped one included); UNSCALED alone (unscale_ before clipping) is before the step
     return any(getattr(state.get("stage"), "name", None) == "STEPPED" for state in now.values())  # type: ignore[attr-defined]
+
+
+def dtensor_type() -> type | None:
+    """``DTensor`` when its module is loaded (a model with DTensor parameters loaded it), else None:
+    nothing is imported here, so plain runs never pay for ``torch.distributed.tensor``."""
+    for module in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        found = getattr(sys.modules.get(module), "DTensor", None)
+        if isinstance(found, type):
+            return found
+    return None
+
+
+def global_norm(norm: torch.Tensor) -> torch.Tensor:
+    """A norm as a plain tensor holding the global value, whatever form a clipping call returned.
+
+    ``clip_grad_norm_`` / ``get_total_norm`` of FSDP2 or tensor-parallel (``DTensor``) gradients
+    return a ``DTensor``: replicated (every rank holds the global norm already: its local tensor,
+    no communication) or, from a bare ``vector_norm``, partial (the ranks' parts still to combine:
+    ``full_tensor()``, the same collective the loop's own ``.full_tensor()`` would run, on the
+    device, no host read). A plain tensor is returned as it is.
+    """
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(norm, dtensor):
+        return norm
+    if any(placement.is_partial() for placement in norm.placements):  # type: ignore[attr-defined]
+        full: torch.Tensor = norm.full_tensor()  # type: ignore[attr-defined]
+        return full
+    local: torch.Tensor = norm.to_local()  # type: ignore[attr-defined]
+    return local
+
+
+def gradients_norm(grads: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """The global L2 norm of ``grads`` together, as ``clip_grad_norm_`` computes it: 0-dim on
+    ``device`` (default: the first gradient's), no host read.
+
+    Plain gradients take :func:`~batchtap.metrics.functional.grads_norm` (a constant number of
+    device ops). ``DTensor`` gradients (FSDP2's ``fully_shard``, tensor parallel) hold a shard
+    each: their squared local norms are summed over the mesh on the device (torch's own
+    ``get_total_norm`` of the DTensors, then one all-reduce), so every rank gets the global norm,
+    never its shard's, and the value needs no further combining across ranks.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(4)); w.grad = torch.full((4,), 2.0)
+        >>> gradients_norm([w.grad])
+        tensor(4.)
+    """
+    dtensor = dtensor_type()
+    sharded = [g for g in grads if isinstance(g, dtensor)] if dtensor is not None else []
+    if not sharded:
+        return grads_norm(grads, device or grads[0].device)
+    plain = [g for g in grads if not isinstance(g, dtensor)]  # type: ignore[arg-type]
+    by_mesh: dict[int, list[torch.Tensor]] = {}
+    for g in sharded:
+        by_mesh.setdefault(id(g.device_mesh), []).append(g)  # type: ignore[attr-defined]
+    parts = [global_norm(torch.nn.utils.get_total_norm(group)) for group in by_mesh.values()]
+    target = device or parts[0].device
+    if plain:  # parameters FSDP left unsharded are replicated: their local norm is already global
+        parts.append(grads_norm(plain, target))
+    parts = [p.to(target, dtype=torch.float32, non_blocking=True) for p in parts]
+    return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
