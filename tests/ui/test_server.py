@@ -328,3 +328,259 @@ def test_rank_spread_names_the_slowest_rank_per_step(tmp_path: Path) -> None:
         assert spread["spread"] == pytest.approx([0.1, 0.2, 0.0, 0.3])
     finally:
         ro.close()
+
+
+# -- one reader: the UI and the CLI agree ---------------------------------------------------------
+ROLLBACK_MESSAGE = (
+    "rollback 1: divergence at step 8 (loss spike); restored the snapshot of step 4 at step 9, "
+    "undone steps 5..8, lr x0.5, skipping the next 0 batches"
+)
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended and been reaped (what a process-group kill leaves)."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def write_mixed_store(db: Path) -> dict[str, str]:
+    """Runs of every kind through the real SQLite sink: finished, rolled back (its abandoned
+    trajectory reached loss 0.0), killed (running, its process gone), running (this process),
+    failed with only NaN losses. Returns name -> id."""
+    import socket
+
+    from batchtap._stale import process_started
+
+    sink = SQLite(db)
+    ids = {"fin": "f1" * 16, "rolled": "r0" * 16, "killed": "k1" * 16, "live": "11" * 16, "nans": "a0" * 16}
+    here = {"host": socket.gethostname()}
+    envs = {
+        "fin": {},
+        "rolled": {},
+        "killed": {**here, "pid": _dead_pid(), "pid_started": "x/1"},
+        "live": {**here, "pid": __import__("os").getpid(), "pid_started": process_started()},
+        "nans": {},
+    }
+    for i, (name, rid) in enumerate(ids.items()):
+        sink.start_run(
+            RunInfo(rid, name, {"lr": 0.1 / (i + 1)}, started_at=100.0 + i, metrics=("loss",), environment=envs[name])
+        )
+        if name == "nans":
+            values = [float("nan")] * 4
+        elif name == "rolled":
+            values = [1.0, 0.9, 0.8, 0.7, 0.6, 0.3, 0.1, 0.0, 5e30, 0.65, 0.62, 0.61]
+        else:
+            values = [1.0 - 0.05 * s for s in range(10)]
+        sink.write(
+            [
+                Record(rid, step=s, epoch=0, batch=s, rank=0, wall_time=200.0 + s, values={"loss": v})
+                for s, v in enumerate(values)
+            ],
+            [Event(rid, 9, EventKind.ACTION, ROLLBACK_MESSAGE, 209.5)] if name == "rolled" else [],
+        )
+        if name in ("fin", "rolled", "nans"):
+            status = RunStatus.FAILED if name == "nans" else RunStatus.FINISHED
+            sink.end_run(RunInfo(rid, name, {"lr": 0.1 / (i + 1)}, started_at=100.0 + i, status=status, ended_at=300.0))
+    sink.close()
+    return ids
+
+
+def _show_figures(db: Path, run_id: str) -> tuple[str, int, str, str]:
+    """status, steps, min and last of loss as `batchtap show` prints them."""
+    done = subprocess.run(
+        [sys.executable, "-m", "batchtap.cli.main", "show", run_id[:8], "--db", str(db)],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    status = next(ln.split()[1] for ln in lines if ln.startswith("  status "))
+    steps = int(next(ln.split()[1] for ln in lines if ln.startswith("  steps ")))
+    loss = next(ln.split() for ln in lines if ln.split()[:1] == ["loss"])
+    return status, steps, loss[2], loss[1]
+
+
+def test_the_ui_api_and_batchtap_show_agree_on_every_run(tmp_path: Path) -> None:
+    from batchtap.cli._common import fmt_value
+
+    db = tmp_path / "mixed.db"
+    ids = write_mixed_store(db)
+    with batchtap.ui.start(db) as srv:
+        status, body, _ = get(f"{srv.base}/api/runs")
+    assert status == 200
+    listed = {r["name"]: r for r in body["runs"]}
+    assert {n: listed[n]["status"] for n in ids} == {
+        "fin": "finished",
+        "rolled": "finished",
+        "killed": "killed",
+        "live": "running",
+        "nans": "failed",
+    }
+    for name, rid in ids.items():
+        ui = listed[name]
+        assert ui["main"] == "loss" and ui["higher_is_better"] is False
+        # JSON has no NaN: a last value that failed validation is null with its step given
+        last = "nan" if ui["last_value"] is None and ui["last_step"] is not None else fmt_value(ui["last_value"])
+        assert (ui["status"], ui["steps"], fmt_value(ui["best_value"]), last) == _show_figures(db, rid), name
+    rolled = listed["rolled"]
+    # the abandoned trajectory's 0.0 (and its 5e30) are not the run's best, min or max
+    assert rolled["best_value"] == 0.6 and rolled["max_value"] == 1.0 and rolled["rolled_back"] == [[5, 8]]
+    assert listed["nans"]["best_value"] is None and listed["killed"]["stop_reason"].startswith("the training process")
+    with batchtap.store.open(db) as st:
+        frame = st.frame(ids["rolled"])
+        assert list(frame.index) == [0, 1, 2, 3, 4, 9, 10, 11] and frame.attrs["rolled_back"] == [(5, 8)]
+        assert len(st.frame(ids["rolled"], rolled_back=True)) == 12
+
+
+def test_a_short_id_or_name_finds_a_run_on_every_route(tmp_path: Path) -> None:
+    db = tmp_path / "mixed.db"
+    ids = write_mixed_store(db)
+    with batchtap.ui.start(db) as srv:
+        for ref in (ids["fin"][:8], "fin", ids["fin"]):
+            status, body, _ = get(f"{srv.base}/api/runs/{ref}")
+            assert status == 200 and body["id"] == ids["fin"], ref
+            status, line, _ = get(f"{srv.base}/api/runs/{ref}/series?metric=loss")
+            assert status == 200 and line["step"] == list(range(10)), ref
+        status, body, _ = get(f"{srv.base}/api/runs/zzzz")
+        assert status == 404 and "no run 'zzzz'" in body["error"]
+
+
+@pytest.mark.parametrize(
+    ("query", "names"),
+    [
+        pytest.param("lr<0.03 and status=running", ["live"], id="and"),
+        pytest.param("status=killed or status=failed", ["nans", "killed"], id="or"),
+        pytest.param("name~ROL", ["rolled"], id="contains"),
+        pytest.param("best<0.62", ["rolled", "killed", "live", "fin"], id="best-kept-trajectory"),
+    ],
+)
+def test_runs_filter_is_parsed_on_the_server(tmp_path: Path, query: str, names: list[str]) -> None:
+    db = tmp_path / "mixed.db"
+    write_mixed_store(db)
+    with batchtap.ui.start(db) as srv:
+        status, body, _ = get(f"{srv.base}/api/runs?q={urllib.request.quote(query)}")
+    assert status == 200 and sorted(r["name"] for r in body["runs"]) == sorted(names)
+
+
+@pytest.mark.parametrize(
+    ("query", "said"),
+    [
+        pytest.param("lr<", "expected a clause", id="no-value"),
+        pytest.param("lr<0.1 and", "ends after", id="dangling-and"),
+        pytest.param("x'; DROP TABLE runs; --", "expected a clause", id="sql"),
+        pytest.param("lrr<0.1", "no run has 'lrr'", id="typo"),
+    ],
+)
+def test_a_bad_runs_filter_is_a_400_naming_the_fix(tmp_path: Path, query: str, said: str) -> None:
+    db = tmp_path / "mixed.db"
+    write_mixed_store(db)
+    before = db.read_bytes()
+    with batchtap.ui.start(db) as srv:
+        status, body, _ = get(f"{srv.base}/api/runs?q={urllib.request.quote(query)}")
+        live_status, _, _ = get(f"{srv.base}/api/runs/live?q={urllib.request.quote(query)}")
+    assert status == 400 and said in body["error"] and "e.g." in body["error"] or "fix" in body["error"]
+    assert live_status == 400 and db.read_bytes() == before
+
+
+def test_the_live_runs_stream_sends_a_run_started_after_it_opened(tmp_path: Path) -> None:
+    db = tmp_path / "mixed.db"
+    write_mixed_store(db)
+    with batchtap.ui.start(db) as srv:
+        with urllib.request.urlopen(f"{srv.base}/api/runs/live", timeout=30) as stream:
+            first = _next_sse(stream, "runs")
+            assert first["first"] and {r["name"] for r in first["runs"]} >= {"fin", "killed", "live"}
+            sink = SQLite(db)
+            sink.start_run(RunInfo("new0" * 8, "newcomer", {"lr": 1.0}, started_at=400.0))
+            sink.close()
+            # every later message has the running run; wait (bounded by the timeout) for the newcomer
+            for _ in range(20):
+                update = _next_sse(stream, "runs")
+                if any(r["name"] == "newcomer" for r in update["runs"]):
+                    break
+            else:
+                raise AssertionError("the new run never came")
+            assert next(r for r in update["runs"] if r["name"] == "newcomer")["status"] == "running"
+
+
+def _next_sse(stream: Any, event: str) -> Any:
+    kind = None
+    for raw in stream:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("event: "):
+            kind = line[len("event: ") :]
+        elif line.startswith("data: ") and kind == event:
+            return json.loads(line[len("data: ") :])
+    raise AssertionError(f"the stream ended before a {event!r} message")
+
+
+FD_LIMIT_SCRIPT = r"""
+import resource, sys, threading, urllib.request, json
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+import batchtap.ui
+from batchtap.ui.data import ReadOnlyStore
+
+db, run_id = sys.argv[1], sys.argv[2]
+ro = ReadOnlyStore(db, idle_s=0.5)
+errors = []
+
+def read():
+    try:
+        ro.summary(ro.reader.run(run_id))
+        ro.series(run_id, "loss", width=50)
+    except Exception as exc:  # noqa: BLE001 - counted and printed below
+        errors.append(repr(exc))
+
+# Three bursts of 120 fresh threads each, as a server's worker threads come and go between bursts:
+# a connection per thread kept for the thread's life would need 360 descriptors here.
+peak = 0
+for burst in range(3):
+    threads = [threading.Thread(target=read) for _ in range(120)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    peak = max(peak, ro.reader.open_connections)
+# closed when idle: wait for the pool's timer (bounded), not a fixed sleep
+import time
+deadline = time.monotonic() + 30
+while ro.reader.open_connections and time.monotonic() < deadline:
+    time.sleep(0.05)
+idle = ro.reader.open_connections
+ro.close()
+
+codes = []
+with batchtap.ui.start(db) as srv:
+    def fetch():
+        try:
+            with urllib.request.urlopen(f"{srv.base}/api/runs", timeout=60) as r:
+                codes.append(r.status)
+        except Exception as exc:  # noqa: BLE001
+            codes.append(repr(exc))
+    for burst in range(3):
+        threads = [threading.Thread(target=fetch) for _ in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+print(json.dumps({"errors": errors[:3], "n_errors": len(errors), "peak": peak, "idle": idle,
+                  "codes": sorted(set(map(str, codes)))}))
+"""
+
+
+def test_bursts_of_requests_under_a_256_descriptor_limit_leak_no_connection(tmp_path: Path) -> None:
+    db = tmp_path / "mixed.db"
+    ids = write_mixed_store(db)
+    done = subprocess.run(
+        [sys.executable, "-c", FD_LIMIT_SCRIPT, str(db), ids["fin"]],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["n_errors"] == 0, got["errors"]
+    assert 1 <= got["peak"] <= 8 and got["idle"] == 0
+    assert got["codes"] == ["200"]
