@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import batchtap as bt
 from batchtap.errors import ConfigError
+from batchtap.hostreads import HostReadCounter
 from batchtap.metrics import StepInputs, StepTiming
 from batchtap.metrics.base import BlockTiming
 from batchtap.metrics.layers import layer_groups
@@ -252,3 +253,26 @@ def test_depth_groups_and_bad_arguments() -> None:
         bt.metrics.Layers(model, depth=0)
     with pytest.raises(ConfigError, match="needs the model"):
         bt.metrics.Layers(list(model.parameters()))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("every", [1, 3], ids=["every=1", "every=3"])
+def test_no_host_read_in_tap_steps(sink: ListSink, every: int) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tap = bt.Tap([bt.metrics.Loss(), bt.metrics.Layers(model, every=every)], [sink], flush_every=5)
+    reads = HostReadCounter()
+    with tap, tap.run(name="reads"):
+        for step in range(30):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(torch.randn(8, 10)), torch.randint(0, 4, (8,)))
+            loss.backward()
+            if step == 0:  # the run's first step allocates the ring's host views: once per run
+                opt.step()
+                tap.step(loss=loss)
+                continue
+            with reads:  # the optimizer step too: the pre-hook's capture runs there
+                opt.step()
+                tap.step(loss=loss)
+    assert reads.count == 0, reads.reads
+    captured = [r.step for r in sink.records if "grad_norm/0" in r.values]
+    assert captured == list(range(0, 30, every))
