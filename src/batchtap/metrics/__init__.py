@@ -15,6 +15,7 @@ from batchtap.metrics.gradients import GradNorm, LossScale
 from batchtap.metrics.layers import Layers
 from batchtap.metrics.scalars import Custom, Extra, LearningRate, Loss, Memory
 from batchtap.metrics.system import System
+from batchtap.metrics.throughput import MFU
 from batchtap.metrics.timing import DataTime, StepTime, Throughput
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "StepTime",
     "DataTime",
     "Throughput",
+    "MFU",
     "Memory",
     "System",
     "Custom",
