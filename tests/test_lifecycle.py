@@ -224,3 +224,142 @@ def test_step_inside_a_compiled_function_does_not_recompile(sink: ListSink) -> N
     recompiles = sum(v for k, v in counters["recompiles"].items()) if "recompiles" in counters else 0
     assert recompiles == 0, dict(counters["recompiles"])
     assert counters["stats"]["unique_graphs"] <= 3  # graph breaks around tap.step, not a graph per step
+
+
+# -- every end of a process stored as what happened ---------------------------------------------
+_LOOP = """
+import os, sys, time, torch, batchtap as bt
+{opening}
+model = torch.nn.Linear(4, 3)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(100_000):
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    {step}
+    if i == 5:
+        {ending}
+"""
+
+_OPENINGS = {
+    "explicit-start": ("tap = bt.Tap(flush_every=2); tap.start(name='ends')", "tap.step(loss=loss)"),
+    "autolog": ("bt.autolog(name='ends', flush_every=2)", "pass"),
+}
+
+
+def _ends(tmp_path: pathlib.Path, front: str, ending: str, *, sigterm: bool = False) -> tuple[int, str, tuple]:
+    opening, step = _OPENINGS[front]
+    script = tmp_path / "train.py"
+    body = _LOOP.format(opening=opening, step=step, ending=ending)
+    script.write_text(body)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "BATCHTAP_DB": str(tmp_path / "b.db")}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        if sigterm:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # the script prints "ready" and trains on
+            assert line.strip() == "ready", line + (proc.stderr.read() if proc.stderr else "")
+            proc.send_signal(15)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with sqlite3.connect(tmp_path / "b.db") as conn:
+        row = conn.execute("SELECT status, stop_reason FROM runs").fetchall()
+    assert len(row) == 1, row
+    return proc.returncode, err, row[0]
+
+
+@pytest.mark.parametrize("front", list(_OPENINGS))
+def test_sigterm_is_stored_stopped_and_ends_the_process_as_sigterm(tmp_path: pathlib.Path, front: str) -> None:
+    code, err, (status, reason) = _ends(tmp_path, front, "print('ready', flush=True)", sigterm=True)
+    assert (status, reason) == ("stopped", "SIGTERM"), err
+    assert code == -15, err  # as the process would have ended without batchtap
+    assert "Traceback" not in err and "Terminated" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("ending", "status", "code"),
+    [
+        pytest.param("sys.exit(3)", "failed", 3, id="exit-3"),
+        pytest.param("sys.exit('bad config')", "failed", 1, id="exit-message"),
+        pytest.param("sys.exit(0)", "finished", 0, id="exit-0"),
+        pytest.param("sys.exit()", "finished", 0, id="exit-none"),
+        pytest.param("raise KeyboardInterrupt", "stopped", -2, id="ctrl-c"),  # Python ends by SIGINT
+        pytest.param("raise ValueError('boom')", "failed", 1, id="exception"),
+    ],
+)
+def test_autolog_stores_how_the_script_ended(tmp_path: pathlib.Path, ending: str, status: str, code: int) -> None:
+    got_code, err, (got_status, reason) = _ends(tmp_path, "autolog", ending)
+    assert (got_status, got_code) == (status, code), (reason, err)
+    if ending == "sys.exit(3)":
+        assert reason == "the script exited with status 3"
+
+
+def test_spawned_dataloader_workers_never_start_runs(tmp_path: pathlib.Path) -> None:
+    """A spawn worker runs the script's top level again (as __mp_main__), bt.autolog() included."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch, batchtap as bt
+            bt.autolog(name="spawned", flush_every=2)
+
+            class Data(torch.utils.data.Dataset):
+                def __len__(self):
+                    return 32
+                def __getitem__(self, i):
+                    g = torch.Generator().manual_seed(i)
+                    return torch.randn(4, generator=g), i % 3
+
+            if __name__ == "__main__":
+                model = torch.nn.Linear(4, 3)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                loader = torch.utils.data.DataLoader(
+                    Data(), batch_size=8, num_workers=2, multiprocessing_context="spawn"
+                )
+                for epoch in range(2):
+                    for x, y in loader:
+                        loss = torch.nn.functional.cross_entropy(model(x), y)
+                        opt.zero_grad(); loss.backward(); opt.step()
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "BATCHTAP_DB": str(tmp_path / "b.db")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    with sqlite3.connect(tmp_path / "b.db") as conn:
+        runs = conn.execute("SELECT name, status FROM runs").fetchall()
+        steps = conn.execute("SELECT count(*) FROM metrics WHERE metric = 'loss'").fetchone()[0]
+    assert runs == [("spawned", "finished")]  # before: one more 0-step run per worker per epoch
+    assert steps == 8
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "reason"),
+    [
+        pytest.param(None, "finished", None, id="none"),
+        pytest.param(KeyboardInterrupt(), "stopped", "KeyboardInterrupt", id="ctrl-c"),
+        pytest.param("terminated", "stopped", "SIGTERM", id="sigterm"),
+        pytest.param(SystemExit(0), "finished", None, id="exit-0"),
+        pytest.param(SystemExit(4), "failed", "the process exited with status 4", id="exit-4"),
+        pytest.param(RuntimeError("x"), "failed", "RuntimeError: x", id="error"),
+    ],
+)
+def test_the_integrations_end_a_run_as_training_ended(
+    sink: ListSink, exc: BaseException | str | None, status: str, reason: str | None
+) -> None:
+    from batchtap._exit import Terminated
+    from batchtap.integrations._lifecycle import finish_as
+
+    if exc == "terminated":
+        exc = Terminated()
+    assert not isinstance(exc, str)
+    tap = bt.Tap([bt.metrics.Loss()], sinks=[sink])
+    tap.start(name="integrated")
+    tap.step(loss=torch.tensor(0.5))
+    finish_as(tap, exc)
+    tap.close()
+    assert (sink.ended[-1].status.value, sink.ended[-1].stop_reason) == (status, reason)

@@ -1,22 +1,30 @@
-"""How a run ends when the process does: SIGTERM inside ``run()``, and runs left open at exit.
+"""How a run ends when the process does: SIGTERM inside a run, and runs left open at exit.
 
 SIGTERM (what SLURM, Kubernetes and ``kill`` send) becomes :class:`Terminated`, raised in the
 training thread, so ``run()`` stores every captured step before the process ends the way SIGTERM
-ends it. At interpreter exit, every Tap registered here has its open run ended (``failed``, bounded by
-its ``exit_timeout``) before multiprocessing's own exit handler terminates pipeline processes.
+ends it. Where nothing catches it (``tap.start()`` in a script, ``bt.autolog()``), no traceback is
+printed for it, the open run is stored ``stopped`` at exit, and the process then ends by SIGTERM
+(status -15, as without batchtap). At interpreter exit, every Tap registered here has its open run
+ended (``failed``, or ``stopped`` after SIGTERM; bounded by its ``exit_timeout``) before
+multiprocessing's own exit handler terminates pipeline processes.
 """
 
 from __future__ import annotations
 
 import atexit
 import multiprocessing.util  # noqa: F401  (imported first, so its exit handler is registered before ours)
+import os
 import signal
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Terminated", "catch_sigterm", "ExitRegistry", "AT_EXIT"]
+__all__ = ["Terminated", "catch_sigterm", "sigterm_received", "ExitRegistry", "AT_EXIT"]
+
+# set once SIGTERM reached one of our handlers: the process is to end as SIGTERM ends it
+_SIGTERM = threading.Event()
 
 
 class Terminated(BaseException):
@@ -31,9 +39,40 @@ def catch_sigterm(enabled: bool) -> Any:
         return None
 
     def on_sigterm(signum: int, frame: object) -> None:
+        _SIGTERM.set()
         raise Terminated()
 
+    if not isinstance(sys.excepthook, _QuietTerminated):
+        sys.excepthook = _QuietTerminated(sys.excepthook)
     return signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def sigterm_received() -> bool:
+    """Whether SIGTERM reached a handler of ours in this process (the run ends as ``stopped``)."""
+    return _SIGTERM.is_set()
+
+
+class _QuietTerminated:
+    """``sys.excepthook`` that prints one line, not a traceback, for a :class:`Terminated` nothing
+    caught (the process is about to end by SIGTERM; the traceback would only say where it was)."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+
+    def __call__(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if issubclass(kind, Terminated):
+            print("batchtap: SIGTERM: the run is stored as stopped; ending as SIGTERM would", file=sys.stderr)
+            return
+        self.previous(kind, value, tb)
+
+
+def _end_as_sigterm() -> None:
+    """After every run was stored: end the process the way SIGTERM would have without us."""
+    if _SIGTERM.is_set():
+        sys.stderr.flush()
+        sys.stdout.flush()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class ExitRegistry:
@@ -62,10 +101,13 @@ class ExitRegistry:
     def end_all(self) -> None:
         first = list(self._running.values())
         rest = [obj for obj in list(self._all.keys()) if id(obj) not in self._running]
-        for obj in first + rest:
-            end = self._all.get(obj)
-            if end is not None:
-                end(obj)
+        try:
+            for obj in first + rest:
+                end = self._all.get(obj)
+                if end is not None:
+                    end(obj)
+        finally:
+            _end_as_sigterm()
 
 
 #: the process's registry; its handler runs before multiprocessing's (registered after it)

@@ -43,7 +43,7 @@ import torch
 from batchtap import _env, _stale
 from batchtap._config import to_json_config
 from batchtap._defaults import checked_metrics, checked_sinks, default_sinks
-from batchtap._exit import AT_EXIT, Terminated, catch_sigterm
+from batchtap._exit import AT_EXIT, Terminated, catch_sigterm, sigterm_received
 from batchtap._names import check_storable
 from batchtap._run import ActiveRun, RunSettings, resume_point
 from batchtap.capture.eager import eager, eager_entry, in_eager_code
@@ -390,12 +390,11 @@ class Tap:
             return
         if self._run is not None:
             self._sigterm_handler = None  # signal handlers no longer matter at exit
+            status, reason = RunStatus.FAILED, "the process exited with the run still open (finish() was never called)"
+            if sigterm_received():  # SIGTERM unwound the script: stopped, as inside run()
+                status, reason = RunStatus.STOPPED, "SIGTERM"
             try:
-                self._finish(
-                    RunStatus.FAILED,
-                    "the process exited with the run still open (finish() was never called)",
-                    timeout=self.exit_timeout,
-                )
+                self._finish(status, reason, timeout=self.exit_timeout)
             except Exception:  # never turn interpreter exit into a traceback of ours
                 log.exception("batchtap: ending the open run at exit failed")
         self._pipeline.at_exit(timeout=self.exit_timeout)

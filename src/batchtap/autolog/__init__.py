@@ -55,7 +55,9 @@ def autolog(
 
     Args:
         enabled: False ends the active autolog run (as ``finished``), undoes every patch and
-            returns None. Leaving the process does the same (``failed`` after an uncaught exception).
+            returns None. Leaving the process does the same: ``failed`` after an uncaught
+            exception or ``sys.exit(n)`` with ``n != 0``, ``stopped`` after Ctrl-C or SIGTERM (then
+            the process ends by SIGTERM, as it would without batchtap).
         name: the run's name (default: the script's name).
         config: stored with the run (a mapping, ``argparse.Namespace`` or dataclass).
         sinks: where records go (default: SQLite at ``$BATCHTAP_DB`` and the console).
@@ -70,8 +72,14 @@ def autolog(
 
     Under ``torchrun`` the run starts when the script has made its process group (at its first
     optimizer), so the ranks' rows are reduced as with an explicit Tap.
+
+    A process that ``multiprocessing`` starts with ``spawn`` or ``forkserver`` (a ``DataLoader``
+    worker with ``multiprocessing_context="spawn"``) runs the script's top level again as
+    ``__mp_main__``: there ``autolog()`` does nothing and returns None, so no worker starts a run.
     """
     global _ACTIVE
+    if _in_reimported_main():
+        return None
     if not enabled:
         session, _ACTIVE = _ACTIVE, None
         if session is not None:
@@ -92,6 +100,20 @@ def autolog(
     session.install()
     _ACTIVE = session
     return session.tap
+
+
+def _in_reimported_main() -> bool:
+    """Whether autolog() is called by the main script re-run as ``__mp_main__`` in a child process."""
+    if "__mp_main__" not in sys.modules:  # only multiprocessing's children re-run the main module
+        return False
+    # the top level of the re-run main module is on the stack (a function defined there and called
+    # later, as torch.multiprocessing.spawn calls its ranks', is a training process: not skipped)
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def active_session() -> Session | None:
