@@ -39,7 +39,7 @@ def loss_block(losses: Sequence[float], *, first_step: int = 0) -> BlockData:
 
 
 def opening(chain: int, run_id: str = "r", *, writes: bool = True) -> OpenChain:
-    return OpenChain(chain, metrics(), run_id, 0, writes)
+    return OpenChain(chain, Layout(list(metrics())).columns, run_id, 0, writes)
 
 
 def rows(chain: int, losses: Sequence[float], *, first_step: int = 0) -> BlockRows:

@@ -8,8 +8,7 @@ import math
 from math import isfinite
 
 from batchtap.capture.flush import BlockData
-from batchtap.metrics.base import StepTiming
-from batchtap.metrics.layout import Layout
+from batchtap.metrics.decoding import ColumnLayout, StepTiming
 from batchtap.pipeline.chain.decode import Decoder
 from batchtap.records import Event, EventKind, Record
 
@@ -29,8 +28,9 @@ class Decoded:
 class RowDecoder(Decoder):
     """The block decoder's setup (spans, hooks, names), with the row-by-row ``decode`` it replaced."""
 
-    def __init__(self, layout: Layout, *, run_id: str, rank: int) -> None:
+    def __init__(self, layout: ColumnLayout, *, run_id: str, rank: int) -> None:
         super().__init__(layout, run_id=run_id, rank=rank)
+        self._gradient_based = [span.gradient_based for span in layout.spans]
         self._skip_metrics_mask = self._skips
         self._skip_metrics = any(self._skips)
         self._warns_any = any(self._warns)
@@ -67,13 +67,13 @@ class RowDecoder(Decoder):
                 )
             values: dict[str, float] = {}
             weights: dict[str, float] = {}
-            for (metric, outputs, _, _), raw, weighs, checks, bounds in zip(
-                self._spans, raws, self._weighs, self._checks_inputs, self._bounds
+            for index, ((metric, outputs, _, _), raw, weighs, checks, bounds) in enumerate(
+                zip(self._spans, raws, self._weighs, self._checks_inputs, self._bounds)
             ):
                 if weighs:
                     w = metric.weight(raw)
                     if w is not None:
-                        weights.update((o.name, w) for o in outputs)
+                        weights.update((o.name, w) for o in outputs if o.weight == "metric")
                 problem = metric.input_error(raw) if checks else None
                 if problem is not None:
                     message = f"step {step}: {problem}"
@@ -85,8 +85,8 @@ class RowDecoder(Decoder):
                     continue
                 if self._warns_any:
                     warning = metric.warning(raw)
-                    if warning is not None and id(metric) not in self._warned:
-                        self._warned.add(id(metric))
+                    if warning is not None and index not in self._warned:
+                        self._warned.add(index)
                         out.events.append(
                             Event(self.run_id, step, EventKind.WARNING, f"step {step}: {warning}", wall, rank=self.rank)
                         )
@@ -100,7 +100,7 @@ class RowDecoder(Decoder):
                     if why is None:
                         values[output.name] = value
                         continue
-                    if skipped and metric.gradient_based and not math.isfinite(value):
+                    if skipped and self._gradient_based[index] and not math.isfinite(value):
                         continue  # expected on a step the scaler skipped: reported by the skip event
                     values[output.name] = math.nan
                     self.anomaly_counts[output.name] += 1

@@ -13,6 +13,7 @@ import torch
 from batchtap.errors import InputError
 from batchtap.metrics import Accuracy
 from batchtap.metrics.base import StepInputs
+from batchtap.metrics.layout import Layout
 from batchtap.pipeline.chain.control import Control
 from batchtap.pipeline.chain.core import PipelineCore, PipelineSettings
 from batchtap.pipeline.chain.messages import (
@@ -123,7 +124,7 @@ def test_an_input_error_the_values_reveal_is_posted_to_the_control(sink: ListSin
     )
     core = PipelineCore([sink], Control())
     try:
-        core.handle(OpenChain(1, (metric,), "r", 0, True))
+        core.handle(OpenChain(1, Layout([metric]).columns, "r", 0, True))
         core.handle(BlockRows(1, data))
         error = core.control.take_error()
         assert isinstance(error, InputError) and "7" in str(error)

@@ -96,7 +96,7 @@ def _seen(decoded: object) -> tuple[object, ...]:
 @pytest.mark.parametrize("seed", range(12))
 def test_the_block_decoder_decodes_what_the_row_decoder_decoded(seed: int) -> None:
     layout = Layout(_metrics())
-    block, row = Decoder(layout, run_id="r", rank=0), RowDecoder(layout, run_id="r", rank=0)
+    block, row = Decoder(layout.columns, run_id="r", rank=0), RowDecoder(layout.columns, run_id="r", rank=0)
     for part in range(3):  # warnings are reported once per run: later blocks too
         data = _block(layout, 40, seed * 10 + part, timings_absent=part == 1)
         assert _seen(block.decode(data)) == _seen(row.decode(data))
@@ -134,8 +134,8 @@ def test_real_rows_of_the_default_metrics_decode_the_same() -> None:
         step_time=np.full(n, 0.01),
         tokens=np.full(n, math.nan),
     )
-    block = Decoder(layout, run_id="r", rank=0).decode(data)
-    assert _seen(block) == _seen(RowDecoder(layout, run_id="r", rank=0).decode(data))
+    block = Decoder(layout.columns, run_id="r", rank=0).decode(data)
+    assert _seen(block) == _seen(RowDecoder(layout.columns, run_id="r", rank=0).decode(data))
     assert len(block.input_errors) == 1 and "step 7" in block.input_errors[0]
     assert "accuracy" not in block.records[12].values
     assert block.records[3].values["loss"] == 0.75

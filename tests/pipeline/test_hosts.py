@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import batchtap as bt
 from batchtap.metrics.layout import Layout
 from batchtap.pipeline.chain.control import Control
 from batchtap.pipeline.chain.core import PipelineSettings
@@ -24,6 +25,7 @@ from batchtap.pipeline.transport.process import ProcessPipeline
 from batchtap.pipeline.transport.thread import ThreadPipeline
 from batchtap.records import Event, EventKind, RunInfo, RunStatus
 from tests.pipeline._blocks import loss_block, metrics
+from tests.pipeline.probe_sinks import ModulesSink, notes
 from tests.pipeline.process_sinks import FileListSink, received
 from tests.pipeline.test_distributed import ROOT
 
@@ -120,3 +122,28 @@ def test_a_thread_host_is_closed_once(tmp_path: Path) -> None:
     host.close(timeout=10)
     sink, _ = received(tmp_path / "s.pkl")
     assert sink.closed
+
+
+def test_a_whole_process_pipeline_run_never_loads_torch_in_the_pipeline_process(tmp_path: Path) -> None:
+    """Blocks cross as arrays with the run's torch-free column layout, and the default metrics
+    (with an optimizer's lr) decode in numpy: the pipeline process never loads torch, so it starts
+    and ends without paying for it."""
+
+    path = tmp_path / "modules.jsonl"
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tap = bt.Tap(sinks=[ModulesSink(path)], optimizer=optimizer, flush_every=4, pipeline="process")
+    with tap.run(name="torch-free"):
+        for _ in range(10):
+            x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+            out = model(x)
+            loss = torch.nn.functional.cross_entropy(out, y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            tap.step(loss=loss, outputs=out, targets=y)
+    tap.close()
+    seen = notes(path)
+    assert {n["call"] for n in seen} >= {"start_run", "write", "end_run"}
+    assert all(n["pid"] != os.getpid() for n in seen), "the sink ran in the training process"
+    assert not any(n["torch"] for n in seen), f"the pipeline process loaded torch: {seen}"

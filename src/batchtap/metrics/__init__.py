@@ -6,17 +6,55 @@ Example:
     ['loss', 'accuracy', 'accuracy_top5']
 """
 
-from batchtap.metrics import functional
-from batchtap.metrics.accuracy import Accuracy
-from batchtap.metrics.base import Combine, Metric, StepInputs, StepTiming
-from batchtap.metrics.defaults import default_metrics
-from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Output, Reduce
-from batchtap.metrics.gradients import GradNorm, LossScale
-from batchtap.metrics.layers import Layers
-from batchtap.metrics.scalars import Custom, Extra, LearningRate, Loss, Memory
-from batchtap.metrics.system import System
-from batchtap.metrics.throughput import MFU
-from batchtap.metrics.timing import DataTime, StepTime, Throughput
+# Loaded on first use: the pipeline process imports the torch-free parts of this package
+# (decoding, domain, the timing metrics) without loading torch through the others.
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchtap.metrics import functional
+    from batchtap.metrics.accuracy import Accuracy
+    from batchtap.metrics.base import Combine, Metric, StepInputs, StepTiming
+    from batchtap.metrics.defaults import default_metrics
+    from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Output, Reduce
+    from batchtap.metrics.gradients import GradNorm, LossScale
+    from batchtap.metrics.layers import Layers
+    from batchtap.metrics.scalars import Custom, Extra, LearningRate, Loss, Memory
+    from batchtap.metrics.system import System
+    from batchtap.metrics.throughput import MFU
+    from batchtap.metrics.timing import DataTime, StepTime, Throughput
+
+#: public name -> the module of this package that defines it
+_WHERE = {
+    "functional": "functional",
+    "Accuracy": "accuracy",
+    "Combine": "base",
+    "Metric": "base",
+    "StepInputs": "base",
+    "StepTiming": "base",
+    "default_metrics": "defaults",
+    "ANY_FINITE": "domain",
+    "NONNEGATIVE": "domain",
+    "UNIT_INTERVAL": "domain",
+    "Domain": "domain",
+    "Output": "domain",
+    "Reduce": "domain",
+    "GradNorm": "gradients",
+    "LossScale": "gradients",
+    "Layers": "layers",
+    "Custom": "scalars",
+    "Extra": "scalars",
+    "LearningRate": "scalars",
+    "Loss": "scalars",
+    "Memory": "scalars",
+    "System": "system",
+    "MFU": "throughput",
+    "DataTime": "timing",
+    "StepTime": "timing",
+    "Throughput": "timing",
+}
 
 __all__ = [
     "Metric",
@@ -46,3 +84,17 @@ __all__ = [
     "UNIT_INTERVAL",
     "functional",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batchtap.metrics' has no attribute {name!r}")
+    loaded = importlib.import_module(f"batchtap.metrics.{module}")
+    value = loaded if module == name else getattr(loaded, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

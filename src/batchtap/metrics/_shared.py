@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from batchtap.metrics.base import StepInputs
+from batchtap.metrics.decoding import everywhere, measured
+
+__all__ = ["Filled", "everywhere", "measured", "step_device"]  # the numpy helpers live with the decoders
 
 
 class Filled:
@@ -23,16 +25,6 @@ class Filled:
                 self._made.clear()
             made = self._made[key] = torch.full((), value, dtype=torch.float32, device=device)
         return made
-
-
-def everywhere(rows: int, width: int) -> np.ndarray:
-    """A block's presence mask with every value present."""
-    return np.ones((rows, width), dtype=bool)
-
-
-def measured(seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A block of one timing column: present where it was measured (not NaN)."""
-    return seconds.reshape(-1, 1), ~np.isnan(seconds).reshape(-1, 1)
 
 
 def step_device(inputs: StepInputs) -> torch.device:

@@ -8,22 +8,20 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from batchtap.errors import ConfigError, InputError
 from batchtap.metrics import functional as F
 from batchtap.metrics._shared import Filled
 from batchtap.metrics.base import (
-    BlockTiming,
     Combine,
     Metric,
     Requirement,
     RowWriter,
     StepInputs,
-    StepTiming,
     with_settle,
 )
+from batchtap.metrics.decoders import AMBIGUOUS, NO_NOTICE, ONE_HOT, AccuracyDecoding
 from batchtap.metrics.domain import UNIT_INTERVAL, Output, Reduce
 
 #: device memory one accuracy row writer may take for its per-slot buffers (``capacity * 2 *
@@ -32,7 +30,7 @@ from batchtap.metrics.domain import UNIT_INTERVAL, Output, Reduce
 HITS_BUFFER_BYTES = 64 * 2**20
 
 
-class Accuracy(Metric):
+class Accuracy(AccuracyDecoding, Metric):
     """Top-k classification accuracy from class scores and integer targets.
 
     Reports ``accuracy`` for top-1 and ``accuracy_top{k}`` for every other k, as fractions in
@@ -130,7 +128,14 @@ class Accuracy(Metric):
 
     def outputs(self) -> tuple[Output, ...]:
         return tuple(
-            Output("accuracy" if k == 1 else f"accuracy_top{k}", UNIT_INTERVAL, Reduce.MEAN, unit="%")
+            Output(
+                "accuracy" if k == 1 else f"accuracy_top{k}",
+                UNIT_INTERVAL,
+                Reduce.MEAN,
+                unit="%",
+                weight="metric",  # the kept targets, not the samples: exact with padding
+                higher_is_better=True,
+            )
             for k in self.topk
         )
 
@@ -439,100 +444,6 @@ class Accuracy(Metric):
         assert outputs is not None and targets is not None
         facts = self._shape_facts(outputs, targets)
         return (facts.classes, facts.notice)
-
-    def warning_suspects(self, raw: np.ndarray) -> np.ndarray:
-        """The rows of a block whose :meth:`warning` may not be None (the pipeline asks only a block
-        with one: the notice column is 0 in nearly every run)."""
-        return raw[:, 2 * self._counts + 3] != NO_NOTICE
-
-    def warning(self, raw: Sequence[float]) -> str | None:
-        """Once per run: the step's layout was a guess (``[a, b, b]`` scores with ``[a, b]``
-        targets), or its one-hot targets were scored against their argmax."""
-        notice = raw[2 * self._counts + 3]
-        if notice == NO_NOTICE:  # the common case first
-            return None
-        if notice == AMBIGUOUS:
-            return (
-                "Accuracy: outputs [a, b, b] with targets [a, b] fit both [N, C, d] (classes at dim 1, as "
-                "F.cross_entropy and TorchMetrics read them) and [B, T, V] (classes last); classes were taken "
-                "to be last. Pass Accuracy(class_dim=1) or Accuracy(class_dim=-1) to settle it"
-            )
-        if notice == ONE_HOT:
-            where = "the last dim" if self.class_dim in (None, -1) else "dim 1"
-            return (
-                f"Accuracy: targets have the outputs' shape (one-hot or soft labels), not class indices; "
-                f"accuracy is scored against targets.argmax over {where}. Pass class indices to silence this"
-            )
-        return None
-
-    def _totals(self, raw: Sequence[float]) -> list[float]:
-        """Correct per k, ignored, positions: each count's low and high part joined."""
-        n = self._counts
-        return [hi * F.EXACT_FLOAT32 + lo for lo, hi in zip(raw[:n], raw[n : 2 * n])]
-
-    def weight(self, raw: Sequence[float]) -> float | None:
-        """The kept targets (positions - ignored): ranks combine accuracies weighted by them
-        (exact with padding)."""
-        totals = self._totals(raw)
-        return totals[-1] - totals[-2]
-
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        totals = self._totals(raw)
-        kept = totals[-1] - totals[-2]
-        if not kept > 0:  # every target ignored: no accuracy at this step
-            return [None] * len(self.topk)
-        return [c / kept for c in totals[:-2]]
-
-    def _totals_block(self, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`_totals` of every row of a block, and the kept targets (``[n, 1]``)."""
-        n = self._counts
-        totals = raw[:, n : 2 * n] * F.EXACT_FLOAT32 + raw[:, :n]
-        with np.errstate(invalid="ignore"):
-            return totals, totals[:, -1:] - totals[:, -2:-1]
-
-    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
-        totals, kept = self._totals_block(raw)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            present = kept > 0  # NaN fails too
-            values = totals[:, :-2] / kept
-        return values, np.broadcast_to(present, values.shape)
-
-    def weight_block(self, raw: np.ndarray) -> np.ndarray:
-        return self._totals_block(raw)[1][:, 0]
-
-    def input_suspects(self, raw: np.ndarray) -> np.ndarray:
-        at = 2 * self._counts
-        low, high, classes = raw[:, at], raw[:, at + 1], raw[:, at + 2]
-        with np.errstate(invalid="ignore"):
-            return ~((low >= 0) & (high < classes))  # the common case of input_error, for every row
-
-    def input_error(self, raw: Sequence[float]) -> str | None:
-        at = 2 * self._counts
-        low, high, classes = raw[at], raw[at + 1], raw[at + 2]
-        if 0 <= low and high < classes:  # in range — the common case first
-            return None
-        if not self.weight(raw) > 0:  # type: ignore[operator]
-            return None  # nothing was counted, so no index was used
-        if low < 0 or high >= classes:
-            ignore = self.ignore_index
-            ignored = "" if ignore is None else f" (targets equal to {ignore} left out)"
-            bad = int(low) if low < 0 else int(high)
-            fix = (
-                f"if {bad} marks padding, pass Accuracy(ignore_index={bad}) (the value your loss ignores); "
-                "else check the labels"
-                if low < 0
-                else "check the labels, or the model's number of outputs"
-            )
-            return (
-                f"targets hold class indices outside [0, {int(classes)}) (smallest {int(low)}, largest "
-                f"{int(high)}) for outputs with {int(classes)} classes{ignored}; this step's accuracy is not "
-                f"stored; {fix}"
-            )
-        return None
-
-
-#: notice codes of the host column (see ``Accuracy.warning``)
-NO_NOTICE, AMBIGUOUS, ONE_HOT = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,13 +1,18 @@
 """The metric interface: what a metric computes on the device, reads on the host, and reports.
 
-A metric splits its work in three, so the training step never reads a device value:
+A metric is a device writer plus a host decoder, so the training step never reads a device value:
 
-1. :meth:`Metric.compute` — on the training thread, inside ``Tap.step()``: float32 device tensors,
-   no host reads. They land in the device ring.
+1. :meth:`Metric.compute` (or its :meth:`Metric.row_writer`) — on the training thread, inside
+   ``Tap.step()``: float32 device tensors, no host reads. They land in the device ring.
 2. :meth:`Metric.read_host` — on the training thread: host-only facts (tensor shapes, the optimizer's
    learning rate, allocator statistics). They land in host arrays.
-3. :meth:`Metric.finalize` — on the pipeline thread, once the ring rows reached the host: raw floats
-   (device columns first, then host columns) plus the step's timing become the reported values.
+3. its decoder (:meth:`Metric.decoder`, a :class:`~batchtap.metrics.decoding.MetricDecoder`) — on the
+   pipeline, once the rows reached the host: raw floats (device columns first, then host columns)
+   plus the steps' timing become the reported values. Numpy only: the pipeline process never
+   loads torch.
+
+This module loads torch only where a tensor is made (the pipeline process imports it for the
+decoder's base).
 """
 
 from __future__ import annotations
@@ -15,14 +20,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import numpy as np
-import torch
-
+from batchtap.metrics.decoding import HOST_HOOKS, BlockTiming, MetricDecoder, StepTiming
 from batchtap.metrics.domain import Output
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Metric",
@@ -102,35 +107,6 @@ class StepInputs:
     device: torch.device | None = None
 
 
-@dataclasses.dataclass(slots=True)  # not frozen: one is built per row, and frozen costs ~0.6 us more
-class StepTiming:
-    """Host-side facts about one captured step, known once its row reached the host.
-
-    Attributes:
-        samples: samples in the batch.
-        step_time: seconds of compute for the step (device events on CUDA, host clock on CPU).
-        data_time: seconds the loop waited for the batch (NaN when no loader is watched).
-        tokens: tokens of the step when the loop passed ``tokens=`` (NaN otherwise); throughput
-            counts them instead of samples.
-    """
-
-    samples: float
-    step_time: float
-    data_time: float
-    tokens: float = math.nan
-
-
-@dataclasses.dataclass(slots=True)
-class BlockTiming:
-    """:class:`StepTiming` of a block of rows, one float64 array per field (see
-    :meth:`Metric.finalize_block`)."""
-
-    samples: np.ndarray
-    step_time: np.ndarray
-    data_time: np.ndarray
-    tokens: np.ndarray
-
-
 def write_values(row: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
     """0-dim tensors into ``row`` (a 1-dim float32 view of the ring), cast on the way: one device
     op, no allocation, no host read."""
@@ -139,29 +115,32 @@ def write_values(row: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
         # stack's host time
         row.fill_(values[0])
     elif values:
+        import torch  # loaded already: the values are tensors
+
         torch.stack(values, out=row)  # type: ignore[arg-type]  # a tuple or list
 
 
-class Metric(abc.ABC):
-    """Base class of all metrics.
+class Metric(MetricDecoder, abc.ABC):
+    """Base class of all metrics: a device writer (declared here) and its host decoder (the hooks
+    of :class:`~batchtap.metrics.decoding.MetricDecoder`, which every metric is).
 
     **The contract** (what every metric defines; together it says what the metric is):
-    :attr:`requires`, :attr:`device_width`, :attr:`host_width`, :meth:`outputs`, :meth:`compute`
-    (training thread, device ops only), :meth:`read_host` (training thread, host facts only) and
-    :meth:`finalize` (pipeline thread: raw columns, device then host, to the reported values).
-    ``finalize`` may return ``None`` for a value that does not exist at this step (e.g. data wait
-    without a watched loader): it is left out of the record rather than stored as an anomaly.
+    :attr:`requires`, :attr:`device_width`, :attr:`host_width`, :meth:`outputs` (each value's
+    domain, reduction across ranks, weight and direction), :meth:`compute` (training thread, device
+    ops only), :meth:`read_host` (training thread, host facts only) and the decoder's
+    :meth:`~batchtap.metrics.decoding.MetricDecoder.finalize` (pipeline: raw columns, device then
+    host, to the reported values; default: as they are).
 
     **Optional behaviour** (defaults fit most metrics): :meth:`check`, :meth:`applies`,
-    :attr:`per_micro_batch`, :meth:`combine`, :meth:`on_flush`, :meth:`warning`, :meth:`weight`,
-    :meth:`skipped`, :meth:`input_error`, :attr:`gradient_based`, :attr:`watched_by_nan_guard`.
+    :attr:`per_micro_batch`, :meth:`combine`, :meth:`on_flush`, :attr:`gradient_based`,
+    :attr:`watched_by_nan_guard`, and the decoder's ``warning``, ``weight``, ``skipped``,
+    ``input_error``.
 
     **Optional speed-ups** (each must give exactly what the contract gives; leave them out and
     nothing changes but the cost): :meth:`row_writer` and :attr:`host_fixed_by_metadata` (the short
     step path; held to :meth:`compute` by ``tests/metrics/test_row_writers.py`` and
-    ``tests/capture/test_short_path.py``), :meth:`finalize_block`, :meth:`weight_block` and
-    :meth:`input_suspects` (the block decoder; held to the row-by-row hooks by
-    ``tests/pipeline/test_decode_blocks.py``).
+    ``tests/capture/test_short_path.py``), the decoder's ``*_block`` and ``*_suspects`` hooks
+    (held to its row hooks by ``tests/pipeline/test_decode_blocks.py``).
     """
 
     # ------------------------------------------------------------------ the contract
@@ -185,9 +164,31 @@ class Metric(abc.ABC):
         """``host_width`` floats from host-only state (shapes, Python floats). No tensor reads."""
         return ()
 
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        """Turn raw columns (device then host) into the reported values."""
-        return list(raw)
+    def decoder(self) -> MetricDecoder:
+        """What decodes this metric's columns on the pipeline, where torch may not be loaded.
+
+        A metric that overrides none of the decoder's hooks decodes as a plain
+        :class:`~batchtap.metrics.decoding.MetricDecoder`; one whose hooks live in a torch-free
+        decoding class it derives from (see ``MetricDecoder``) gets a twin of that class holding
+        the attributes named in its ``decode_state``; any other (a user's metric with its own
+        ``finalize``) decodes itself, and its module is loaded wherever it is decoded. Called once
+        per run, when the run's chain opens.
+        """
+        twin_class: type[MetricDecoder] | None = None
+        for klass in type(self).__mro__:
+            if klass is Metric or klass is MetricDecoder:
+                break
+            if any(hook in vars(klass) for hook in HOST_HOOKS):
+                if issubclass(klass, Metric):
+                    return self  # host hooks defined beside the device code
+                twin_class = klass
+                break
+        if twin_class is None:
+            return MetricDecoder()
+        twin: Any = object.__new__(twin_class)
+        for name in twin_class.decode_state:
+            setattr(twin, name, getattr(self, name))
+        return twin  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ optional behaviour
 
@@ -226,36 +227,6 @@ class Metric(abc.ABC):
         """Called on the training thread each time the Tap flushes captured rows (e.g. to reset a
         per-interval counter). Must not read device values."""
 
-    def warning(self, raw: Sequence[float]) -> str | None:
-        """A message when the raw columns show the value could not be measured at this step for a
-        reason the user should fix (e.g. no gradient existed when ``Tap.step`` ran), else None.
-
-        Reported as one warning event per run and metric; :meth:`finalize` leaves the value out.
-        """
-        return None
-
-    def weight(self, raw: Sequence[float]) -> float | None:
-        """What this metric's ``MEAN`` values of this row average over, when that is not the step's
-        samples (e.g. accuracy over the targets kept after ``ignore_index``); None: the samples.
-
-        The cross-rank reduction weights each rank's value by it, so uneven counts combine exactly.
-        """
-        return None
-
-    def skipped(self, raw: Sequence[float]) -> bool:
-        """Whether the raw columns show the optimizer skipped this step (AMP GradScaler found
-        inf/NaN gradients). Such a step is reported as a ``skip`` event, not as anomalies."""
-        return False
-
-    def input_error(self, raw: Sequence[float]) -> str | None:
-        """A message when the raw columns show the step's inputs were invalid in a way only their
-        values reveal (e.g. class indices out of range), else None.
-
-        Checked on the host after the row arrived: the step's values from this metric become NaN
-        with an anomaly event, and the next ``Tap.step()`` raises :class:`~batchtap.InputError`.
-        """
-        return None
-
     # ------------------------------------------------------------------ optional speed-ups: must agree with the contract
 
     #: :meth:`read_host` depends on nothing but the inputs' metadata (e.g. a number of classes):
@@ -287,30 +258,6 @@ class Metric(abc.ABC):
             write_values(rows[slot], self.compute(inputs))
 
         return write
-
-    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray] | None:
-        """:meth:`finalize` of a whole block at once, for metrics that can do it with array math.
-
-        Args:
-            raw: ``[n, device_width + host_width]`` float64, one row per step.
-            timing: the rows' timing.
-
-        Returns:
-            ``(values, present)``: ``[n, len(outputs())]`` float64 values and a bool mask of the
-            same shape, False where :meth:`finalize` would give None. None (the default): the
-            pipeline calls :meth:`finalize` row by row. Must agree with :meth:`finalize` row for row.
-        """
-        return None
-
-    def weight_block(self, raw: np.ndarray) -> np.ndarray | None:
-        """:meth:`weight` of every row of a block (``[n]`` float64), or None (the default): asked
-        row by row. Only used when :meth:`weight` is overridden."""
-        return None
-
-    def input_suspects(self, raw: np.ndarray) -> np.ndarray | None:
-        """The rows of a block whose :meth:`input_error` may not be None (``[n]`` bool), so that
-        only those are asked; None (the default): every row is asked."""
-        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(o.name for o in self.outputs())})"

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from batchtap.metrics.decoders import EXACT_FLOAT32  # float32 holds every integer up to it exactly
+
 __all__ = [
     "topk_correct",
     "top1_correct",
@@ -22,9 +24,6 @@ __all__ = [
     "global_grad_norm",
     "grads_norm",
 ]
-
-#: float32 holds every integer up to 2**24 exactly, and not all of them above
-EXACT_FLOAT32 = 2**24
 
 
 def topk_correct(

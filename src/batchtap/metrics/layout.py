@@ -1,14 +1,18 @@
-"""Where each metric's raw columns sit in a ring row, and the names of the values it reports."""
+"""Where each metric's raw columns sit in a ring row, and the names of the values it reports.
+
+:attr:`Layout.columns` is the torch-free half that travels to the pipeline with a run's blocks."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
 
+from batchtap.errors import ConfigError
 from batchtap.metrics.base import Metric
+from batchtap.metrics.decoding import ColumnLayout, ColumnSpan, MetricDecoder, overrides
 from batchtap.metrics.domain import Output
 
-__all__ = ["Layout", "Span"]
+__all__ = ["Layout", "Span", "ColumnLayout", "ColumnSpan"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,3 +62,39 @@ class Layout:
         #: device column holding the loss, copied to the host every step for the NaN guard
         self.guard_column = guard
         self.names: tuple[str, ...] = tuple(o.name for s in spans for o in s.outputs)
+        #: the block's columns as the pipeline decodes them: each metric's decoder and outputs
+        self.columns = ColumnLayout(
+            tuple(
+                ColumnSpan(
+                    _decoder(s.metric, s.outputs),
+                    s.device_offset,
+                    s.metric.device_width,
+                    s.host_offset,
+                    s.metric.host_width,
+                    s.outputs,
+                    s.metric.gradient_based,
+                    type(s.metric).__name__,
+                )
+                for s in spans
+            ),
+            device,
+            host,
+        )
+
+
+def _decoder(metric: Metric, outputs: tuple[Output, ...]) -> MetricDecoder:
+    """The metric's decoder, its weight hook and its outputs' weight declarations agreeing."""
+    decoder = metric.decoder()
+    declared = [o.name for o in outputs if o.weight == "metric"]
+    weighs = overrides(decoder, "weight") or overrides(decoder, "weight_block")
+    if declared and not weighs:
+        raise ConfigError(
+            f"{type(metric).__name__}: outputs {declared} declare weight='metric', but the metric gives no "
+            "weight (expected a weight or weight_block hook); define one, or drop weight='metric'"
+        )
+    if weighs and not declared:
+        raise ConfigError(
+            f"{type(metric).__name__} gives a weight (a weight hook), but none of its outputs "
+            f"{[o.name for o in outputs]} declares weight='metric'; declare it on the MEAN outputs it weighs"
+        )
+    return decoder

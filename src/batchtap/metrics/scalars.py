@@ -8,13 +8,11 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from batchtap.errors import ConfigError, InputError
-from batchtap.metrics._shared import everywhere, step_device
+from batchtap.metrics._shared import step_device
 from batchtap.metrics.base import (
-    BlockTiming,
     Combine,
     Metric,
     Requirement,
@@ -22,11 +20,12 @@ from batchtap.metrics.base import (
     StepInputs,
     StepTiming,
 )
+from batchtap.metrics.decoders import LearningRateDecoding, LossDecoding, MemoryDecoding
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, Domain, Output, Reduce
 from batchtap.metrics.optimizer_hooks import scaler_states, scaler_stepped_since
 
 
-class Loss(Metric):
+class Loss(LossDecoding, Metric):
     """The training loss as given to ``Tap.step(loss=...)``, recorded in float32.
 
     Args:
@@ -47,7 +46,7 @@ class Loss(Metric):
         self._domain = NONNEGATIVE if nonnegative else ANY_FINITE
 
     def outputs(self) -> tuple[Output, ...]:
-        return (Output("loss", self._domain, Reduce.MEAN),)
+        return (Output("loss", self._domain, Reduce.MEAN, higher_is_better=False),)
 
     def combine(self) -> tuple[Combine, ...]:
         return (Combine.MEAN,)  # sample-weighted over the micro-batches of an optimizer step
@@ -74,9 +73,6 @@ class Loss(Metric):
         assert inputs.loss is not None
         return ((inputs.loss),)
 
-    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
-        return raw[:, :1], everywhere(raw.shape[0], 1)
-
     def row_writer(self, example: StepInputs, columns: torch.Tensor) -> RowWriter:
         cells = [columns.select(0, slot).select(0, 0) for slot in range(columns.shape[0])]
 
@@ -87,7 +83,7 @@ class Loss(Metric):
         return write
 
 
-class LearningRate(Metric):
+class LearningRate(LearningRateDecoding, Metric):
     """The learning rate the optimizer step used, read on the host (it is a Python float there).
 
     The value is taken in a step pre-hook of the optimizer (``register_step_pre_hook``), so it is
@@ -191,27 +187,6 @@ class LearningRate(Metric):
         """The param groups' learning rates now (a CPU tensor lr is read without device involvement)."""
         return tuple(float(group["lr"]) for group in self.optimizer.param_groups[: self.host_width])
 
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        first = raw[0]
-        if math.isnan(first):  # a skipped step's lr that could not be told (see warning)
-            return [None] * len(raw)
-        return [first, *(None if v == first else v for v in raw[1:])]
-
-    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
-        present = raw != raw[:, :1]  # NaN differs from everything, as in finalize
-        known = ~np.isnan(raw[:, 0])
-        present[:, 0] = known
-        present &= known[:, None]
-        return raw, present
-
-    def warning(self, raw: Sequence[float]) -> str | None:
-        if not math.isnan(raw[0]):
-            return None
-        return (
-            f"{self.name}: a step the GradScaler skipped ran no optimizer step, and whether the lr moved before "
-            "or after tap.step was not known yet, so the lr that step would have used is left out of its row"
-        )
-
 
 class _TakeLearningRate:
     """The optimizer step pre-hook of a :class:`LearningRate` (weakly: the metric may go first)."""
@@ -227,7 +202,7 @@ class _TakeLearningRate:
             metric._taken = metric.current()
 
 
-class Memory(Metric):
+class Memory(MemoryDecoding, Metric):
     """CUDA memory held by tensors and its peak, in bytes, from the caching allocator's host-side
     counters (no device read). Reports nothing on other devices.
 
@@ -265,9 +240,6 @@ class Memory(Metric):
     def on_flush(self) -> None:
         if self.peak == "interval" and self._device is not None and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats(self._device)  # host-side counters: no device sync
-
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        return tuple(None if math.isnan(v) else v for v in raw)
 
 
 class Custom(Metric):

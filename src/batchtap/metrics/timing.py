@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from batchtap.metrics._shared import measured
 from batchtap.metrics.base import (
     BlockTiming,
     Metric,
     StepTiming,
 )
+from batchtap.metrics.decoding import measured
 from batchtap.metrics.domain import NONNEGATIVE, Output, Reduce
 
 

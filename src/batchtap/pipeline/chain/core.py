@@ -7,8 +7,8 @@ whichever host feeds it: the pipeline thread (:mod:`batchtap.pipeline.transport.
 process (:mod:`batchtap.pipeline.transport.child`), or the thread a failed pipeline process hands over to.
 Calls come from one thread at a time.
 
-The core imports torch only when a chain opens (the metrics' decoding needs it), so a pipeline
-process answers a run's start without it.
+Nothing here loads torch: a chain decodes with the metrics' torch-free decoders, and only a
+cross-rank reduction loads ``torch.distributed`` (:mod:`batchtap.pipeline.chain.reduce`).
 """
 
 from __future__ import annotations
@@ -134,9 +134,8 @@ class PipelineCore:
     # ------------------------------------------------------------------ the hand-overs
 
     def _open_chain(self, message: OpenChain) -> None:
-        # Imported here, not at the top: the metrics' decoding needs torch, which a pipeline
-        # process loads only once a run has a chain (it answers the run's start without it).
-        from batchtap.metrics.layout import Layout
+        # Imported here, not at the top: a pipeline process answers a run's start before it loads
+        # the decoders and the rules.
         from batchtap.pipeline.chain.stages import RulesStage, RunChain
 
         if self.engine is not None:
@@ -147,7 +146,7 @@ class PipelineCore:
         if reduce is not None and self._join is not None:
             reduce = self._join(reduce)
         chain = RunChain(
-            Layout(list(message.metrics)),
+            message.columns,
             run_id=message.run_id,
             rank=message.rank,
             writes=message.writes,

@@ -5,7 +5,7 @@ value; nothing is dropped silently. Raw columns that reveal invalid inputs (clas
 range) make the metric's values NaN and produce an input error the training thread raises.
 
 A block is decoded column by column: each metric finalizes the whole block at once where it can
-(:meth:`~batchtap.metrics.Metric.finalize_block`, the built-in metrics do), every value is checked
+(:meth:`~batchtap.metrics.decoding.MetricDecoder.finalize_block`, the built-in metrics do), every value is checked
 against its domain with one array compare per output, and only the few values that fail, or rows a
 metric flags, are looked at one by one. The pipeline shares the training process's GIL, so its
 time per row is time the training thread may wait for.
@@ -21,8 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from batchtap.capture.flush import BlockData
-from batchtap.metrics.base import BlockTiming, Metric, StepTiming
-from batchtap.metrics.layout import Layout
+from batchtap.metrics.decoding import BlockTiming, ColumnLayout, MetricDecoder, StepTiming, overrides
 from batchtap.pipeline.chain.rows import DecodedBlock
 from batchtap.records import Event, EventKind
 
@@ -43,7 +42,7 @@ class Decoder:
     """Turns :class:`BlockData` into validated :class:`Record` objects for one run and rank.
 
     Args:
-        layout: the run's metric layout.
+        layout: the run's columns: each metric's decoder and outputs (numpy only, no torch).
         run_id: the run the records belong to.
         rank: the process rank they come from.
         weights: also give each record's MEAN weights (``Decoded.weights``); only a reducer
@@ -53,7 +52,7 @@ class Decoder:
         anomaly_counts: anomalies seen so far per value name.
     """
 
-    def __init__(self, layout: Layout, *, run_id: str, rank: int, weights: bool = True) -> None:
+    def __init__(self, layout: ColumnLayout, *, run_id: str, rank: int, weights: bool = True) -> None:
         self.layout = layout
         self.run_id = run_id
         self.rank = rank
@@ -61,25 +60,31 @@ class Decoder:
         # Per metric, made once: its outputs and the column ranges of its raw values.
         self._spans = [
             (
-                span.metric,
+                span.decoder,
                 span.outputs,
-                slice(span.device_offset, span.device_offset + span.metric.device_width),
-                slice(span.host_offset, span.host_offset + span.metric.host_width),
+                slice(span.device_offset, span.device_offset + span.device_width),
+                slice(span.host_offset, span.host_offset + span.host_width),
             )
             for span in layout.spans
         ]
-        # Only metrics that override the optional hooks are asked.
-        self._skips = [_overrides(span.metric, "skipped") for span in layout.spans]
-        self._warns = [_overrides(span.metric, "warning") for span in layout.spans]
+        self._kinds = [span.name for span in layout.spans]
+        # Only decoders that override the optional hooks are asked.
+        self._skips = [overrides(span.decoder, "skipped") for span in layout.spans]
+        self._warns = [overrides(span.decoder, "warning") for span in layout.spans]
+        # per metric, its outputs averaging over the metric's own weight (declared on the output);
         # weights only matter to a reducer averaging over ranks (``weights=False``: none is made)
-        self._weighs = [weights and _overrides(span.metric, "weight") for span in layout.spans]
-        self._checks_inputs = [_overrides(span.metric, "input_error") for span in layout.spans]
+        self._weighed = [
+            np.array([o.weight == "metric" for o in span.outputs], dtype=bool) if weights else None
+            for span in layout.spans
+        ]
+        self._weighs = [w is not None and bool(w.any()) for w in self._weighed]
+        self._checks_inputs = [overrides(span.decoder, "input_error") for span in layout.spans]
         self._names = [o.name for span in layout.spans for o in span.outputs]
         self._warned: set[int] = set()  # metrics whose warning was reported (once per run)
         # Per output column of a block (metrics in order): its metric's index, its place among the
         # metric's outputs, the output, and its domain as arrays (one compare checks every column)
         self._owners = [
-            (index, place, output, span.metric)
+            (index, place, output, span.gradient_based)
             for index, span in enumerate(layout.spans)
             for place, output in enumerate(span.outputs)
         ]
@@ -144,7 +149,10 @@ class Decoder:
                 block = metric.weight_block(raw)
                 if block is None:
                     block = np.array([math.nan if (w := metric.weight(r)) is None else w for r in raw_rows(index)])
-                weights[:, first_column : first_column + len(outputs)] = np.asarray(block, dtype=np.float64)[:, None]
+                weighed = self._weighed[index]
+                assert weighed is not None
+                columns_of = np.flatnonzero(weighed) + first_column
+                weights[:, columns_of] = np.asarray(block, dtype=np.float64)[:, None]
             first_column += len(outputs)
             problems: dict[int, str] = {}
             if self._checks_inputs[index]:
@@ -154,14 +162,13 @@ class Decoder:
                     problem = metric.input_error(raw_rows(index)[i])
                     if problem is not None:
                         problems[i] = f"step {steps[i]}: {problem}"
-            flagged = getattr(metric, "warning_suspects", None)  # issue 29: a block no row of which warns is skipped
-            if self._warns[index] and id(metric) not in self._warned and (flagged is None or flagged(raw).any()):
+            if self._warns[index] and index not in self._warned and _may_warn(metric, raw):
                 for i, row in enumerate(raw_rows(index)):
                     if i in problems:
                         continue
                     warning = metric.warning(row)
                     if warning is not None:
-                        self._warned.add(id(metric))
+                        self._warned.add(index)
                         event = Event(
                             self.run_id,
                             steps[i],
@@ -173,7 +180,14 @@ class Decoder:
                         events.append(((i, index, -1), event))
                         break
             values = self._finalize(
-                metric, len(outputs), raw, timing, functools.partial(raw_rows, index), step_timings, problems
+                metric,
+                self._kinds[index],
+                len(outputs),
+                raw,
+                timing,
+                functools.partial(raw_rows, index),
+                step_timings,
+                problems,
             )
             for i, message in problems.items():
                 input_errors.append(((i, index), message))
@@ -208,7 +222,8 @@ class Decoder:
 
     def _finalize(
         self,
-        metric: Metric,
+        metric: MetricDecoder,
+        kind: str,
         width: int,
         raw: np.ndarray,
         timing: BlockTiming,
@@ -234,7 +249,8 @@ class Decoder:
                     finalized = list(metric.finalize(rows[i], row_timings[i]))
                     if len(finalized) != width:
                         raise ValueError(
-                            f"{type(metric).__name__}.finalize returned {len(finalized)} values for {width} outputs"
+                            f"{kind}.finalize returned {len(finalized)} values for {width} outputs; expected one "
+                            "value (or None) per output it declares"
                         )
                     for j, value in enumerate(finalized):
                         if value is not None:
@@ -263,7 +279,7 @@ class Decoder:
         inside &= self._infinite_ok | np.isfinite(values)
         rows, cols = np.nonzero(present & ~inside)
         for i, c in zip(rows.tolist(), cols.tolist()):
-            index, place, output, metric = self._owners[c]
+            index, place, output, gradient_based = self._owners[c]
             if i in problems_of[index]:
                 continue  # reported as the input error
             value = float(values[i, c])
@@ -271,7 +287,7 @@ class Decoder:
             why = domain.violation(value)
             if why is None:
                 continue
-            if skipped[i] and metric.gradient_based and not math.isfinite(value):
+            if skipped[i] and gradient_based and not math.isfinite(value):
                 present[i, c] = False
                 continue
             values[i, c] = math.nan
@@ -285,5 +301,8 @@ class Decoder:
         return Event(self.run_id, step, EventKind.ANOMALY, message, wall, metric=metric, raw_value=raw, rank=self.rank)
 
 
-def _overrides(metric: Metric, hook: str) -> bool:
-    return getattr(type(metric), hook) is not getattr(Metric, hook)
+def _may_warn(decoder: MetricDecoder, raw: np.ndarray) -> bool:
+    """Whether any row of the block may warn: a block none of whose rows the decoder flags is not
+    asked row by row (the common case: warnings are rare, asking is per row)."""
+    flagged = decoder.warning_suspects(raw)
+    return flagged is None or bool(flagged.any())

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from batchtap.capture.flush import BlockData
+from batchtap.metrics.decoding import ColumnLayout
 from batchtap.records import EpochStart, Event, Record, RunEnd, RunInfo, RunStart
 
 if TYPE_CHECKING:
@@ -60,13 +61,15 @@ def next_chain() -> int:
 class OpenChain:
     """A run's capture was made: open its chain (decode, validate, reduce, rules).
 
-    ``metrics`` are the run's metrics in layout order. ``reduce`` is the cross-rank reduction or
+    ``columns`` say what a block's columns hold: each metric's decoder (torch-free for the built-in
+    metrics, so a pipeline process decodes without loading torch) and outputs. ``reduce`` is the
+    cross-rank reduction or
     None; in a pipeline process its ``group`` is where the processes meet (see
     :mod:`batchtap.pipeline.transport.child`).
     """
 
     chain: int
-    metrics: tuple[Any, ...]
+    columns: ColumnLayout
     run_id: str
     rank: int
     writes: bool

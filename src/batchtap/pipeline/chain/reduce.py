@@ -53,8 +53,6 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from batchtap.metrics.domain import Output, Reduce
 from batchtap.pipeline.chain.rows import DecodedBlock
@@ -148,6 +146,7 @@ class Reducer:
     # ----------------------------------------------------------------- the fixed-size exchange
 
     def _exchange(self, block: DecodedBlock, samples: np.ndarray, step_time: np.ndarray) -> DecodedBlock:
+        dist = _dist()
         n = len(block)
         first, last = (block.steps[0], block.steps[-1]) if n else (-1, -1)
         header = self._all_reduce(
@@ -292,18 +291,21 @@ class Reducer:
         return self._net_all_gather(obj)
 
     def _net_all_reduce(self, array: np.ndarray, op: Any) -> np.ndarray:
+        import torch
+
         tensor = torch.from_numpy(array)
-        dist.all_reduce(tensor, op=op, group=self.group)
+        _dist().all_reduce(tensor, op=op, group=self.group)
         return tensor.numpy()
 
     def _net_gather(self, objects: list[Any]) -> list[Any] | None:
+        dist = _dist()
         received: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(objects, received, dst=dist.get_global_rank(self.group, 0), group=self.group)
         return received
 
     def _net_all_gather(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.group)
+        _dist().all_gather_object(gathered, obj, group=self.group)
         return gathered
 
     # ----------------------------------------------------------------- the fallback: whole rows
@@ -351,4 +353,12 @@ class Reducer:
 
 def new_group(timeout_s: float) -> Any:
     """A gloo group over every rank of the default group (a collective call: all ranks, same order)."""
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return _dist().new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _dist() -> Any:
+    """``torch.distributed``, loaded by the first exchange: a pipeline process outside a process
+    group never loads torch."""
+    import torch.distributed as dist
+
+    return dist

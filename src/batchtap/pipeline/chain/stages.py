@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from batchtap.capture.flush import BlockData
-from batchtap.metrics.layout import Layout
+from batchtap.metrics.decoding import ColumnLayout
 from batchtap.pipeline.chain.control import Verdict
 from batchtap.pipeline.chain.decode import Decoder
 from batchtap.pipeline.chain.reduce import Reducer
@@ -65,7 +65,7 @@ class RunChain:
     """What the pipeline does with one run's blocks.
 
     Args:
-        layout: the run's columns (metrics in order).
+        layout: the run's columns (each metric's decoder and outputs, in order).
         run_id: the run.
         rank: this process's rank.
         writes: whether this process hands records to its sinks (rank 0 in a process group).
@@ -75,7 +75,7 @@ class RunChain:
 
     def __init__(
         self,
-        layout: Layout,
+        layout: ColumnLayout,
         *,
         run_id: str,
         rank: int,
@@ -86,7 +86,7 @@ class RunChain:
         self.decoder = Decoder(layout, run_id=run_id, rank=rank, weights=reduce is not None)
         self.reducer: Reducer | None = None
         if reduce is not None:
-            outputs = [o for span in layout.spans for o in span.outputs]
+            outputs = list(layout.outputs)
             self.reducer = Reducer(
                 outputs,
                 group=reduce.group,

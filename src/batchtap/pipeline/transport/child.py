@@ -10,9 +10,10 @@ forgets those messages (it resends the others to a restarted process).
 When the training process dies (the pipe closes, or the parent changes), every message already
 received is handled and the open run is ended as ``killed``.
 
-This module imports neither torch nor the training script: the process answers a run's start
-within a fraction of a second. Torch, which the metrics' decoding needs, loads on a thread of its
-own from the start (:func:`_warm_up`), beside the main loop, so the first blocks seldom wait for it.
+This module imports neither torch nor the training script, and neither does decoding a block:
+what crosses is arrays and the run's torch-free column layout (the built-in metrics' decoders are
+numpy only). Torch loads here only for a cross-rank reduction (its gloo group) or a user's metric
+that decodes itself in its own module.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,13 +67,6 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _warm_up() -> None:
-    """Load torch beside the main loop, which answers the run's start meanwhile: the first chain's
-    metrics need it. Torch alone, so that this thread never waits for a module the main loop is
-    importing (no import lock is held in both orders)."""
-    import torch  # noqa: F401
-
-
 class _PipeControl(Control):
     """The pipeline process's Control: what it is told goes back to the training process."""
 
@@ -103,7 +96,6 @@ def main(conn: Any, config: bytes, parent_pid: int, main_path: str | None) -> No
 
     sinks, settings = loads_from_parent(config, main_path)
     worker = _Worker(sinks, settings, send)
-    threading.Thread(target=_warm_up, name="batchtap-warm", daemon=True).start()
     try:
         while True:
             if not conn.poll(0 if worker.unconfirmed else 1.0):

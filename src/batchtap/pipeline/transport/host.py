@@ -96,8 +96,7 @@ class PipelineHost(abc.ABC):
         self, layout: Layout, *, run_id: str, rank: int, writes: bool, reduce: ReduceSpec | None, max_rows: int = 0
     ) -> int:
         """The chain of a run whose capture was just made: its id, for the calls that name it."""
-        metrics = tuple(span.metric for span in layout.spans)
-        message = OpenChain(next_chain(), metrics, run_id, rank, writes, reduce)
+        message = OpenChain(next_chain(), layout.columns, run_id, rank, writes, reduce)
         self.open(message, max_rows=max_rows)
         return message.chain
 

@@ -517,7 +517,4 @@ def _local(opening: ChildChain) -> ChildChain:
 
 def _widths(message: OpenChain) -> dict[str, int]:
     """The segment's row widths: the run's device and host columns."""
-    return {
-        "device_width": sum(m.device_width for m in message.metrics),
-        "host_width": sum(m.host_width for m in message.metrics),
-    }
+    return {"device_width": message.columns.device_width, "host_width": message.columns.host_width}

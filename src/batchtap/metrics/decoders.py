@@ -1,0 +1,179 @@
+"""The built-in metrics' decoders whose device code needs torch: their host hooks, numpy only.
+
+Each metric derives from its decoding class here (``class Accuracy(AccuracyDecoding, Metric)``),
+so the hooks are the metric's own on the training side, and the pipeline decodes a torch-free twin
+of it (:meth:`~batchtap.metrics.Metric.decoder`) that holds only the attributes ``decode_state``
+names: a pipeline process never loads torch for them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import ClassVar
+
+import numpy as np
+
+from batchtap.metrics.decoding import BlockTiming, MetricDecoder, StepTiming, everywhere
+
+__all__ = [
+    "AccuracyDecoding",
+    "LearningRateDecoding",
+    "LossDecoding",
+    "MemoryDecoding",
+    "EXACT_FLOAT32",
+    "NO_NOTICE",
+    "AMBIGUOUS",
+    "ONE_HOT",
+]
+
+#: float32 holds every integer up to 2**24 exactly, and not all of them above: past it a count
+#: is kept as a low and a high part
+EXACT_FLOAT32 = 2**24
+
+#: notice codes of accuracy's host column (see ``AccuracyDecoding.warning``)
+NO_NOTICE, AMBIGUOUS, ONE_HOT = 0, 1, 2
+
+
+class LossDecoding(MetricDecoder):
+    """The loss's one device column, as it is."""
+
+    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
+        return raw[:, :1], everywhere(raw.shape[0], 1)
+
+
+class LearningRateDecoding(MetricDecoder):
+    """One lr per param group; a group's value only where it differs from group 0's; a skipped
+    step's lr that could not be told (NaN) left out, with one warning."""
+
+    decode_state: ClassVar[tuple[str, ...]] = ("name",)
+    name: str
+
+    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
+        first = raw[0]
+        if math.isnan(first):  # a skipped step's lr that could not be told (see warning)
+            return [None] * len(raw)
+        return [first, *(None if v == first else v for v in raw[1:])]
+
+    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
+        present = raw != raw[:, :1]  # NaN differs from everything, as in finalize
+        known = ~np.isnan(raw[:, 0])
+        present[:, 0] = known
+        present &= known[:, None]
+        return raw, present
+
+    def warning(self, raw: Sequence[float]) -> str | None:
+        if not math.isnan(raw[0]):
+            return None
+        return (
+            f"{self.name}: a step the GradScaler skipped ran no optimizer step, and whether the lr moved before "
+            "or after tap.step was not known yet, so the lr that step would have used is left out of its row"
+        )
+
+
+class MemoryDecoding(MetricDecoder):
+    """Allocator counters as they are; NaN (not a CUDA step) left out."""
+
+    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
+        return tuple(None if math.isnan(v) else v for v in raw)
+
+
+class AccuracyDecoding(MetricDecoder):
+    """Accuracy's counts (low and high parts) to fractions of the kept targets, its notices to
+    warnings, and out-of-range class indices to input errors."""
+
+    decode_state: ClassVar[tuple[str, ...]] = ("topk", "ignore_index", "class_dim", "_counts")
+    topk: tuple[int, ...]
+    ignore_index: int | None
+    class_dim: int | None
+    _counts: int
+
+    def warning_suspects(self, raw: np.ndarray) -> np.ndarray:
+        """The rows of a block whose :meth:`warning` may not be None (the pipeline asks only a block
+        with one: the notice column is 0 in nearly every run)."""
+        return raw[:, 2 * self._counts + 3] != NO_NOTICE
+
+    def warning(self, raw: Sequence[float]) -> str | None:
+        """Once per run: the step's layout was a guess (``[a, b, b]`` scores with ``[a, b]``
+        targets), or its one-hot targets were scored against their argmax."""
+        notice = raw[2 * self._counts + 3]
+        if notice == NO_NOTICE:  # the common case first
+            return None
+        if notice == AMBIGUOUS:
+            return (
+                "Accuracy: outputs [a, b, b] with targets [a, b] fit both [N, C, d] (classes at dim 1, as "
+                "F.cross_entropy and TorchMetrics read them) and [B, T, V] (classes last); classes were taken "
+                "to be last. Pass Accuracy(class_dim=1) or Accuracy(class_dim=-1) to settle it"
+            )
+        if notice == ONE_HOT:
+            where = "the last dim" if self.class_dim in (None, -1) else "dim 1"
+            return (
+                f"Accuracy: targets have the outputs' shape (one-hot or soft labels), not class indices; "
+                f"accuracy is scored against targets.argmax over {where}. Pass class indices to silence this"
+            )
+        return None
+
+    def _totals(self, raw: Sequence[float]) -> list[float]:
+        """Correct per k, ignored, positions: each count's low and high part joined."""
+        n = self._counts
+        return [hi * EXACT_FLOAT32 + lo for lo, hi in zip(raw[:n], raw[n : 2 * n])]
+
+    def weight(self, raw: Sequence[float]) -> float | None:
+        """The kept targets (positions - ignored): ranks combine accuracies weighted by them
+        (exact with padding)."""
+        totals = self._totals(raw)
+        return totals[-1] - totals[-2]
+
+    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
+        totals = self._totals(raw)
+        kept = totals[-1] - totals[-2]
+        if not kept > 0:  # every target ignored: no accuracy at this step
+            return [None] * len(self.topk)
+        return [c / kept for c in totals[:-2]]
+
+    def _totals_block(self, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_totals` of every row of a block, and the kept targets (``[n, 1]``)."""
+        n = self._counts
+        totals = raw[:, n : 2 * n] * EXACT_FLOAT32 + raw[:, :n]
+        with np.errstate(invalid="ignore"):
+            return totals, totals[:, -1:] - totals[:, -2:-1]
+
+    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
+        totals, kept = self._totals_block(raw)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            present = kept > 0  # NaN fails too
+            values = totals[:, :-2] / kept
+        return values, np.broadcast_to(present, values.shape)
+
+    def weight_block(self, raw: np.ndarray) -> np.ndarray:
+        return self._totals_block(raw)[1][:, 0]
+
+    def input_suspects(self, raw: np.ndarray) -> np.ndarray:
+        at = 2 * self._counts
+        low, high, classes = raw[:, at], raw[:, at + 1], raw[:, at + 2]
+        with np.errstate(invalid="ignore"):
+            return ~((low >= 0) & (high < classes))  # the common case of input_error, for every row
+
+    def input_error(self, raw: Sequence[float]) -> str | None:
+        at = 2 * self._counts
+        low, high, classes = raw[at], raw[at + 1], raw[at + 2]
+        if 0 <= low and high < classes:  # in range — the common case first
+            return None
+        if not self.weight(raw) > 0:  # type: ignore[operator]
+            return None  # nothing was counted, so no index was used
+        if low < 0 or high >= classes:
+            ignore = self.ignore_index
+            ignored = "" if ignore is None else f" (targets equal to {ignore} left out)"
+            bad = int(low) if low < 0 else int(high)
+            fix = (
+                f"if {bad} marks padding, pass Accuracy(ignore_index={bad}) (the value your loss ignores); "
+                "else check the labels"
+                if low < 0
+                else "check the labels, or the model's number of outputs"
+            )
+            return (
+                f"targets hold class indices outside [0, {int(classes)}) (smallest {int(low)}, largest "
+                f"{int(high)}) for outputs with {int(classes)} classes{ignored}; this step's accuracy is not "
+                f"stored; {fix}"
+            )
+        return None
