@@ -1,0 +1,124 @@
+"""Read a cell's SQLite store back and hold every stored value to the loop's ``.item()`` truth."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CLOCKED", "Outcome", "check", "stored"]
+
+#: values measured by a clock, for which a loop has no ``.item()`` truth: each with the range it must
+#: lie in wherever stored (in a process group: the slowest rank's index and max/min of the ranks' step times)
+CLOCKED: dict[str, tuple[float, float]] = {
+    "step_time": (0.0, math.inf),
+    "data_time": (0.0, math.inf),
+    "throughput": (0.0, math.inf),
+    "slowest_rank": (0.0, 1.0),
+    "step_time_spread": (1.0, math.inf),
+}
+#: float32 rounding of a value the library combines itself (a weighted mean, a float32 norm)
+REL = 1e-5
+
+
+@dataclass
+class Outcome:
+    """What a front-end's run of a scenario gives the check.
+
+    Attributes:
+        steps: per optimizer step, ``{"epoch", "batch", <metric>: truth...}`` (the ``.item()`` values).
+        reads: host reads per step (after the first) where the front-end counted them, else None.
+        db: the SQLite store the run wrote to.
+        data_time: True when this front-end must store the loader's wait on every step.
+        notes: what the cell's run said on the way (for a failure's message).
+    """
+
+    steps: list[dict[str, float]]
+    reads: list[int] | None
+    db: Path
+    data_time: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def stored(db: Path) -> tuple[dict[str, Any], dict[int, dict[str, tuple[int, int, float | None]]], list[dict]]:
+    """The one run in ``db``: the run row, ``{step: {metric: (epoch, batch, value)}}`` of the rows
+    of the lowest rank (the reduced rows in a process group), and its events."""
+    with sqlite3.connect(db) as conn:
+        conn.row_factory = sqlite3.Row
+        runs = [dict(r) for r in conn.execute("SELECT * FROM runs")]
+        assert len(runs) == 1, f"expected one run in {db}, got {len(runs)}"
+        rank = conn.execute("SELECT MIN(rank) FROM metrics").fetchone()[0]
+        rows: dict[int, dict[str, tuple[int, int, float | None]]] = {}
+        query = "SELECT metric, step, epoch, batch, value FROM metrics WHERE rank = ?"
+        for metric, step, epoch, batch, value in conn.execute(query, (rank,)):
+            rows.setdefault(step, {})[metric] = (epoch, batch, value)
+        events = [dict(e) for e in conn.execute("SELECT step, kind, metric, message FROM events ORDER BY step")]
+    return runs[0], rows, events
+
+
+def check(outcome: Outcome) -> None:
+    """Every stored value of every step equals its truth (or, for a clocked value, is a duration);
+    every truth is stored; each row's (epoch, batch) is the loop's; no host read was added."""
+    run, rows, events = stored(outcome.db)
+    problems: list[str] = []
+    if run["status"] != "finished":
+        problems.append(f"run stored as {run['status']!r} ({run['stop_reason']}), expected 'finished'")
+    anomalies = [e for e in events if e["kind"] == "anomaly"]
+    if anomalies:
+        problems.append(f"anomaly events on a clean run: {[e['message'] for e in anomalies][:3]}")
+    truth = outcome.steps
+    if sorted(rows) != list(range(len(truth))):
+        problems.append(f"stored steps {sorted(rows)}, expected 0..{len(truth) - 1}")
+    for step, expected in enumerate(truth):
+        got = rows.get(step, {})
+        problems += _check_step(step, expected, got, data_time=outcome.data_time)
+    if outcome.reads is not None and any(outcome.reads):
+        problems.append(f"host reads per step (after the first): {outcome.reads}, expected 0")
+    if problems:
+        said = [f"{e['kind']}@{e['step']}: {e['message'][:200]}" for e in events if e["kind"] != "anomaly"]
+        raise AssertionError("\n".join([*problems[:12], f"({len(problems)} problems)", *said[:6], *outcome.notes]))
+
+
+def _check_step(
+    step: int, expected: Mapping[str, float], got: Mapping[str, tuple[int, int, float | None]], *, data_time: bool
+) -> list[str]:
+    problems = []
+    where = (int(expected["epoch"]), int(expected["batch"]))
+    for metric, (epoch, batch, value) in got.items():
+        if (epoch, batch) != where:
+            problems.append(f"step {step} {metric}: stored at (epoch, batch) {(epoch, batch)}, expected {where}")
+        if metric in expected:
+            want = expected[metric]
+            if value is None or not math.isclose(value, want, rel_tol=REL, abs_tol=1e-9):
+                problems.append(f"step {step} {metric}: stored {value!r}, truth {want!r}")
+        elif metric in CLOCKED:
+            low, high = CLOCKED[metric]
+            if value is None or not (math.isfinite(value) and low <= value <= high):
+                problems.append(f"step {step} {metric}: stored {value!r}, expected a finite value in [{low}, {high}]")
+        else:
+            problems.append(f"step {step} {metric}: stored {value!r}, but the loop has no such value")
+    for metric in expected:
+        if metric not in ("epoch", "batch") and metric not in got:
+            problems.append(f"step {step} {metric}: not stored (truth {expected[metric]!r})")
+    if data_time and "data_time" not in got:
+        problems.append(f"step {step}: no data_time stored")
+    return problems
+
+
+def combine_ranks(per_rank: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
+    """The global truth of a process group's step from each rank's: loss and accuracy the mean over
+    ranks (the loops give every rank the same number of samples), the rest the same on every rank."""
+    steps = []
+    for rows in zip(*(r["steps"] for r in per_rank)):
+        first = dict(rows[0])
+        for name in ("loss", "accuracy"):
+            first[name] = sum(r[name] for r in rows) / len(rows)
+        for name in ("lr", "grad_norm"):
+            if name in first:
+                values = [r[name] for r in rows]
+                assert all(math.isclose(v, values[0], rel_tol=REL) for v in values), (name, values)
+        steps.append(first)
+    return steps

@@ -1,0 +1,257 @@
+"""The framework front-ends of the matrix: Lightning (``BatchtapCallback``), the HF Trainer
+(``BatchtapTrainer``) and Accelerate (``BatchtapTracker`` with the tap calls in the loop).
+
+Each builds the scenario in its framework's own terms (the same models and data as ``loops.py``;
+tiny BERT / GPT-2 built from configs for the Trainer) and takes the truth of every optimizer step
+in the same run with ``.item()``: the frameworks read values on the host themselves, so these cells
+have no host-read count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+import batchtap as bt
+from tests.conformance.compare import Outcome
+from tests.conformance.loops import BATCH, EPOCHS, MAX_NORM, OPTIONS, VOCAB, Options, _data, _model
+
+__all__ = ["RUNNERS"]
+
+
+def _tap(db: Path, opts: Options, **kwargs: Any) -> bt.Tap:
+    metrics = bt.metrics.default_metrics(**kwargs)
+    if opts.pad is not None and opts.pad != -100:
+        metrics = [bt.metrics.Accuracy(ignore_index=opts.pad) if type(m) is bt.metrics.Accuracy else m for m in metrics]
+    return bt.Tap(metrics, [bt.sinks.SQLite(str(db))], flush_every=3)
+
+
+def _counts(out: torch.Tensor, y: torch.Tensor, ignore: int) -> tuple[int, int]:
+    mask = y != ignore
+    return int(((out.detach().float().argmax(-1) == y) & mask).sum()), int(mask.sum())
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor, opts: Options) -> torch.Tensor:
+    ignore = opts.pad if opts.pad is not None else -100
+    if opts.pad is not None:
+        return F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1), ignore_index=ignore)
+    return F.cross_entropy(out, y)
+
+
+def _step_truth(epoch: int, micro: list[tuple[int, float, int, int]], lr: float, norm: float) -> dict[str, float]:
+    """One optimizer step from its micro-batches' (batch index, loss, correct, kept): equal-sized
+    micro-batches, so the step's loss is the mean of theirs."""
+    return {
+        "epoch": epoch,
+        "batch": micro[-1][0],
+        "loss": sum(m[1] for m in micro) / len(micro),
+        "accuracy": sum(m[2] for m in micro) / sum(m[3] for m in micro),
+        "lr": lr,
+        "grad_norm": norm,
+    }
+
+
+# ---------------------------------------------------------------------------------------- Lightning
+
+
+def run_lightning(scenario: str, workdir: Path) -> Outcome:
+    import lightning.pytorch as pl
+
+    from batchtap.integrations.lightning import BatchtapCallback
+
+    opts = OPTIONS[scenario]
+    ignore = opts.pad if opts.pad is not None else -100
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = _model(opts)
+            self.micro: list[tuple[int, float, int, int]] = []
+            self.truth: list[dict[str, float]] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            out = self.net(x)
+            loss = _loss(out, y, opts)
+            if opts.two_losses:
+                loss = loss + out.float().pow(2).mean() * 0.01  # two losses, one backward(): their sum
+            self.micro.append((batch_idx, loss.item(), *_counts(out, y, ignore)))
+            return {"loss": loss, "logits": out}
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:  # before Lightning clips
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads).item()
+            lr = float(optimizer.param_groups[0]["lr"])
+            self.truth.append(_step_truth(self.current_epoch, self.micro, lr, norm))
+            self.micro = []
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    module = Module()
+    tap = _tap(workdir / "store.db", opts)
+    trainer = pl.Trainer(
+        max_epochs=EPOCHS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=opts.accum,
+        gradient_clip_val=MAX_NORM if opts.clip == "torch" else None,
+        callbacks=[BatchtapCallback(tap, name=scenario)],
+    )
+    trainer.fit(module, DataLoader(_data(opts, 0), batch_size=BATCH))
+    tap.close()
+    return Outcome(module.truth, None, workdir / "store.db", data_time=False)
+
+
+# ---------------------------------------------------------------------------------------- HF Trainer
+
+
+def run_hf(scenario: str, workdir: Path) -> Outcome:
+    import transformers as tf
+
+    from batchtap.integrations.transformers import BatchtapTrainer
+    from tests.integrations.test_transformers import _args, _bert, _Data, _gpt2
+
+    opts = OPTIONS[scenario]
+    lm = opts.pad is not None  # a causal LM on -100-padded labels (the Trainer's token-normalised path)
+    accum = opts.accum
+    # an odd number of micro-batches per epoch under accumulation: each epoch ends with a one-micro-batch step
+    n = BATCH * (2 * accum + 1 if accum > 1 else 4)
+    model = _gpt2() if lm else _bert()
+    micro: list[tuple[int, float, int, int]] = []  # (batch index, loss sum or mean, correct, kept)
+    truth: list[dict[str, float]] = []
+    batch_index = [-1]
+
+    class Trainer(BatchtapTrainer):  # type: ignore[misc, valid-type]
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):  # type: ignore[no-untyped-def]
+            labels = inputs["labels"].clone()
+            loss, outputs = super().compute_loss(
+                model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+            )
+            if model.training:
+                batch_index[0] += 1
+                logits = outputs["logits"].detach().float()
+                if lm:  # logits at t predict label t + 1
+                    logits, labels = logits[:, :-1], labels[:, 1:]
+                    summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+                    value = summed.item()
+                else:
+                    value = F.cross_entropy(logits, labels).item()
+                micro.append((batch_index[0], value, *_counts(logits, labels, -100)))
+            return (loss, outputs) if return_outputs else loss
+
+    args = _args(
+        workdir,
+        gradient_accumulation_steps=accum,
+        max_grad_norm=MAX_NORM if opts.clip == "get_total_norm" else 1.0,
+        learning_rate=0.01,
+        num_train_epochs=EPOCHS,
+    )
+    tap = _tap(workdir / "store.db", opts)
+    trainer = Trainer(model=model, args=args, train_dataset=_Data(n, lm=lm), tap=tap)
+    if scenario == "divided-accum":
+        trainer.model_accepts_loss_kwargs = False  # the Trainer divides each micro-batch's loss by the count
+    steps_per_epoch = math.ceil(n / BATCH / accum)
+    clip = trainer.accelerator.clip_grad_norm_
+
+    def clip_with_truth(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        parameters = list(parameters)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None]).item()
+        lr = float(trainer.optimizer.param_groups[0]["lr"])
+        epoch = len(truth) // steps_per_epoch
+        step = micro[:]
+        micro.clear()
+        if lm:
+            kept = sum(m[3] for m in step)
+            loss = sum(m[1] for m in step) / kept  # sum CE / N over the whole step
+            row = _step_truth(epoch, step, lr, norm) | {"loss": loss}
+        else:
+            row = _step_truth(epoch, step, lr, norm)
+        row["batch"] = step[-1][0] - epoch * (n // BATCH)
+        truth.append(row)
+        return clip(parameters, max_norm, norm_type)
+
+    trainer.accelerator.clip_grad_norm_ = clip_with_truth
+    del tf
+    trainer.train()
+    tap.close()
+    return Outcome(truth, None, workdir / "store.db", data_time=False)
+
+
+# ---------------------------------------------------------------------------------------- Accelerate
+
+
+def run_accelerate(scenario: str, workdir: Path) -> Outcome:
+    import accelerate
+
+    from batchtap.integrations.accelerate import BatchtapTracker
+
+    opts = OPTIONS[scenario]
+    ignore = opts.pad if opts.pad is not None else -100
+    tap = _tap(workdir / "store.db", opts)
+    tracker = BatchtapTracker(tap, run_name=scenario)
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=opts.accum, log_with=tracker)
+    torch.manual_seed(0)
+    model = _model(opts)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    loader = DataLoader(_data(opts, 0), batch_size=BATCH)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    truth: list[dict[str, float]] = []
+    micro: list[tuple[int, float, int, int]] = []
+    run_tap = tracker.tap  # starts the run
+    for epoch in range(EPOCHS):
+        for index, (x, y) in enumerate(run_tap.watch(loader, epoch=epoch)):
+            with accelerator.accumulate(model):
+                out = model(x)
+                loss = _loss(out, y, opts)
+                if opts.two_losses:
+                    aux = out.float().pow(2).mean() * 0.01
+                    accelerator.backward(loss, retain_graph=True)
+                    accelerator.backward(aux)
+                    loss = loss + aux
+                else:
+                    accelerator.backward(loss)  # Accelerate divides it for accumulation
+                run_tap.accumulate(loss=loss.detach(), outputs=out, targets=y)  # the undivided loss
+                micro.append((index, loss.item(), *_counts(out, y, ignore)))
+                norm = None
+                if accelerator.sync_gradients:
+                    grads = [p.grad for p in model.parameters() if p.grad is not None]
+                    norm_truth = torch.nn.utils.get_total_norm(grads).item()
+                    lr = float(optimizer.param_groups[0]["lr"])  # the rate this step uses
+                    if opts.clip == "get_total_norm":
+                        norm = accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:  # one record per optimizer step
+                run_tap.step(grad_norm=norm, extra={"lr": lr})
+                truth.append(_step_truth(epoch, micro, lr, norm_truth))
+                micro = []
+    tracker.finish()
+    accelerator.end_training()
+    tap.close()
+    if opts.clip == "none":
+        for row in truth:
+            del row["grad_norm"]  # nothing computes it: the Tap was given no model and the loop no norm
+    return Outcome(truth, None, workdir / "store.db", data_time=True)
+
+
+RUNNERS: dict[str, Callable[[str, Path], Outcome]] = {
+    "lightning": run_lightning,
+    "hf": run_hf,
+    "accelerate": run_accelerate,
+}

@@ -1,0 +1,199 @@
+"""The conformance matrix: every scenario through every front-end, each stored value against the
+loop's own ``.item()`` truth taken in the same run (``test_matrix.py`` is its one test).
+
+Entry format (a new front-end or scenario is one entry here or in a cell module, never a new test file)
+-------------------------------------------------------------------------------------------------------
+
+* **Scenario**: ``Scenario(name, doc)`` in :data:`SCENARIOS`. The raw loops' options for it are in
+  ``loops.OPTIONS[name]``; a framework front-end reads the name and builds its own version.
+* **Front-end**: ``FrontEnd(name, run, doc)`` in :data:`FRONTENDS`. ``run(scenario, workdir)`` trains
+  the scenario through the front-end, storing into the SQLite file ``workdir / "store.db"``, and
+  returns a ``compare.Outcome``: the truth of every optimizer step (``{"epoch", "batch", "loss",
+  "accuracy", "lr", "grad_norm", ...}``, read with ``.item()`` in the same run), the host reads per
+  step where the front-end counts them (else None), and whether ``data_time`` must be stored.
+  ``compare.check`` then holds every stored value to its truth (clocked values: finite, >= 0).
+* **Expectation of a cell** ``(scenario, front-end)``: absent from :data:`MARKS` = exact. Else
+  ``NA(reason)``: the cell cannot apply (shown as a skip with the reason); ``XFAIL(reason)``: wrong
+  today (a strict xfail, so the test fails loudly once it is fixed: then delete the mark).
+* **Cell modules**: a module named in :data:`CELL_MODULES` that exists (e.g. the Keras engineer's
+  ``tests/conformance/keras_cells.py``) may define ``FRONTENDS``, ``SCENARIOS`` (lists of the same
+  entries) and ``MARKS`` (same dict form); they are merged in. A front-end that only runs some
+  scenarios marks the others ``NA`` (an unmarked cell is expected exact).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conformance.compare import Outcome
+
+__all__ = ["CELL_MODULES", "FRONTENDS", "MARKS", "NA", "SCENARIOS", "XFAIL", "FrontEnd", "Scenario", "cells"]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    doc: str
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    name: str
+    run: Callable[[str, Path], Outcome]
+    doc: str
+
+
+@dataclass(frozen=True)
+class NA:
+    """The cell cannot apply; ``reason`` says why (shown in the skip)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class XFAIL:
+    """The cell is wrong today; ``reason`` says what and whose fix it waits for (strict xfail)."""
+
+    reason: str
+
+
+SCENARIOS: list[Scenario] = [
+    Scenario("plain", "one batch per optimizer step, loss.backward()"),
+    Scenario("divided-accum", "2 micro-batches, (loss / 2).backward() each"),
+    Scenario("undivided-accum", "2 micro-batches, loss.backward() each (the step's loss: their mean)"),
+    Scenario(
+        "token-normalised-accum",
+        "2 micro-batches of -100-padded sequences, CE(reduction='sum') / N backward() each, N = kept tokens of "
+        "the whole step (the HF Trainer's causal-LM path): the step's loss is sum CE / N",
+    ),
+    Scenario("clip-torch", "clip_grad_norm_(max_norm=0.05): every step clips; grad_norm is the pre-clip norm"),
+    Scenario(
+        "clip-get_total_norm",
+        "get_total_norm + clip_grads_with_norm_ (accelerate >= 1.x and the HF Trainer clip this way)",
+    ),
+    Scenario("amp-skipped-first-step", "fp16 autocast + GradScaler('cpu'); an inf in step 0's gradients: skipped"),
+    Scenario("two-losses", "two backward() calls per step (loss, then an auxiliary loss): the step's loss is the sum"),
+    Scenario("pad-100", "sequence targets padded with -100 (F.cross_entropy's default ignore_index)"),
+    Scenario("pad-1", "sequence targets padded with -1 (ignore_index=-1)"),
+    Scenario("ddp-2-ranks", "DistributedDataParallel, 2 gloo ranks on loopback"),
+    Scenario("fsdp2-2-ranks", "fully_shard per layer, 2 gloo ranks; clip_grad_norm_ returns a DTensor"),
+    Scenario("fsdp2-2-ranks-full_tensor", "as fsdp2-2-ranks, the explicit API given grad_norm.full_tensor() instead"),
+]
+
+
+def _raw(name: str) -> Callable[[str, Path], Outcome]:
+    def run(scenario: str, workdir: Path) -> Outcome:
+        from tests.conformance.raw import run_raw
+
+        return run_raw(name, scenario, workdir)
+
+    return run
+
+
+def _framework(name: str) -> Callable[[str, Path], Outcome]:
+    def run(scenario: str, workdir: Path) -> Outcome:
+        from tests.conformance import frameworks
+
+        return frameworks.RUNNERS[name](scenario, workdir)
+
+    return run
+
+
+FRONTENDS: list[FrontEnd] = [
+    FrontEnd("explicit", _raw("explicit"), "bt.Tap(optimizer=, model=, scaler=) + watch/accumulate/step"),
+    FrontEnd("autolog", _raw("autolog"), "bt.autolog() at the top of the unmodified loop"),
+    FrontEnd("run", _raw("run"), "batchtap run SCRIPT (a subprocess; each rank its own under torchrun-style env)"),
+    FrontEnd("lightning", _framework("lightning"), "BatchtapCallback on a real lightning.Trainer"),
+    FrontEnd("hf", _framework("hf"), "BatchtapTrainer (a real transformers.Trainer)"),
+    FrontEnd("accelerate", _framework("accelerate"), "BatchtapTracker + tap calls in a real Accelerate loop"),
+]
+
+_FULL_TENSOR = NA("only the explicit API is handed a norm: .full_tensor() is a choice of the loop's explicit call")
+_NOT_BUILT_DIST = "not built yet: this framework's own 2-process launch ({}) is not wired into the matrix"
+
+MARKS: dict[tuple[str, str], NA | XFAIL] = {
+    **{("fsdp2-2-ranks-full_tensor", f): _FULL_TENSOR for f in ("autolog", "run", "lightning", "hf", "accelerate")},
+    # Lightning: automatic optimization, one loss per training_step, divided by accumulate_grad_batches
+    ("undivided-accum", "lightning"): NA("Lightning divides training_step's loss by accumulate_grad_batches itself"),
+    ("token-normalised-accum", "lightning"): NA(
+        "Lightning divides each micro-batch's loss by accumulate_grad_batches; it has no step-wide token count"
+    ),
+    ("clip-get_total_norm", "lightning"): NA("Lightning clips with clip_grad_norm_ (gradient_clip_val): clip-torch"),
+    ("amp-skipped-first-step", "lightning"): NA(
+        "Trainer(accelerator='cpu', precision='16-mixed') turns itself into bf16-mixed, which has no GradScaler"
+    ),
+    ("ddp-2-ranks", "lightning"): NA(_NOT_BUILT_DIST.format("strategy='ddp' re-runs the script")),
+    ("fsdp2-2-ranks", "lightning"): NA(_NOT_BUILT_DIST.format("ModelParallelStrategy")),
+    # the HF Trainer: one loss per micro-batch from the model, clipped through Accelerate
+    ("clip-torch", "hf"): NA("the Trainer clips through accelerator.clip_grad_norm_: clip-get_total_norm"),
+    ("amp-skipped-first-step", "hf"): NA("TrainingArguments(fp16=True) needs a GPU; use_cpu allows bf16 only"),
+    ("two-losses", "hf"): NA("the Trainer backpropagates the one loss compute_loss returns per micro-batch"),
+    ("pad-1", "hf"): NA("transformers' model losses ignore -100 only"),
+    ("ddp-2-ranks", "hf"): NA(_NOT_BUILT_DIST.format("accelerate launch / torchrun around the Trainer")),
+    ("fsdp2-2-ranks", "hf"): NA(_NOT_BUILT_DIST.format("accelerate launch with an FSDP2 plugin")),
+    # Accelerate: accelerator.backward divides by gradient_accumulation_steps
+    ("undivided-accum", "accelerate"): NA("accelerator.backward always divides by gradient_accumulation_steps"),
+    ("token-normalised-accum", "accelerate"): NA(
+        "not built yet: a token-normalised Accelerate loop (accelerator.backward divides it again by the step count)"
+    ),
+    ("clip-torch", "accelerate"): NA("an Accelerate loop clips with accelerator.clip_grad_norm_: clip-get_total_norm"),
+    ("amp-skipped-first-step", "accelerate"): NA("Accelerator(mixed_precision='fp16') needs a GPU; the CPU has bf16"),
+    ("ddp-2-ranks", "accelerate"): NA(
+        _NOT_BUILT_DIST.format("accelerate launch; tests/integrations/test_accelerate.py runs 2 gloo ranks")
+    ),
+    ("fsdp2-2-ranks", "accelerate"): NA(_NOT_BUILT_DIST.format("accelerate launch with an FSDP2 plugin")),
+}
+
+#: modules that add entries of their own (imported when they exist)
+CELL_MODULES: tuple[str, ...] = ("tests.conformance.keras_cells",)
+
+
+def _merged() -> tuple[list[Scenario], list[tuple[FrontEnd, str | None]], dict[tuple[str, str], NA | XFAIL]]:
+    scenarios = list(SCENARIOS)
+    frontends: list[tuple[FrontEnd, str | None]] = [(f, None) for f in FRONTENDS]
+    marks = dict(MARKS)
+    for name in CELL_MODULES:
+        if importlib.util.find_spec(name) is None:
+            continue
+        module = importlib.import_module(name)
+        scenarios += list(getattr(module, "SCENARIOS", []))
+        frontends += [(f, name) for f in getattr(module, "FRONTENDS", [])]
+        marks.update(getattr(module, "MARKS", {}))
+    return scenarios, frontends, marks
+
+
+def cells() -> Iterator[object]:
+    """Every cell as a ``pytest.param(scenario, frontend)`` with its id and marks."""
+    scenarios, frontends, marks = _merged()
+    for frontend, _ in frontends:
+        for scenario in scenarios:
+            mark = marks.get((scenario.name, frontend.name))
+            cell_id = f"{frontend.name}-{scenario.name}"
+            if isinstance(mark, NA):
+                yield pytest.param(scenario, frontend, id=cell_id, marks=pytest.mark.skip(reason=f"n/a: {mark.reason}"))
+            elif isinstance(mark, XFAIL):
+                yield pytest.param(
+                    scenario, frontend, id=cell_id, marks=pytest.mark.xfail(strict=True, reason=mark.reason)
+                )
+            else:
+                yield pytest.param(scenario, frontend, id=cell_id)
+
+
+def table() -> str:
+    """The matrix as TESTING.md shows it: a row per scenario, a column per front-end."""
+    scenarios, frontends, marks = _merged()
+    names = [f.name for f, _ in frontends]
+    lines = ["| scenario | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for s in scenarios:
+        row = []
+        for n in names:
+            mark = marks.get((s.name, n))
+            row.append("exact" if mark is None else ("n/a" if isinstance(mark, NA) else "**xfail**"))
+        lines.append(f"| {s.name} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
