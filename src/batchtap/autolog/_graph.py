@@ -12,7 +12,9 @@ output; where no recorded call sits under the constants, it undoes them on the d
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,7 +59,12 @@ class Resolved:
         undone: what was undone, in words (``"x GradScaler scale"``, ``"/ constant"``), root first.
         scale: the GradScaler scale the tensor was multiplied by, when it was (a device tensor).
         divided: a constant factor other than the GradScaler scale was undone (an accumulation
-            count, a loss weight).
+            count, a loss weight). A factor of exactly 1 (``(loss * 1).backward()``, the HF
+            Trainer's ``loss *= num_processes`` on one process) is no factor: nothing is undone.
+        normalised: a ``reduction="sum"`` loss divided by a count the loop computed (the HF
+            Trainer's causal-LM ``CE(sum) / num_items_in_batch``, a tensor normalising over the
+            whole optimizer step): ``loss`` is then what ``backward()`` got (scale undone), and the
+            step's loss is the sum over its micro-batches, ``sum(CE) / N``.
         shape: the graph's node names from the tensor down to the loss's own node: micro-batches
             of one accumulated loss have the same shape, different losses rarely do.
     """
@@ -68,6 +75,7 @@ class Resolved:
     scale: torch.Tensor | None = None
     divided: bool = False
     shape: tuple[str, ...] = ()
+    normalised: bool = False
 
 
 def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Tensor | None = None) -> Resolved:
@@ -100,7 +108,7 @@ def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Te
         names.append(name)
         call = calls.get(node)
         if call is not None:
-            return _resolved(_value_of(call), call, factors, scale, names)
+            return _resolved(_value_of(call), call, factors, scale, names, tensor)
         following = node.next_functions
         if name in _THROUGH and following:
             node = following[0][0]
@@ -109,17 +117,17 @@ def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Te
             break
         (first, _), (second, _) = following
         if second is None and first is not None:  # loss (*|/) constant
-            factors.append((name, node._saved_other))  # type: ignore[attr-defined]
-            node = first
+            constant, node = node._saved_other, first  # type: ignore[attr-defined]
         elif name == _MUL and first is None and second is not None:  # constant * loss
-            factors.append((name, node._saved_self))  # type: ignore[attr-defined]
-            node = second
+            constant, node = node._saved_self, second  # type: ignore[attr-defined]
         else:  # both sides need gradients, or a constant divided by the loss: not a constant factor
             break
+        if not _is_one(constant):  # x 1 changes nothing: (loss * 1).backward() is loss.backward()
+            factors.append((name, constant))
     value = tensor.detach()
     for op, constant in reversed(factors):  # innermost factor last applied: undo from the root down
         value = value / constant if op == _MUL else value * constant
-    return _resolved(value, None, factors, scale, names)
+    return _resolved(value, None, factors, scale, names, tensor)
 
 
 def _resolved(
@@ -128,8 +136,19 @@ def _resolved(
     factors: list[tuple[str, Any]],
     scale: torch.Tensor | None,
     names: list[str],
+    root: torch.Tensor,
 ) -> Resolved:
     scaled = [_is_scale(c, scale) for _, c in factors]
+    normalised = (
+        call is not None
+        and call.reduction == "sum"
+        and any(op == _DIV and not s for (op, _), s in zip(factors, scaled))
+    )
+    if normalised:  # what backward() got, the scale undone: sums to sum(CE) / N over the step
+        value = root.detach()
+        for (op, constant), is_scale in zip(factors, scaled):
+            if is_scale:
+                value = value / constant if op == _MUL else value * constant
     return Resolved(
         value,
         call,
@@ -137,7 +156,34 @@ def _resolved(
         scale=scale if any(scaled) else None,
         divided=not all(scaled),
         shape=tuple(names),
+        normalised=normalised,
     )
+
+
+#: dtypes of the 0-dim CPU tensors a Python number becomes in an op, and how their bytes read
+_SCALAR_FORMATS = {torch.int64: "<q", torch.float64: "<d", torch.float32: "<f", torch.int32: "<i"}
+
+
+def _is_one(constant: Any) -> bool:
+    """Whether a constant factor is exactly 1, known without a device read: a Python number, or a
+    0-dim CPU tensor (what a Python number in ``loss * 1`` becomes) read from its host bytes, not
+    through an op (it is host memory: no device is involved, on a GPU run as on the CPU). A device
+    tensor is never read: it counts as a factor whatever its value."""
+    if isinstance(constant, (int, float)):
+        return constant == 1
+    if not isinstance(constant, torch.Tensor) or constant.device.type != "cpu" or constant.dim() != 0:
+        return False
+    fmt = _SCALAR_FORMATS.get(constant.dtype)
+    if fmt is None:
+        return False
+    try:
+        # its bytes straight from host memory: an op (item, indexing the storage) would go through
+        # the dispatcher, which is what a device read looks like
+        raw = ctypes.string_at(constant.data_ptr(), constant.element_size())
+    except Exception:  # noqa: BLE001 - a tensor without host bytes (a fake or lazy one): not known
+        return False
+    (value,) = struct.unpack(fmt, raw)
+    return bool(value == 1)
 
 
 def _is_scale(constant: Any, scale: torch.Tensor | None) -> bool:

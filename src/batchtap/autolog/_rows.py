@@ -14,6 +14,7 @@ the Tap's loss and accuracy, the others' losses are ``loss_1``... of :class:`Opt
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from batchtap.autolog._facts import FactsRow, OptimizerFacts
 from batchtap.autolog._steps import StepEvent
 from batchtap.metrics.accuracy import Accuracy
+from batchtap.metrics.inputs import samples_of
 from batchtap.tap import Tap
 
 __all__ = ["MicroBatch", "Rows"]
@@ -36,6 +38,8 @@ class MicroBatch:
         scale: the GradScaler scale ``raw`` carries, if any.
         divided: ``raw`` carries a constant factor other than the scale.
         shape: the graph's node names down to the loss (see :class:`~batchtap.autolog._graph.Resolved`).
+        normalised: ``loss`` is a summed loss divided by the step's item count (token-normalised):
+            the step's loss is the sum of its micro-batches' ``loss``, not their mean.
     """
 
     loss: torch.Tensor
@@ -46,6 +50,7 @@ class MicroBatch:
     scale: torch.Tensor | None = None
     divided: bool = False
     shape: tuple[str, ...] = ()
+    normalised: bool = False
 
     def given(self) -> torch.Tensor:
         """What the gradients saw of this loss: the tensor given to ``backward()`` with the
@@ -56,7 +61,9 @@ class MicroBatch:
 
 
 #: what several backward() calls before one optimizer step are
-_ACCUMULATION, _LOSSES = "accumulation", "losses"
+_ACCUMULATION, _NORMALISED, _LOSSES = "accumulation", "normalised", "losses"
+#: the kinds whose micro-batches are handed to tap.accumulate as they come
+_MICRO_BATCHES = (_ACCUMULATION, _NORMALISED)
 
 
 class Rows:
@@ -84,6 +91,11 @@ class Rows:
         self._direct: MicroBatch | None = None  # the row's one micro-batch, for tap.step(loss=...)
         self._accumulated = 0
         self._other_losses: dict[int, torch.Tensor] = {}
+        # token-normalised accumulation: the step's loss is the sum of the micro-batches' losses, and
+        # the Tap averages them weighted by samples; what was handed over, to make its mean that sum
+        self._handed_weight = 0.0
+        self._handed_sum: torch.Tensor | None = None  # sum of loss x weight handed over
+        self._handed_total: torch.Tensor | None = None  # sum of the losses handed over
         self._scaler = False
         self._shape: tuple[bool, bool] | None = None  # (loss, outputs) of the run's first hand-over
         self._ignore_index: int | None = None
@@ -110,7 +122,7 @@ class Rows:
         if len(pending) == 2 and self._kind is None:
             self._kind = self._several(pending[0], pending[1])
         if len(self.optimizers) <= 1 and len(pending) > 1:
-            if self._kind == _ACCUMULATION:
+            if self._kind in _MICRO_BATCHES:
                 # the earlier micro-batch belongs to the coming step of the one optimizer: hand it over
                 self._accumulate(pending.pop(0))
             else:
@@ -121,12 +133,22 @@ class Rows:
         some micro-batches of them were already handed to ``tap.accumulate``."""
         self.pending.clear()
         self._kind = None
+        self._handed_weight, self._handed_sum, self._handed_total = 0.0, None, None
         return len(self.optimizers) <= 1 and self._accumulated > 0  # one optimizer: handed over at backward
 
     def _several(self, first: MicroBatch, second: MicroBatch) -> str:
         """What two ``backward()`` calls before one optimizer step are, from their graphs alone:
         micro-batches of gradient accumulation (the same loss graph, each divided by a constant)
         or several losses (a GAN's discriminator on real and fake data, a multi-loss loop)."""
+        if first.normalised and second.normalised and first.shape == second.shape:
+            self.say(
+                "normalised",
+                "several backward() calls before one optimizer step, each a summed loss divided by a count "
+                "computed by the loop (token-normalised accumulation: CE(reduction='sum') / num_items_in_batch): "
+                "loss = the sum of what backward() got over the step, sum(CE) / N, read on the device (not a "
+                "mean of per-micro-batch means)",
+            )
+            return _NORMALISED
         if first.divided and second.divided and first.shape == second.shape:
             self.say(
                 "accumulation",
@@ -179,11 +201,15 @@ class Rows:
             if len(micro) == 1 and not self._accumulated and len(self.optimizers) == 1:
                 self._direct = micro[0]
             else:
-                for m in micro:
-                    self._accumulate(m)
+                for i, m in enumerate(micro):
+                    self._accumulate(m, last=kind == _NORMALISED and i == len(micro) - 1)
         elif slot > 0 and micro:
             losses = [m.loss for m in micro]
-            self._other_losses[slot] = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+            if len(losses) == 1:
+                self._other_losses[slot] = losses[0]
+            else:  # token-normalised micro-batches add up to the step's loss; others average
+                stacked = torch.stack(losses)
+                self._other_losses[slot] = stacked.sum() if kind == _NORMALISED else stacked.mean()
         if slot >= 0:
             self._row[slot] = event
         if len(self._row) >= len(self.optimizers):
@@ -197,6 +223,7 @@ class Rows:
         direct, self._direct = self._direct, None
         accumulated, self._accumulated = self._accumulated, 0
         others, self._other_losses = self._other_losses, {}
+        self._handed_weight, self._handed_sum, self._handed_total = 0.0, None, None
         if not row:
             return
         facts = self.facts
@@ -225,12 +252,35 @@ class Rows:
             self.tap.step()
         self.rows += 1
 
-    def _accumulate(self, micro: MicroBatch) -> None:
+    def _accumulate(self, micro: MicroBatch, *, last: bool = False) -> None:
         if not self._fits(micro, "accumulate"):
             return
         outputs, targets = self._classification(micro)
-        self.tap.accumulate(micro.loss, outputs=outputs, targets=targets)
+        loss = micro.loss
+        if micro.normalised:
+            samples = samples_of(None, outputs, targets)  # the Tap's weight of this micro-batch
+            loss = self._normalised(loss, samples if math.isfinite(samples) else 1.0, last)
+        self.tap.accumulate(loss, outputs=outputs, targets=targets)
         self._accumulated += 1
+
+    def _normalised(self, loss: torch.Tensor, weight: float, last: bool) -> torch.Tensor:
+        """The loss to hand over for a token-normalised micro-batch. The Tap's step loss is the mean
+        of the handed losses weighted by samples (a host count, as the Tap weighs them); the step's
+        loss here is their plain sum: the last micro-batch carries what makes that mean the sum
+        (device ops only, exact up to float32 rounding)."""
+        total = loss if self._handed_total is None else self._handed_total + loss
+        if last:
+            handed = self._handed_sum
+            weights = self._handed_weight + weight
+            loss = total * weights if handed is None else total * weights - handed
+            loss = loss / weight
+            self._handed_weight, self._handed_sum, self._handed_total = 0.0, None, None
+            return loss
+        part = loss * weight
+        self._handed_sum = part if self._handed_sum is None else self._handed_sum + part
+        self._handed_weight += weight
+        self._handed_total = total
+        return loss
 
     def _classification(self, micro: MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if micro.outputs is None or self._shape is None or not self._shape[1]:

@@ -288,7 +288,12 @@ class Session:
                     "loss, or a loss function imported by name before bt.autolog() ran)",
                 )
         micro = MicroBatch(
-            found.loss, raw=tensors.detach(), scale=found.scale, divided=found.divided, shape=found.shape
+            found.loss,
+            raw=tensors.detach(),
+            scale=found.scale,
+            divided=found.divided,
+            shape=found.shape,
+            normalised=found.normalised,
         )
         if call is not None and call.logits is not None:
             micro.outputs, micro.targets, micro.ignore_index = call.logits, call.targets, call.ignore_index
