@@ -8,7 +8,8 @@ releases their slots. Nothing beyond this module knows the ring's layout, its ma
 The only place the training thread can wait is ``claim``, and only when the pipeline is a whole
 ring behind (the device lags by ``capacity`` steps, or the sinks apply backpressure).
 
-This module does not import torch (the pipeline process reads :class:`BlockData` without it).
+This module does not import torch. What crosses to the pipeline is a :class:`BlockData` (defined
+with the decoders, :mod:`batchtap.metrics.decoding`, where any capture can make one).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from batchtap.metrics.decoding import FACTS, INTEGER_FACTS, SLOT_FACTS, BlockData
+
 if TYPE_CHECKING:
     from batchtap.capture.clock import DeviceGate, StepClock
     from batchtap.capture.ring import MetricRing
@@ -30,36 +33,6 @@ __all__ = ["Block", "BlockData", "FACTS", "Flusher", "INTEGER_FACTS", "POLL_INTE
 #: seconds between polls of a device marker (a block's copy, ``log()`` values) or of a full
 #: shared-memory segment: short sleeps that leave the GIL to the training thread
 POLL_INTERVAL = 2e-4
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BlockData:
-    """A block's rows read back on the host (copies, safe to keep after the slots are reused).
-
-    The fields after the two value tables are the row facts (:data:`FACTS`, in this order).
-    """
-
-    device_values: np.ndarray  # [n, device_width] float64
-    host_values: np.ndarray  # [n, host_width] float64
-    step: np.ndarray
-    epoch: np.ndarray
-    batch: np.ndarray
-    wall_time: np.ndarray
-    samples: np.ndarray
-    data_time: np.ndarray
-    tokens: np.ndarray
-    step_time: np.ndarray  # from the step clock, not the ring: last
-
-    def __len__(self) -> int:
-        return len(self.step)
-
-
-#: a row's facts besides its values, in :class:`BlockData`'s order (defined by its fields, once)
-FACTS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(BlockData))[2:]
-#: the facts the ring keeps per slot, as one tuple in this order (``MetricRing.facts``)
-SLOT_FACTS = FACTS[:-1]
-#: facts that are integers (exact in float64 up to 2**53)
-INTEGER_FACTS = ("step", "epoch", "batch")
 
 
 def wait_until(ready: Callable[[], bool], gate: DeviceGate | None = None) -> None:

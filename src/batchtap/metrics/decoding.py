@@ -25,6 +25,10 @@ import numpy as np
 from batchtap.metrics.domain import Output
 
 __all__ = [
+    "BlockData",
+    "FACTS",
+    "INTEGER_FACTS",
+    "SLOT_FACTS",
     "BlockTiming",
     "ColumnLayout",
     "ColumnSpan",
@@ -64,6 +68,42 @@ class BlockTiming:
     step_time: np.ndarray
     data_time: np.ndarray
     tokens: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockData:
+    """A block of captured rows on the host: what crosses from a capture to the pipeline.
+
+    Plain arrays (copies, safe to keep after a ring's slots are reused), one row per step:
+    ``device_values`` ``[n, device_width]`` and ``host_values`` ``[n, host_width]`` float64 hold the
+    metrics' raw columns where the run's :class:`ColumnLayout` says; the fields after them are the
+    row facts (:data:`FACTS`, in this order): step, epoch and batch (integers), wall time (seconds
+    since the epoch), samples, data wait, tokens and step time (seconds; NaN where not known).
+    A Tap's ring makes them (:mod:`batchtap.capture.flush`); another capture (Keras' TensorFlow
+    ring) makes the same. An absent raw value is NaN: the metric's decoder decides what it means.
+    """
+
+    device_values: np.ndarray  # [n, device_width] float64
+    host_values: np.ndarray  # [n, host_width] float64
+    step: np.ndarray
+    epoch: np.ndarray
+    batch: np.ndarray
+    wall_time: np.ndarray
+    samples: np.ndarray
+    data_time: np.ndarray
+    tokens: np.ndarray
+    step_time: np.ndarray  # from the step clock, not the ring: last
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+
+#: a row's facts besides its values, in :class:`BlockData`'s order (defined by its fields, once)
+FACTS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(BlockData))[2:]
+#: the facts the ring keeps per slot, as one tuple in this order (``MetricRing.facts``)
+SLOT_FACTS = FACTS[:-1]
+#: facts that are integers (exact in float64 up to 2**53)
+INTEGER_FACTS = ("step", "epoch", "batch")
 
 
 def everywhere(rows: int, width: int) -> np.ndarray:

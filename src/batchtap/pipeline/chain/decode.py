@@ -20,8 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from batchtap.capture.flush import BlockData
-from batchtap.metrics.decoding import BlockTiming, ColumnLayout, MetricDecoder, StepTiming, overrides
+from batchtap.metrics.decoding import BlockData, BlockTiming, ColumnLayout, MetricDecoder, StepTiming, overrides
 from batchtap.pipeline.chain.rows import DecodedBlock
 from batchtap.records import Event, EventKind
 

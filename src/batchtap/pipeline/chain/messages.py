@@ -20,8 +20,7 @@ import dataclasses
 import itertools
 from typing import TYPE_CHECKING
 
-from batchtap.capture.flush import BlockData
-from batchtap.metrics.decoding import ColumnLayout
+from batchtap.metrics.decoding import BlockData, ColumnLayout
 from batchtap.records import EpochStart, Event, Record, RunEnd, RunInfo, RunStart
 
 if TYPE_CHECKING:

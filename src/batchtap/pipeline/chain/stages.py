@@ -11,8 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from batchtap.capture.flush import BlockData
-from batchtap.metrics.decoding import ColumnLayout
+from batchtap.metrics.decoding import BlockData, ColumnLayout
 from batchtap.pipeline.chain.control import Verdict
 from batchtap.pipeline.chain.decode import Decoder
 from batchtap.pipeline.chain.reduce import Reducer

@@ -25,7 +25,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from batchtap import _stale  # issue 29: owner-named segments, removed by our rule (see batchtap._stale)
-from batchtap.capture.flush import FACTS, INTEGER_FACTS, BlockData
+from batchtap.metrics.decoding import FACTS, INTEGER_FACTS, BlockData
 
 __all__ = ["BlockSegment", "SegmentShape"]
 
