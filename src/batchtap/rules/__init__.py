@@ -20,10 +20,11 @@ from batchtap.rules.base import (
     CallableRule,
     Decision,
     History,
+    MetricGlob,
     Rule,
     RuleFn,
 )
-from batchtap.rules.builtin import GpuStarved, NonFinite, Plateau, Spike, StepTimeRegression, Threshold
+from batchtap.rules.builtin import GpuStarved, LayerRatio, NonFinite, Plateau, Spike, StepTimeRegression, Threshold
 from batchtap.rules.engine import Agreement, RuleEngine, RuleLike
 
 # The training-side tools (Rollback, BatchSizeRule, ActionRunner ...) lived here before
@@ -70,6 +71,8 @@ __all__ = [
     "Decision",
     "GpuStarved",
     "History",
+    "LayerRatio",
+    "MetricGlob",
     "NonFinite",
     "Plateau",
     "Rule",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import fnmatch
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -39,8 +40,10 @@ __all__ = [
     "CallableRule",
     "Decision",
     "History",
+    "MetricGlob",
     "Rule",
     "RuleFn",
+    "is_glob",
     "parse_actions",
 ]
 
@@ -385,3 +388,112 @@ class CallableRule(Rule):
 
     def update(self, record: Record, *, fired: bool) -> None:
         pass
+
+
+def is_glob(metric: str) -> bool:
+    """Whether a rule's ``metric`` is a glob of metric names (``*``, ``?`` or ``[...]``), e.g.
+    ``"grad_norm/*"`` for every layer's gradient norm.
+
+    Example:
+        >>> is_glob("grad_norm/*"), is_glob("loss")
+        (True, False)
+    """
+    return any(c in metric for c in "*?[")
+
+
+class MetricGlob(Rule):
+    """One rule over every metric whose name matches a glob: a copy of the rule per matched name,
+    each with its own state (its own EMA, streak, ...), made when the name is first seen.
+
+    Built by the rules that accept a glob (``Spike("grad_norm/*")``, ``Threshold("update_ratio/*",
+    above=0.1)``, ``NonFinite("grad_norm/*")``): they return one of these when given a glob. A
+    record on which several names fire gives one decision, on the first of them in the record's
+    order, whose message names the others; each copy that fired is told so.
+
+    Example:
+        >>> from batchtap.rules.builtin import Threshold
+        >>> rule = Threshold("grad_norm/*", above=10.0)
+        >>> rule.name, type(rule).__name__
+        ('threshold(grad_norm/*>10.0)', 'MetricGlob')
+        >>> r = Record("r", step=3, epoch=0, batch=3, rank=0, wall_time=0.0,
+        ...            values={"loss": 1.0, "grad_norm/encoder": 2.0, "grad_norm/head": 42.0})
+        >>> rule.check(r, History()).message
+        'grad_norm/head 42 > 10.0 at step 3'
+    """
+
+    def __init__(self, kind: type[Rule], pattern: str, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        template = object.__new__(kind)
+        kind.__init__(template, pattern, *args, **kwargs)  # type: ignore[misc]  # validates the arguments now
+        super().__init__(
+            name=template.name,
+            metric=pattern,
+            action=template.actions,
+            warmup=template.warmup,
+            on_alert=template.on_alert,
+        )
+        self.kind = kind
+        self.args = args
+        self.kwargs = {k: v for k, v in kwargs.items() if k != "name"}
+        self._matches: dict[str, bool] = {}
+        self._children: dict[str, Rule] = {}
+        self._fired: tuple[str, ...] = ()  # the names that fired at the last check
+
+    def _match(self, name: str) -> bool:
+        hit = self._matches.get(name)
+        if hit is None:
+            if len(self._matches) > 65536:  # names that come and go (a per-step extra): bounded
+                self._matches.clear()
+            hit = self._matches[name] = fnmatch.fnmatchcase(name, self.metric)
+        return hit
+
+    def matched(self, record: Record) -> list[str]:
+        """The record's metric names this rule watches, in the record's order."""
+        return [name for name in record.values if self._match(name)]
+
+    def _child(self, name: str) -> Rule:
+        child = self._children.get(name)
+        if child is None:
+            child = object.__new__(self.kind)
+            self.kind.__init__(child, name, *self.args, **self.kwargs)  # type: ignore[misc]
+            self._children[name] = child
+        return child
+
+    def applies_to(self, record: Record) -> bool:
+        return any(self._match(name) for name in record.values)
+
+    def check(self, record: Record, history: History) -> Anomaly | None:
+        found: list[Anomaly] = []
+        for name in self.matched(record):
+            child = self._child(name)
+            anomaly = child.check(record, history)
+            if anomaly is not None:
+                found.append(anomaly)
+        self._fired = tuple(a.metric for a in found)
+        if not found:
+            return None
+        first = found[0]
+        if len(found) == 1:
+            return first
+        others = ", ".join(a.metric for a in found[1:])
+        return dataclasses.replace(first, message=f"{first.message} (also {others})")
+
+    def update(self, record: Record, *, fired: bool) -> None:
+        fired_names = set(self._fired) if fired else set()
+        self._fired = ()
+        for name in self.matched(record):
+            self._child(name).update(record, fired=name in fired_names)
+
+    def reset(self) -> None:
+        for child in self._children.values():
+            child.reset()
+        self._fired = ()
+
+
+class GlobbedRule(Rule):
+    """A rule whose ``metric`` (its first argument) may be a glob: given one, the constructor
+    returns a :class:`MetricGlob` that keeps one copy of the rule per matched metric name."""
+
+    def __new__(cls, metric: object = None, *args: object, **kwargs: object) -> Rule:  # type: ignore[misc]
+        if isinstance(metric, str) and is_glob(metric):
+            return MetricGlob(cls, metric, args, kwargs)
+        return super().__new__(cls)
