@@ -132,7 +132,7 @@ class Metric(MetricDecoder, abc.ABC):
     host, to the reported values; default: as they are).
 
     **Optional behaviour** (defaults fit most metrics): :meth:`check`, :meth:`applies`,
-    :attr:`per_micro_batch`, :meth:`combine`, :meth:`on_flush`, :attr:`gradient_based`,
+    :meth:`left_out_reason`, :attr:`per_micro_batch`, :meth:`combine`, :meth:`on_flush`, :attr:`gradient_based`,
     :attr:`watched_by_nan_guard`, and the decoder's ``warning``, ``weight``, ``skipped``,
     ``input_error``.
 
@@ -209,6 +209,12 @@ class Metric(MetricDecoder, abc.ABC):
         """Whether this metric makes sense for inputs like these (used to pick the *default*
         metrics at a run's first step, e.g. no accuracy for regression targets). Metadata only."""
         return self.requires <= {k for k in ("loss", "outputs", "targets") if getattr(inputs, k) is not None}
+
+    def left_out_reason(self, inputs: StepInputs) -> str | None:
+        """Why a *default* metric that does not apply to inputs like these was left out, when that
+        looks like a mistake the user would want to hear about (one warning at the run's first
+        step); None (the default) when leaving it out needs no word. Metadata only."""
+        return None
 
     @property
     def per_micro_batch(self) -> bool:

@@ -1,10 +1,10 @@
-"""Why a default metric is left out of a run, said once (issue 27 item 3, issue 29).
+"""Why a default metric is left out of a run, said once.
 
 The default metrics drop a metric whose inputs the first step lacks (``Metric.applies``). Most such
 drops are meant (no outputs in a loss-only loop, floating-point targets in a regression); some are a
 mistake the user would want to hear about: class scores passed without ``targets=``, outputs of
-shape ``[B]``, one-hot targets in floating point. A metric says which with ``left_out_reason``
-(:meth:`batchtap.metrics.Accuracy.left_out_reason`); the run stores each such reason as one warning
+shape ``[B]``, one-hot targets in floating point. A metric says which with
+:meth:`~batchtap.metrics.Metric.left_out_reason` (accuracy does); the run stores each such reason as one warning
 event at its first step and logs it.
 """
 
@@ -41,8 +41,7 @@ def left_out_reasons(metrics: Sequence[Metric], chosen: Collection[int], inputs:
     for metric in metrics:
         if id(metric) in chosen:
             continue
-        reason_of = getattr(metric, "left_out_reason", None)
-        reason = reason_of(inputs) if callable(reason_of) else None
+        reason = metric.left_out_reason(inputs)
         if reason:
             out.append(reason)
     return out

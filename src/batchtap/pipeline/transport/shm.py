@@ -24,7 +24,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from batchtap import _stale  # issue 29: owner-named segments, removed by our rule (see batchtap._stale)
+from batchtap import _stale  # owner-named segments, removed by our rule (see batchtap._stale)
 from batchtap.metrics.decoding import FACTS, INTEGER_FACTS, BlockData
 
 __all__ = ["BlockSegment", "SegmentShape"]
@@ -69,9 +69,9 @@ class BlockSegment:
     @classmethod
     def create(cls, *, slots: int, max_rows: int, device_width: int, host_width: int) -> BlockSegment:
         probe = SegmentShape("", slots, max_rows, device_width, host_width)
-        _stale.sweep_segments(once=True)  # issue 29: segments of dead batchtap processes on this host
+        _stale.sweep_segments(once=True)  # segments of dead batchtap processes on this host
         shm = shared_memory.SharedMemory(name=_stale.segment_name(), create=True, size=max(probe.nbytes, 8))
-        _stale.untrack(shm.name)  # issue 29: no "leaked shared_memory" warning; see batchtap._stale
+        _stale.untrack(shm.name)  # no "leaked shared_memory" warning at exit; see batchtap._stale
         segment = cls(shm, dataclasses.replace(probe, name=shm.name), owner=True)
         segment._counters[:] = 0
         return segment
@@ -79,7 +79,8 @@ class BlockSegment:
     @classmethod
     def attach(cls, shape: SegmentShape) -> BlockSegment:
         shm = shared_memory.SharedMemory(name=shape.name)
-        # Issue 29: kept out of the resource tracker (see batchtap._stale); a segment whose owner
+        # Kept out of the resource tracker (it would warn of a leak on the user's stderr when the
+        # training process is killed alone; see batchtap._stale); a segment whose owner
         # died is removed when this process exits (or by the next batchtap process on the host).
         _stale.untrack(shm.name)
         multiprocessing.util.Finalize(None, _stale.unlink_if_owner_gone, (shape.name,), exitpriority=0)
@@ -142,5 +143,5 @@ class BlockSegment:
             self.shm.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with the process
             pass
-        if self.owner or _stale.segment_owner_gone(self.shape.name):  # issue 29: our rule, not the tracker's
+        if self.owner or _stale.segment_owner_gone(self.shape.name):  # our owner rule, not the tracker's
             _stale.unlink_segment(self.shape.name)
