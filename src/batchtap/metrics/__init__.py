@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from batchtap.metrics.defaults import default_metrics
     from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Output, Reduce
     from batchtap.metrics.gradients import GradNorm, LossScale
+    from batchtap.metrics.histograms import Histograms
     from batchtap.metrics.layers import Layers
     from batchtap.metrics.scalars import Custom, Extra, LearningRate, Loss, Memory
     from batchtap.metrics.system import System
@@ -43,6 +44,7 @@ _WHERE = {
     "Reduce": "domain",
     "GradNorm": "gradients",
     "LossScale": "gradients",
+    "Histograms": "histograms",
     "Layers": "layers",
     "Custom": "scalars",
     "Extra": "scalars",
@@ -67,6 +69,7 @@ __all__ = [
     "GradNorm",
     "LossScale",
     "Layers",
+    "Histograms",
     "StepTime",
     "DataTime",
     "Throughput",

@@ -1,0 +1,101 @@
+"""Histograms against numpy.histogram with the same edges (weights after the step, gradients as the
+step used them, unscaled under a GradScaler), every N-th step only, no host read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import batchtap as bt
+from batchtap.errors import ConfigError
+from batchtap.hostreads import HostReadCounter
+from batchtap.metrics.histograms import Histograms, histogram, histogram_edges
+from batchtap.metrics.layers import layer_groups
+from tests.conftest import ListSink
+
+BINS = 16
+
+
+def _numpy(tensors: list[torch.Tensor], bins: int = BINS) -> tuple[float, float, list[float]]:
+    flat = np.concatenate([t.detach().double().reshape(-1).numpy() for t in tensors])
+    counts, _ = np.histogram(flat, bins=histogram_edges(flat.min(), flat.max(), bins))
+    return float(flat.min()), float(flat.max()), counts.astype(float).tolist()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_histogram_equals_numpy_with_the_same_edges(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(37, 11, generator=g), torch.rand(50, generator=g) * 3]
+    got = histogram(tensors, BINS).tolist()
+    low, high, counts = _numpy(tensors)
+    assert got[0] == pytest.approx(low) and got[1] == pytest.approx(high)
+    assert got[2:] == counts
+    assert sum(got[2:]) == 37 * 11 + 50
+
+
+def _values(record, kind: str, layer: str) -> tuple[float, float, list[float]]:
+    v = record.values
+    prefix = f"hist/{kind}/{layer}/"
+    return v[prefix + "min"], v[prefix + "max"], [v[f"{prefix}{i}"] for i in range(BINS)]
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "GradScaler"])
+def test_loop_histograms_equal_numpy_on_every_nth_step(sink: ListSink, amp: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if amp else None
+    groups = layer_groups(model)
+    tap = bt.Tap([bt.metrics.Loss(), Histograms(model, every=3, bins=BINS, scaler=scaler)], [sink], flush_every=4)
+    g = torch.Generator().manual_seed(1)
+    expected = {}
+    reads = HostReadCounter()
+    with tap, tap.run(name="hist"):
+        for step in range(9):
+            x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+            opt.zero_grad()
+            if scaler is None:
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                grads = {k: _numpy([p.grad for p in ps]) for k, ps in groups.items()}
+                opt.step()
+            else:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                grads = {k: _numpy([p.grad for p in ps]) for k, ps in groups.items()}
+                scaler.step(opt)
+                scaler.update()
+            if step % 3 == 0:
+                expected[step] = (grads, {k: _numpy(list(ps)) for k, ps in groups.items()})
+            if step == 0:
+                tap.step(loss=loss)
+                continue
+            with reads:
+                tap.step(loss=loss)
+    assert reads.count == 0, reads.reads
+    by_step = {r.step: r for r in sink.records}
+    for step, record in by_step.items():
+        names = [n for n in record.values if n.startswith("hist/")]
+        if step not in expected:
+            assert names == []
+            continue
+        assert len(names) == 2 * 2 * (BINS + 2)
+        grads, weights = expected[step]
+        for layer in groups:
+            for kind, want in (("weight", weights[layer]), ("grad", grads[layer])):
+                low, high, counts = _values(record, kind, layer)
+                assert (low, high) == pytest.approx(want[:2], rel=1e-5)
+                assert counts == want[2], (step, kind, layer)
+
+
+def test_bad_arguments() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"bins must be an int in \[2, 512\], got 1"):
+        Histograms(model, bins=1)
+    with pytest.raises(ConfigError, match="every must be an int >= 1, got 0"):
+        Histograms(model, every=0)
