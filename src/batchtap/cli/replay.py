@@ -22,11 +22,16 @@ from pathlib import Path
 
 from batchtap.cli._common import CLIError, add_db_arguments, db_url, open_store, short_id
 
-__all__ = ["register", "main", "SpoolInfo", "read_spool", "find_spools", "pending_spools"]
+__all__ = ["register", "main", "SpoolInfo", "read_spool", "find_spools", "pending_spools", "spool_only_runs"]
 
 EXAMPLE = """examples:
   batchtap replay runs/spool                       # into $BATCHTAP_DB, else runs/batchtap.db
-  batchtap replay /scratch/job42/spool --db postgresql://postgres@127.0.0.1/train"""
+  batchtap replay /scratch/job42/spool --db postgresql://postgres@127.0.0.1/train
+  batchtap replay spool --db new.db --create       # into a SQLite file that does not exist yet
+
+A SQLite --db that does not exist is refused (a typo would otherwise get the blocks) unless --create.
+Lines of a spool that cannot be read are kept in <spool>.rejected, never deleted; the exit status is
+then 1. Exit status: 0 all delivered; 1 something stayed behind, was rejected, or --db does not exist."""
 
 #: ``NN-<sink>.rank<R>.jsonl``: the names ``Tap(spool_dir=...)`` gives its spools
 _SPOOL_NAME = re.compile(r"^(\d+)-([a-z0-9_]+)\.rank(\d+)\.jsonl$")
@@ -44,7 +49,8 @@ class SpoolInfo:
         records: step and ``Tap.log()`` records among them.
         runs: run id -> (first step, last step) of its spooled records (None, None without any).
         ends: the runs whose end (status) is among the spooled calls.
-        damaged: lines that cannot be read (a replay skips them with a warning).
+        damaged: lines that cannot be read (a replay keeps them in ``<spool>.rejected``).
+        names: run id -> the run's name, where its start is among the spooled calls.
     """
 
     path: Path
@@ -54,6 +60,7 @@ class SpoolInfo:
     runs: dict[str, tuple[int | None, int | None]]
     ends: frozenset[str]
     damaged: int
+    names: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def read_spool(path: Path) -> SpoolInfo | None:
@@ -73,6 +80,7 @@ def read_spool(path: Path) -> SpoolInfo | None:
     entries = records = damaged = 0
     runs: dict[str, tuple[int | None, int | None]] = {}
     ends: set[str] = set()
+    names: dict[str, str] = {}
     for line in text.splitlines():
         if not line.strip():
             continue
@@ -94,11 +102,12 @@ def read_spool(path: Path) -> SpoolInfo | None:
                 runs.setdefault(e.run_id, (None, None))
         elif isinstance(entry, (RunStart, RunEnd)):
             runs.setdefault(entry.run.id, (None, None))
+            names.setdefault(entry.run.id, entry.run.name)
             if isinstance(entry, RunEnd):
                 ends.add(entry.run.id)
     if not entries and not damaged:
         return None
-    return SpoolInfo(path, match.group(2), entries, records, runs, frozenset(ends), damaged)
+    return SpoolInfo(path, match.group(2), entries, records, runs, frozenset(ends), damaged, names)
 
 
 def find_spools(dirs: Iterable[Path], *, depth: int = 3) -> list[SpoolInfo]:
@@ -148,6 +157,26 @@ def pending_spools(args: argparse.Namespace) -> dict[str, list[SpoolInfo]]:
     return out
 
 
+def spool_only_runs(spools: dict[str, list[SpoolInfo]], stored: Iterable[str]) -> list[str]:
+    """Lines about the runs that exist only in pending spools (the store never took their start):
+    without them such a run would be invisible until replayed."""
+    known = set(stored)
+    out = []
+    for run_id, infos in sorted(spools.items()):
+        if run_id in known:
+            continue
+        name = next((i.names[run_id] for i in infos if run_id in i.names), "?")
+        firsts = [i.runs[run_id][0] for i in infos if i.runs[run_id][0] is not None]
+        lasts = [i.runs[run_id][1] for i in infos if i.runs[run_id][1] is not None]
+        steps = f"steps {min(firsts)}..{max(lasts)}" if firsts else "no steps"
+        where = ", ".join(sorted({str(i.path.parent) for i in infos}))
+        out.append(
+            f"{name!r} ({short_id(run_id)}): only in a pending spool ({steps}), not in the store yet; "
+            f"`batchtap replay {where}` delivers it"
+        )
+    return out
+
+
 def describe(info: SpoolInfo, run_id: str | None = None) -> str:
     """One line about a spool (and what it holds of ``run_id``)."""
     what = f"{info.entries} spooled calls, {info.records} records"
@@ -190,6 +219,11 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--force",
         action="store_true",
         help="replay even when a run in the spool is still running (its process may still be spooling)",
+    )
+    parser.add_argument(
+        "--create",
+        action="store_true",
+        help="create the SQLite store when --db names a file that does not exist (refused otherwise)",
     )
     parser.set_defaults(func=main)
 
@@ -237,6 +271,14 @@ def main(args: argparse.Namespace) -> int:
     if not spools:
         print(f"no pending spools in {top}")
         return 0
+    url = db_url(args)
+    if not url.startswith(("postgresql://", "postgres://")) and not getattr(args, "create", False):
+        target = Path(url.removeprefix("sqlite:///"))
+        if not target.exists():
+            raise CLIError(
+                f"no store at {target}: replay delivers into an existing store; expected the --db the run "
+                f"wrote to; fix: check the path, or pass --create to make a new store there"
+            )
     kind, sink = _store_sink(args)
     mine = [s for s in spools if _STORE_SINKS.get(s.sink) == kind]
     others = [s for s in spools if s not in mine]
@@ -249,7 +291,7 @@ def main(args: argparse.Namespace) -> int:
                     "replaying now would interleave with it; fix: wait for the run to end, or pass --force if its "
                     "process is gone"
                 )
-        failed = 0
+        failed = rejected = 0
         from batchtap.sinks.resilient import ResilientSink
 
         for info in mine:
@@ -259,6 +301,12 @@ def main(args: argparse.Namespace) -> int:
             for event in resilient.take_events():
                 print(f"  {event.message}")
             left = resilient.pending  # nothing is appended to the spool here: no handle is open
+            if resilient.rejected:
+                rejected += resilient.rejected
+                print(
+                    f"{info.path}: {resilient.rejected} damaged line(s) could not be read and were not delivered; "
+                    f"kept in {resilient.rejected_path}"
+                )
             if left:
                 failed += 1
                 print(
@@ -278,7 +326,7 @@ def main(args: argparse.Namespace) -> int:
             f"{info.path}: not replayed here: it holds blocks of a {info.sink} sink, not of the {kind} store; fix: "
             f"start a Tap with that sink and spool_dir={top} (it replays the spool when it opens)"
         )
-    return 1 if failed or others else 0
+    return 1 if failed or others or rejected else 0
 
 
 def sink_where(args: argparse.Namespace) -> str:

@@ -15,7 +15,7 @@ from batchtap.cli._common import (
     short_id,
     wrap,
 )
-from batchtap.cli.replay import add_spool_argument, describe, pending_spools
+from batchtap.cli.replay import add_spool_argument, describe, pending_spools, spool_only_runs
 from batchtap.records import EventKind
 
 __all__ = ["register", "main"]
@@ -82,8 +82,13 @@ def main(args: argparse.Namespace) -> int:
                 ]
             )
         where = store.where
+    # a run whose start never reached the store (locked or down from its first call) is only in its spool
+    only_spooled = spool_only_runs(spools, (run.id for run in runs))
     if not runs:
         print(f"no runs in {where}")
+        for text in only_spooled:
+            for line in wrap(text, indent="    "):
+                print(line)
         return 0
     header = ["name", "id", "status", "steps", "metric", "last", "best", "duration", "anom", "started"]
     right = [False, False, False, True, False, True, True, True, True, False]
@@ -93,6 +98,9 @@ def main(args: argparse.Namespace) -> int:
         print(line)
     if len(shown) < len(runs):
         print(f"({len(runs) - len(shown)} older runs not shown; --all shows them)")
+    for text in only_spooled:
+        for line in wrap(text, indent="    "):
+            print(line)
     listed = {info.path: info for run in shown for info in spools.get(run.id, [])}
     if listed:
         for line in wrap(

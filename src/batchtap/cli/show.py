@@ -7,6 +7,7 @@ import argparse
 import json
 
 from batchtap.cli._common import (
+    CLIError,
     add_db_arguments,
     events_by_kind,
     fit_table,
@@ -18,7 +19,7 @@ from batchtap.cli._common import (
     resolve_run,
     wrap,
 )
-from batchtap.cli.replay import add_spool_argument, describe, pending_spools
+from batchtap.cli.replay import add_spool_argument, describe, pending_spools, spool_only_runs
 from batchtap.records import EventKind
 
 __all__ = ["register", "main"]
@@ -55,7 +56,19 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def main(args: argparse.Namespace) -> int:
     """Print one run; returns the exit status."""
     with open_store(args) as store:
-        run = resolve_run(store, args.run)
+        try:
+            run = resolve_run(store, args.run)
+        except CLIError:
+            # a run whose start never reached the store is only in its spool: say where it is
+            pending = pending_spools(args)
+            spooled = {
+                k: v for k, v in pending.items() if k.startswith(args.run) or any(i.names.get(k) == args.run for i in v)
+            }
+            if not spooled:
+                raise
+            for text in spool_only_runs(spooled, ()):
+                print(text)
+            return 1
         names = store.metric_names(run.id)
         sparse = set(store.sparse_names(run.id))
         points = {m: store.series(run.id, m) for m in names}

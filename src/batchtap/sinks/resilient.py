@@ -259,6 +259,10 @@ class ResilientSink(Sink):
         self.spool_path = Path(spool_path)
         self.name = name or type(sink).__name__
         self.quarantine_path = self.spool_path.with_name(self.spool_path.name + ".quarantine.jsonl")
+        #: where spool lines that cannot be read (damaged, cut short) are kept, never deleted
+        self.rejected_path = self.spool_path.with_name(self.spool_path.name + ".rejected")
+        #: spool lines kept in ``rejected_path`` since construction
+        self.rejected = 0
         self.call_timeout = call_timeout
         self.max_data_tries = max_data_tries
         self._caller = _Caller(self.name)
@@ -421,6 +425,22 @@ class ResilientSink(Sink):
             ) from err
         self.quarantined += 1
 
+    def _reject(self, line: str, lineno: int) -> None:
+        """Keep an unreadable spool line (as read) in the rejected file, to the disk at once: a
+        damaged line may still be repaired by hand, and it must never vanish with the spool."""
+        try:
+            with self.rejected_path.open("a", encoding="utf-8") as f:
+                f.write(line if line.endswith("\n") else line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:
+            raise SinkError(
+                f"sink {self.name} cannot keep line {lineno} of its spool {self.spool_path}: the file "
+                f"{self.rejected_path} cannot be written ({err.strerror or err}); the spool is left as it is; "
+                "fix: make the spool's directory writable or free disk space"
+            ) from err
+        self.rejected += 1
+
     def _quarantine(self, line: str, entry: SpoolEntry | None, exc: BaseException, *, tries: int) -> None:
         """Set a block the sink refuses for what it holds aside, so it never blocks the others."""
         what = _describe(entry) if entry else "a spooled block"
@@ -509,9 +529,10 @@ class ResilientSink(Sink):
         try:
             for lineno, end, line in self._entries():
                 if not line.endswith("\n"):
+                    self._reject(line, lineno)
                     self._warn(
                         f"sink {self.name}: spool {self.spool_path} line {lineno} is incomplete (the process "
-                        "writing it was killed mid-line); skipping that one block"
+                        f"writing it was killed mid-line); kept in {self.rejected_path}, the rest delivered"
                     )
                     done_offset = end
                     continue
@@ -527,8 +548,10 @@ class ResilientSink(Sink):
                     done_offset = end
                     continue
                 except (ValueError, KeyError, TypeError) as exc:
+                    self._reject(line, lineno)
                     self._warn(
-                        f"sink {self.name}: spool {self.spool_path} line {lineno} is damaged ({exc}); skipping it"
+                        f"sink {self.name}: spool {self.spool_path} line {lineno} is damaged ({exc}); kept in "
+                        f"{self.rejected_path}, the rest delivered"
                     )
                     done_offset = end
                     continue
