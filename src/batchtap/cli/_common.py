@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shutil
 import textwrap
 import time
@@ -43,6 +44,8 @@ __all__ = [
     "wrap",
     "terminal_width",
     "short_id",
+    "plain_text",
+    "HelpFormatter",
 ]
 
 
@@ -334,3 +337,77 @@ def wrap(text: str, *, indent: str = "", width: int | None = None) -> list[str]:
     return textwrap.wrap(text, width=width, subsequent_indent=indent, break_on_hyphens=False, drop_whitespace=True) or [
         ""
     ]
+
+
+# reST roles and literals as they appear in docstrings reused as help: shown as plain words
+_REST_ROLE = re.compile(r":(?:func|class|meth|mod|attr|data|exc|obj|ref):`~?([^`]+)`")
+_REST_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_text(text: str) -> str:
+    """``text`` without reST markup (literals, roles), as a terminal shows help.
+
+    Example:
+        >>> plain_text("the ``--db`` store, see :mod:`batchtap.store` and :func:`~batchtap.store.open`")
+        'the --db store, see batchtap.store and open'
+    """
+    text = _REST_ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1] if "~" in m.group(0) else m.group(1), text)
+    return _REST_LITERAL.sub(r"\1", text)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help that fits the terminal (80 columns when not one) and shows no reST markup.
+
+    Prose paragraphs are wrapped on words; indented lines (examples) keep their layout, except
+    that a line too long puts its ``# comment`` on the next line, and a command still too long is
+    wrapped with a deeper indent.
+    """
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 28, width: int | None = None):
+        super().__init__(prog, indent_increment, max_help_position, width or min(terminal_width(), 100) - 2)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out: list[str] = []
+        for para in plain_text(text).split("\n\n"):
+            lines = para.splitlines()
+            prose = [ln for ln in lines if ln and not ln.startswith(" ")]
+            if len(prose) == len([ln for ln in lines if ln]) and not para.rstrip().endswith(":"):
+                out.append(
+                    textwrap.fill(
+                        " ".join(ln.strip() for ln in lines),
+                        width,
+                        initial_indent=indent,
+                        subsequent_indent=indent,
+                        break_on_hyphens=False,
+                    )
+                )
+                continue
+            block: list[str] = []
+            # one line too long: every comment of the block goes under its command (aligned alike)
+            split = any(len(indent + ln) > width for ln in lines)
+            for ln in lines:
+                block.extend(self._fit_line(indent + ln, width if split else 10**6, width))
+            out.append("\n".join(block))
+        return "\n\n".join(out)
+
+    @staticmethod
+    def _fit_line(line: str, limit: int, width: int) -> list[str]:
+        if len(line) <= limit and "  # " not in line or len(line) <= width and limit > width:
+            return [line]
+        lead = " " * (len(line) - len(line.lstrip()))
+        if not line.strip() or not line.startswith(" "):
+            return textwrap.wrap(line, width, subsequent_indent=lead, break_on_hyphens=False) or [line]
+        command, sep, comment = line.partition("  # ")
+        lines = textwrap.wrap(command.rstrip(), width, subsequent_indent=lead + "    ", break_on_hyphens=False)
+        if sep:
+            lines += textwrap.wrap(
+                "# " + comment.strip(),
+                width,
+                initial_indent=lead + "    ",
+                subsequent_indent=lead + "      ",
+                break_on_hyphens=False,
+            )
+        return lines
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return super()._split_lines(plain_text(text), width)

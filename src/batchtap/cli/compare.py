@@ -7,7 +7,7 @@ import math
 import sys
 from typing import TYPE_CHECKING
 
-from batchtap.cli._common import CLIError, add_db_arguments, open_store, resolve_run, short_id
+from batchtap.cli._common import CLIError, add_db_arguments, open_store, resolve_run, short_id, wrap
 from batchtap.cli._plotting import (
     ANOMALY_COLOR,
     add_size_arguments,
@@ -59,7 +59,8 @@ def main(args: argparse.Namespace) -> int:
         for ref in args.runs:
             run = resolve_run(store, ref)
             if any(r.id == run.id for r in runs):
-                print(f"batchtap: note: {ref!r} is run {short_id(run.id)} again; drawn once", file=sys.stderr)
+                note = f"batchtap: note: {ref!r} is run {short_id(run.id)} again; drawn once"
+                print("\n".join(wrap(note, indent="  ")), file=sys.stderr)
                 continue
             runs.append(run)
         present = {run.id: set(store.metric_names(run.id)) for run in runs}
@@ -76,7 +77,8 @@ def main(args: argparse.Namespace) -> int:
     for run in runs:
         lacking = [m for m in wanted if m not in present[run.id]]
         if lacking:
-            print(f"batchtap: note: run {run.name!r} ({short_id(run.id)}) has no {', '.join(lacking)}", file=sys.stderr)
+            note = f"batchtap: note: run {run.name!r} ({short_id(run.id)}) has no {', '.join(lacking)}"
+            print("\n".join(wrap(note, indent="  ")), file=sys.stderr)
     out = args.output or DEFAULT_OUTPUT
     fig, axes = new_figure(args.size, len(wanted))
     anomalies = 0
@@ -123,7 +125,6 @@ def main(args: argparse.Namespace) -> int:
     fig.tight_layout()
     save(fig, out)
     w, h = args.size
-    print(
-        f"wrote {out} ({w}x{h}): {len(runs)} runs, {len(wanted)} panels ({', '.join(wanted)}), {anomalies} anomalies marked"
-    )
+    said = f"wrote {out} ({w}x{h}): {len(runs)} runs, {len(wanted)} panels ({', '.join(wanted)}), {anomalies} anomalies marked"
+    print("\n".join(wrap(said, indent="  ")))
     return 0

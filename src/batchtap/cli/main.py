@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from batchtap.cli import audit, compare, demo, export, plot, replay, run, runs, show, tail, tensorboard, ui
-from batchtap.cli._common import CLIError
+from batchtap.cli._common import CLIError, HelpFormatter, wrap
 
 __all__ = ["main", "build_parser"]
 
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="batchtap",
         description="Per-batch training metrics for PyTorch: capture, validate, store, act.",
         epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo_parser = commands.add_parser(
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.set_defaults(func=demo.main)
     for module in (runs, show, tail, plot, compare, export, replay, tensorboard, audit, run, ui):
         module.register(commands)
+    # every subcommand's help fits the terminal and shows no reST markup
+    for sub in commands.choices.values():
+        sub.formatter_class = HelpFormatter
     return parser
 
 
@@ -58,7 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CLIError as exc:
         if exc.code == 2:
             parser.error(str(exc))  # exits 2 with the usage line, as argparse does
-        print(f"batchtap: error: {exc}", file=sys.stderr)
+        said = f"batchtap: error: {exc}"
+        # on a terminal, wrapped on words; a pipe or a log gets one line per error (easy to grep)
+        print("\n".join(wrap(said, indent="  ")) if sys.stderr.isatty() else said, file=sys.stderr)
         return exc.code
     except BrokenPipeError:
         # `batchtap export ... | head`: the reader left; that is not an error of ours.

@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
     logged = [m for m in names if m in sparse]
     series = {m: [p.value for p in pts] for m, pts in points.items()}
     out: list[str] = []
-    out.append(f"run {run.name}  (id {run.id})")
+    out.extend(wrap(f"run {run.name}  (id {run.id})", indent="    "))
     status = run.status.value + (f" - {run.stop_reason}" if run.stop_reason else "")
     out.extend(wrap(f"  status       {status}", indent=" " * 15))
     for info in spools:

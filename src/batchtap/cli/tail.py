@@ -19,7 +19,6 @@ import argparse
 import collections
 import os
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -30,13 +29,14 @@ from batchtap.cli._common import (
     CLIError,
     add_db_arguments,
     db_url,
+    fit_table,
     fmt_duration,
     fmt_rank,
     fmt_value,
     open_store,
     resolve_run,
     short_id,
-    table,
+    wrap,
 )
 from batchtap.records import Event, Record, RunStatus
 from batchtap.store import redact_dsn
@@ -98,13 +98,9 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="S",
         help="wait up to S seconds for the store and a running (or new) run RUN to appear (default 0)",
     )
-    parser.add_argument(
-        "--stale",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="after S seconds without new rows, check that the writing process is alive (default 30)",
-    )
+    # Kept so that scripts passing it still run: a run whose writer is gone now reads 'killed' at
+    # once (the reader's one owner-gone rule), so there is nothing left to wait S seconds for.
+    parser.add_argument("--stale", type=float, default=30.0, help=argparse.SUPPRESS)
     parser.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
     parser.set_defaults(func=main)
 
@@ -273,12 +269,17 @@ class PlainView:
     def __init__(self, out: TextIO) -> None:
         self.out = out
         self._started = False
+        # wrapped on words on a terminal; a pipe keeps one line per step or event (for grep)
+        self._wrap = out.isatty()
+
+    def _fit(self, line: str, indent: str) -> list[str]:
+        return wrap(line, indent=indent) if self._wrap else [line]
 
     def update(self, poll: Poll, counts: Mapping[str, int]) -> None:
         run = poll.run
         lines = []
         if not self._started:
-            lines.append(f"# run {run.name} ({run.id}) {run.status.value}")
+            lines.extend(self._fit(f"# run {run.name} ({run.id}) {run.status.value}", "#   "))
             self._started = True
         # A logged value comes after the step it names (it was logged after that step ran).
         steps: list[tuple[int, int, str]] = []
@@ -286,14 +287,16 @@ class PlainView:
             values = " ".join(f"{m}={format_value(m, r.values.get(m))}" for m in poll.columns or ())
             steps.append((r.step, 0, f"step={r.step} epoch={r.epoch} batch={r.batch} {values}".rstrip()))
         steps.extend((r.step, 1, _logged_line(r)) for r in poll.logged)
-        lines.extend(line for _, _, line in sorted(steps, key=lambda t: t[:2]))
-        lines.extend(_event_line(e) for e in poll.events)
+        for _, _, line in sorted(steps, key=lambda t: t[:2]):
+            lines.extend(self._fit(line, "    "))
+        for e in poll.events:
+            lines.extend(self._fit(_event_line(e), "    "))
         if lines:
             self.out.write("\n".join(lines) + "\n")
             self.out.flush()
 
     def close(self, run: RunRow) -> None:
-        self.out.write(_end_line(run) + "\n")
+        self.out.write("\n".join(self._fit(_end_line(run), "#   ")) + "\n")
         self.out.flush()
 
 
@@ -338,12 +341,24 @@ class LiveView:
             [str(r.step), str(r.epoch), str(r.batch), *(format_value(m, r.values.get(m)) for m in columns)]
             for r in self.rows
         ]
-        lines.extend(table(["step", "epoch", "batch", *columns], body, right=[True] * (3 + len(columns))))
+        # too wide for the terminal: epoch and batch go first, then the later metric columns
+        priority = [1, 4, 4, *(1 + i // 2 for i in range(len(columns)))]
+        lines.extend(
+            fit_table(
+                ["step", "epoch", "batch", *columns],
+                body,
+                right=[True] * (3 + len(columns)),
+                priority=priority,
+                width=width,
+                shrink=None,
+            )
+        )
         if self.logged:
             # Below the table, never a column of it: logged values have steps of their own.
             lines.append("logged  " + "  ".join(f"{m} {fmt_value(v)} (step {s})" for m, (s, v) in self.logged.items()))
         lines.append(_counts_line(self.counts))
-        lines.extend(_event_line(e) for e in self.events)
+        for e in self.events:
+            lines.extend(wrap(_event_line(e), indent="    ", width=width))
         text = "".join(line[:width] + "\x1b[K\n" for line in lines)
         # Back to the top of what we drew last time, then clear below: a redraw without flicker.
         prefix = f"\x1b[{self._drawn}F\x1b[J" if self._drawn else ""
@@ -352,23 +367,8 @@ class LiveView:
         self._drawn = len(lines)
 
     def close(self, run: RunRow) -> None:
-        self.out.write(_end_line(run) + "\n")
+        self.out.write("\n".join(wrap(_end_line(run), indent="#   ")) + "\n")
         self.out.flush()
-
-
-def _writer_gone(run: RunRow) -> bool:
-    """True when the run was written from this host by a process that no longer exists."""
-    env = run.environment
-    pid, host = env.get("pid"), env.get("host") or env.get("hostname")
-    if not isinstance(pid, int) or host != socket.gethostname():
-        return False  # another machine: we cannot tell
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # exists, owned by someone else
-    return False
 
 
 def _find(args: argparse.Namespace, started: float) -> tuple[Store, RunRow, bool]:
@@ -387,10 +387,15 @@ def _find(args: argparse.Namespace, started: float) -> tuple[Store, RunRow, bool
             is_new = args.wait > 0 and run.started_at >= started - 1.0
             if run.status is RunStatus.RUNNING or is_new or time.monotonic() >= deadline:
                 return store, run, is_new
-        except CLIError:
+        except CLIError as exc:
             if time.monotonic() >= deadline:
                 if store is not None:
                     store.close()
+                if args.wait <= 0:
+                    # the usual case: tail started before the training script made its run
+                    raise CLIError(
+                        f"{exc}; if the run is about to start, wait for it: batchtap tail {args.run} --wait 60"
+                    ) from None
                 raise
         if not told:
             print(
@@ -427,12 +432,11 @@ def main(args: argparse.Namespace) -> int:
             follower.last_step = run.last_step - max(args.lines, 0)
             follower.skip_events()
             follower.skip_logged(follower.last_step)
-        last_new = time.monotonic()
         while True:
             poll = follower.poll()
-            run, rows = poll.run, poll.rows
+            run = poll.run
             view.update(poll, follower.counts)
-            if run.status is RunStatus.KILLED and _writer_gone(run):  # issue 29: the reader derives 'killed'
+            if run.status is RunStatus.KILLED:  # derived by the reader: its process is gone
                 view.close(run)
                 print(
                     f"batchtap: error: run {run.name!r} ({short_id(run.id)}) was killed: its process "
@@ -444,15 +448,4 @@ def main(args: argparse.Namespace) -> int:
             if run.status is not RunStatus.RUNNING:
                 view.close(run)
                 return 0
-            now = time.monotonic()
-            if rows or poll.logged:
-                last_new = now
-            elif now - last_new > args.stale and _writer_gone(run):
-                print(
-                    f"batchtap: error: run {run.name!r} ({short_id(run.id)}) still says 'running' but its process "
-                    f"(pid {run.environment.get('pid')} on this host) is gone; it will never end; "
-                    "fix: resume it with tap.run(resume=ID) or ignore it",
-                    file=sys.stderr,
-                )
-                return 1
             time.sleep(args.interval)

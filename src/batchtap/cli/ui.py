@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 
 from batchtap.cli._common import CLIError, add_db_arguments, db_url
 
@@ -51,6 +53,7 @@ def main(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     if args.token is not None and not args.token:
         raise CLIError("--token must not be empty; fix: give a token, or leave --token out to have one generated")
+    _check_port(args.host, args.port)
     try:
         batchtap.ui.serve(
             db_url(args),
@@ -66,3 +69,36 @@ def main(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CLIError(f"cannot serve on {args.host}:{args.port}: {exc}; fix: pick another --port") from None
     return 0
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be bound now (as uvicorn binds it: SO_REUSEADDR, so a port left
+    in TIME_WAIT by a stopped server counts as free)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
+
+
+def _check_port(host: str, port: int) -> None:
+    """A taken port is a user error naming the next free one (uvicorn would log its own error and
+    exit 1 with no hint)."""
+    if port == 0:
+        return
+    try:
+        if _bindable(host, port):
+            return
+    except OSError as exc:
+        raise CLIError(f"cannot serve on {host}:{port}: {exc.strerror or exc}; fix: check --host") from None
+    free = next((p for p in range(port + 1, min(port + 100, 65536)) if _bindable(host, p)), None)
+    hint = f"batchtap ui --port {free} (free now)" if free is not None else "another --port"
+    raise CLIError(
+        f"port {port} on {host} is already in use (another batchtap ui, or another server); expected a free "
+        f"port; fix: {hint}, or --port 0 to pick any free port"
+    )
