@@ -115,3 +115,42 @@ def test_a_store_on_a_read_only_file_system_is_readable(read_only_dir: Path) -> 
     finally:
         if os.geteuid() != 0:
             read_only_dir.chmod(0o755)
+
+
+@pytest.fixture
+def foreign_wal(tmp_path: Path) -> Path:
+    """Another application's database in WAL mode, closed cleanly (no -wal / -shm beside it)."""
+    db = tmp_path / "app.db"
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
+    conn.executemany("INSERT INTO customers (name) VALUES (?)", [(f"c{i}",) for i in range(100)])
+    conn.commit()
+    conn.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]
+    return db
+
+
+def test_a_foreign_wal_file_is_refused_with_nothing_created_beside_it(foreign_wal: Path) -> None:
+    before = _snapshot(foreign_wal.parent)
+    with pytest.raises(SinkError, match="not a batchtap store"):
+        bt.sinks.SQLite(foreign_wal)
+    assert _snapshot(foreign_wal.parent) == before  # before: app.db-wal and app.db-shm appeared
+    with pytest.raises(StoreError, match="not a batchtap store"):
+        batchtap.store.open(foreign_wal)
+    assert _snapshot(foreign_wal.parent) == before
+    done = cli("runs", "--db", str(foreign_wal))
+    assert done.returncode != 0 and "not a batchtap store" in done.stderr, done.stderr
+    assert _snapshot(foreign_wal.parent) == before
+
+
+def test_a_batchtap_store_in_wal_mode_closed_cleanly_still_opens(tmp_path: Path) -> None:
+    db = tmp_path / "bt.db"
+    with bt.Tap(sinks=[bt.sinks.SQLite(db)]) as tap, tap.run(name="r"):
+        tap.step(loss=torch.tensor(0.5))
+    for side in ("-wal", "-shm"):
+        assert not (tmp_path / f"bt.db{side}").exists()
+    with batchtap.store.open(db) as st:
+        assert [r.name for r in st.runs()] == ["r"]
+    with bt.Tap(sinks=[bt.sinks.SQLite(db)]) as tap, tap.run(name="again"):
+        tap.step(loss=torch.tensor(0.5))

@@ -85,6 +85,7 @@ def connect_sqlite(
     """
     p = Path(path)
     where = str(p)
+    _refuse_foreign_wal(p, where, busy_timeout_s)
     if not create:
         return _open_reader(p, where, busy_timeout_s, migrate)
     try:
@@ -112,6 +113,33 @@ def connect_sqlite(
         conn.close()
         raise _store_error(exc, where) from exc
     return conn
+
+
+def _refuse_foreign_wal(p: Path, where: str, busy_timeout_s: float) -> None:
+    """Refuse a WAL-mode file that is not a batchtap store without creating anything beside it.
+
+    Any connection to a WAL-mode database, read-only ones included, makes its ``-wal`` and ``-shm``
+    files, and a read-only one leaves them behind. When the file has no ``-wal`` file beside it,
+    everything it holds is in the file itself, so it is identified through an ``immutable``
+    connection, which creates nothing; a foreign one is refused there.
+    """
+    try:
+        with p.open("rb") as f:
+            header = f.read(100)
+    except OSError:
+        return  # missing or unreadable: the open below says so
+    wal_mode = len(header) == 100 and header.startswith(b"SQLite format 3\x00") and header[18:20] == b"\x02\x02"
+    if not wal_mode or Path(f"{p}-wal").exists():
+        return
+    probe = _open(p.resolve().as_uri() + "?mode=ro&immutable=1", where, busy_timeout_s, uri=True)
+    try:
+        _current_version(probe, SQLITE, where)
+    except StoreError:
+        raise
+    except sqlite3.DatabaseError as exc:
+        raise _store_error(exc, where) from exc
+    finally:
+        probe.close()
 
 
 def _open(target: str, where: str, busy_timeout_s: float, *, uri: bool) -> sqlite3.Connection:
