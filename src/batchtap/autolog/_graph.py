@@ -65,6 +65,8 @@ class Resolved:
             Trainer's causal-LM ``CE(sum) / num_items_in_batch``, a tensor normalising over the
             whole optimizer step): ``loss`` is then what ``backward()`` got (scale undone), and the
             step's loss is the sum over its micro-batches, ``sum(CE) / N``.
+        factors: each constant factor but the scale as a multiplier, None where only the device
+            knows it: micro-batches of one accumulation carry equal factors, weighted losses not.
         shape: the graph's node names from the tensor down to the loss's own node: micro-batches
             of one accumulated loss have the same shape, different losses rarely do.
     """
@@ -76,6 +78,7 @@ class Resolved:
     divided: bool = False
     shape: tuple[str, ...] = ()
     normalised: bool = False
+    factors: tuple[float | None, ...] = ()
 
 
 def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Tensor | None = None) -> Resolved:
@@ -157,7 +160,14 @@ def _resolved(
         divided=not all(scaled),
         shape=tuple(names),
         normalised=normalised,
+        factors=tuple(
+            (host_number(c) if op == _MUL else _inverse(host_number(c))) for (op, c), s in zip(factors, scaled) if not s
+        ),
     )
+
+
+def _inverse(value: float | None) -> float | None:
+    return None if value is None or value == 0 else 1.0 / value
 
 
 #: dtypes of the 0-dim CPU tensors a Python number becomes in an op, and how their bytes read
@@ -165,25 +175,30 @@ _SCALAR_FORMATS = {torch.int64: "<q", torch.float64: "<d", torch.float32: "<f", 
 
 
 def _is_one(constant: Any) -> bool:
-    """Whether a constant factor is exactly 1, known without a device read: a Python number, or a
+    """Whether a constant factor is exactly 1 (known without a device read, see :func:`host_number`)."""
+    return host_number(constant) == 1
+
+
+def host_number(constant: Any) -> float | None:
+    """A constant factor's value when it is known without a device read: a Python number, or a
     0-dim CPU tensor (what a Python number in ``loss * 1`` becomes) read from its host bytes, not
     through an op (it is host memory: no device is involved, on a GPU run as on the CPU). A device
-    tensor is never read: it counts as a factor whatever its value."""
+    tensor is never read: None, whatever its value."""
     if isinstance(constant, (int, float)):
-        return constant == 1
+        return float(constant)
     if not isinstance(constant, torch.Tensor) or constant.device.type != "cpu" or constant.dim() != 0:
-        return False
+        return None
     fmt = _SCALAR_FORMATS.get(constant.dtype)
     if fmt is None:
-        return False
+        return None
     try:
         # its bytes straight from host memory: an op (item, indexing the storage) would go through
         # the dispatcher, which is what a device read looks like
         raw = ctypes.string_at(constant.data_ptr(), constant.element_size())
     except Exception:  # noqa: BLE001 - a tensor without host bytes (a fake or lazy one): not known
-        return False
+        return None
     (value,) = struct.unpack(fmt, raw)
-    return bool(value == 1)
+    return float(value)
 
 
 def _is_scale(constant: Any, scale: torch.Tensor | None) -> bool:

@@ -51,6 +51,7 @@ class MicroBatch:
     divided: bool = False
     shape: tuple[str, ...] = ()
     normalised: bool = False
+    factors: tuple[float | None, ...] = ()
 
     def given(self) -> torch.Tensor:
         """What the gradients saw of this loss: the tensor given to ``backward()`` with the
@@ -149,7 +150,7 @@ class Rows:
                 "mean of per-micro-batch means)",
             )
             return _NORMALISED
-        if first.divided and second.divided and first.shape == second.shape:
+        if first.divided and second.divided and first.shape == second.shape and _same(first.factors, second.factors):
             self.say(
                 "accumulation",
                 "several backward() calls before one optimizer step, each the same loss graph divided by a "
@@ -312,6 +313,13 @@ class Rows:
             )
             return False
         return True
+
+
+def _same(first: tuple[float | None, ...], second: tuple[float | None, ...]) -> bool:
+    """Whether two micro-batches' constant factors can be one accumulation count: equal where the
+    host knows both (``loss / 4`` each time), whatever they are where only the device does.
+    ``0.3 * ce_a`` and ``0.7 * ce_b`` are weighted losses, not micro-batches."""
+    return len(first) == len(second) and all(a is None or b is None or a == b for a, b in zip(first, second))
 
 
 def _summed(micro: list[MicroBatch]) -> MicroBatch:

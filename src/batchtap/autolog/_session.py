@@ -294,6 +294,7 @@ class Session:
             divided=found.divided,
             shape=found.shape,
             normalised=found.normalised,
+            factors=found.factors,
         )
         if call is not None and call.logits is not None:
             micro.outputs, micro.targets, micro.ignore_index = call.logits, call.targets, call.ignore_index
