@@ -190,3 +190,43 @@ def test_realloop_char_lm_in_process(tmp_path: Path) -> None:
     import batchtap.autolog as autolog_package
 
     assert autolog_package.active_session() is None  # ended, every patch undone
+
+
+SWEEP_SCRIPT = """
+import argparse, torch, torch.nn.functional as F
+p = argparse.ArgumentParser()
+p.add_argument("--lr", type=float, default=0.1)
+p.add_argument("--epochs", type=int, default=1)
+p.add_argument("--api-key", default="")
+sub = argparse.ArgumentParser(add_help=False)
+sub.add_argument("--inner", default="not-the-command-line")
+sub.parse_args(["--inner", "x"])  # an explicit list: not the script's command line
+args = p.parse_args()
+model = torch.nn.Linear(4, 3); opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+for epoch in range(args.epochs):
+    for i in range(3):
+        loss = F.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
+        opt.zero_grad(); loss.backward(); opt.step()
+print("lr", args.lr, "epochs", args.epochs)
+"""
+
+
+def test_the_scripts_parsed_arguments_are_its_config(tmp_path: Path) -> None:
+    script = tmp_path / "sweep.py"
+    script.write_text(SWEEP_SCRIPT)
+    db = tmp_path / "b.db"
+    command = [sys.executable, "-m", "batchtap", "run", "--db", str(db), "--tag", "sweep", "--tag", "lr"]
+    command += ["--notes", "first try", str(script), "--lr", "0.01", "--epochs", "2", "--api-key", "s3cret"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "lr 0.01 epochs 2" in done.stdout  # the script saw its own arguments, unchanged
+    run, values = stored(db)
+    config = json.loads(run["config"])
+    assert config["lr"] == 0.01 and config["epochs"] == 2 and "inner" not in config
+    assert config["api_key"] == "***"  # a parsed secret is masked like any config secret
+    assert len(values["loss"]) == 6
+    import batchtap.store
+
+    with batchtap.store.open(db) as st:
+        (row,) = st.runs()
+        assert row.tags == ("sweep", "lr") and row.notes == "first try"

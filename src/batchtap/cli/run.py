@@ -3,8 +3,9 @@
 Runs the script in this process as ``python SCRIPT ARGS`` would (``runpy``, ``sys.argv = [SCRIPT,
 *ARGS]``, ``__name__ == "__main__"``, the script's folder first on ``sys.path``: the same set-up
 as ``batchtap audit``) with :func:`batchtap.autolog` on: one record per optimizer step, stored
-with the script's command line and training-related environment variables as the run's config,
-and the console's lines as usual. The run ends as the script does: ``finished`` (exit status 0),
+with the script's parsed arguments as the run's config (what its ``argparse`` parser returned for
+the command line: ``batchtap run train.py --lr 0.01`` stores ``lr``), its command line and
+training-related environment variables, and the console's lines as usual. The run ends as the script does: ``finished`` (exit status 0),
 ``failed`` (an exception, or a non-zero ``sys.exit``; every captured step is stored), ``stopped``
 (Ctrl-C or SIGTERM); the command exits with the script's status. Under ``torchrun`` (``torchrun
 --nproc_per_node=2 -m batchtap run train.py``) every rank runs it and rank 0 stores the reduced rows.
@@ -24,7 +25,7 @@ from typing import Any
 from batchtap.cli._common import CLIError
 from batchtap.cli.audit import _script_context
 
-__all__ = ["register", "main", "run_script", "training_environment"]
+__all__ = ["register", "main", "run_script", "training_environment", "ParsedArguments"]
 
 EXAMPLE = """examples:
   batchtap run train.py --epochs 3               # ARGS after SCRIPT go to the script
@@ -61,6 +62,10 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument(
         "--flush-every", type=int, default=50, metavar="N", help="rows per flush to the store (default 50)"
     )
+    parser.add_argument(
+        "--tag", action="append", dest="tags", default=None, metavar="TAG", help="a tag for the run (repeatable)"
+    )
+    parser.add_argument("--notes", default=None, metavar="TEXT", help="a note stored with the run")
     parser.add_argument("script", metavar="SCRIPT", help="the Python training script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
     parser.set_defaults(func=main)
@@ -69,6 +74,55 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def training_environment() -> dict[str, str]:
     """The environment variables stored with a run (secrets are masked when the run is stored)."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES}
+
+
+class ParsedArguments:
+    """Catches what the script's ``argparse`` parsers return for its command line, while installed.
+
+    ``ArgumentParser.parse_args`` (and ``parse_known_args``, which it calls) is wrapped for the
+    duration of the script: each parse of the command line itself (``args=None``) hands its
+    namespace to ``on_parsed``. Parses of explicit lists (subparsers, a script's own helpers) are
+    left alone. The wrapper only reads the result; what the script gets back is unchanged.
+    """
+
+    def __init__(self, on_parsed: Any) -> None:
+        self._on_parsed = on_parsed
+        self._original: Any = None
+
+    def __enter__(self) -> ParsedArguments:
+        original = self._original = argparse.ArgumentParser.parse_known_args
+        on_parsed = self._on_parsed
+
+        def parse_known_args(parser: argparse.ArgumentParser, args: Any = None, namespace: Any = None) -> Any:
+            result = original(parser, args, namespace)
+            if args is None:
+                try:
+                    on_parsed(vars(result[0]))
+                except Exception as exc:  # noqa: BLE001 - recording the config never breaks the script
+                    print(f"batchtap: note: the script's arguments were not stored: {exc}", file=sys.stderr)
+            return result
+
+        argparse.ArgumentParser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        argparse.ArgumentParser.parse_known_args = self._original  # type: ignore[method-assign]
+
+
+def _store_arguments(session: Any, parsed: dict[str, Any]) -> None:
+    """Put the script's parsed arguments into its run's config (top-level keys, so they are the
+    runs table's columns; ``script``, ``argv`` and ``environment`` stay batchtap's). The run's row
+    is written again when the run ends, with them."""
+    from batchtap._config import to_json_config
+    from batchtap._env import scrub_secrets
+
+    info = session.tap.run_info if session is not None else None
+    if info is None:
+        return
+    values, _ = to_json_config(parsed)
+    values = scrub_secrets(values)  # an --api-key argument is never stored
+    for key, value in values.items():
+        info.config[f"args.{key}" if key in ("script", "argv", "environment") else key] = value
 
 
 def run_script(script: Path) -> tuple[int, str, str | None]:
@@ -113,7 +167,13 @@ def main(args: argparse.Namespace) -> int:
     with _script_context(script, args.args):
         autolog(name=args.name or script.stem, config=config, flush_every=args.flush_every)
         session = active_session()
-        code, status, reason = run_script(script)
+        info = session.tap.run_info if session is not None else None
+        if info is not None and (args.tags or args.notes):
+            info.environment["tags"] = list(dict.fromkeys(args.tags or ()))
+            if args.notes:
+                info.environment["notes"] = args.notes
+        with ParsedArguments(lambda parsed: _store_arguments(session, parsed)):
+            code, status, reason = run_script(script)
         if session is not None:
             session.end(status, reason)
     if reason == "SIGTERM":
