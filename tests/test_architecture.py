@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -502,3 +503,159 @@ def test_no_src_file_over_600_lines_and_no_class_over_25_methods() -> None:
         f"classes over 25 methods, not listed: {sorted(big - set(OVER_METHODS))}; "
         f"listed but within the limit now (drop them from OVER_METHODS): {sorted(set(OVER_METHODS) - big)}"
     )
+
+
+# ---------------------------------------------------------------------- docs/architecture.md's hop table
+
+_DOC = SRC.parents[1] / "docs" / "architecture.md"
+
+
+def _hops() -> list[tuple[int, list[list[tuple[str, list[str]]]], list[str], bool]]:
+    """The "Follow one value" table: per hop its number, its "where" cell as ``→``-separated
+    segments of (file, names), its "reached from" files, and whether a plain run reaches it."""
+    text = _DOC.read_text()
+    section = text[text.index("## Follow one value") :]
+    section = section[: section.index("\n## ")]
+    rows = [line for line in section.splitlines() if re.match(r"\| \d+ \|", line)]
+    hops = []
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        segments = []
+        for part in cells[1].split("→"):
+            found: list[tuple[str, list[str]]] = []
+            for token in re.findall(r"`([^`]+)`", part):
+                if token.endswith(".py"):
+                    found.append((token, []))
+                elif found and re.fullmatch(r"[A-Za-z_][\w.]*", token):
+                    found[-1][1].append(token)
+            segments.append(found)
+        reached = [t for t in re.findall(r"`([^`]+)`", cells[2]) if t.endswith(".py")]
+        hops.append((int(cells[0]), [s for s in segments if s], reached, "process groups only" not in cells[1]))
+    return hops
+
+
+def _defines(path: Path, name: str) -> bool:
+    tree = ast.parse(path.read_text())
+    head, _, attr = name.partition(".")
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == head:
+            if not attr:
+                return True
+            return isinstance(node, ast.ClassDef) and any(
+                isinstance(b, ast.FunctionDef) and b.name == attr for b in node.body
+            )
+    return False
+
+
+def _interfaces(path: Path, name: str, depth: int = 3) -> set[str]:
+    """The modules declaring the base classes of ``name``'s class (``Loss`` -> ``metrics.decoders``,
+    ``metrics.base``, ``metrics.decoding``): a caller reaches an implementation through them."""
+    if depth == 0 or "." not in name:
+        return set()
+    tree = ast.parse(path.read_text())
+    imported = {
+        a.asname or a.name: node.module
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("batchtap")
+        for a in node.names
+    }
+    found: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name.split(".")[0]:
+            for base in node.bases:
+                module = imported.get(ast.unparse(base))
+                if module:
+                    found.add(module)
+                    base_path = SRC.parent / Path(*module.split(".")).with_suffix(".py")
+                    found |= _interfaces(base_path, f"{ast.unparse(base)}.x", depth - 1)
+    return found
+
+
+def _module_of(file: str) -> str:
+    return "batchtap." + file.removesuffix(".py").replace("/", ".")
+
+
+def test_the_hop_table_names_real_files_and_names_reached_through_imports() -> None:
+    graph = _module_graph()
+    hops = _hops()
+    assert [n for n, *_ in hops] == list(range(1, len(hops) + 1)), "hops numbered 1..n in order"
+    bad = []
+
+    def reaches(caller: str, file: str, names: list[str]) -> bool:
+        target = _module_of(file)
+        via = {target}.union(*(_interfaces(SRC / file, n) for n in names if (SRC / file).is_file()))
+        return caller == target or bool(graph.get(caller, set()) & via)
+
+    where_files: list[set[str]] = []
+    for number, segments, reached, _ in hops:
+        files = {file for segment in segments for file, _ in segment}
+        where_files.append(files)
+        for segment in segments:
+            for file, names in segment:
+                if not (SRC / file).is_file():
+                    bad.append(f"hop {number}: {file} does not exist")
+                    continue
+                bad += [f"hop {number}: {file} defines no {n}" for n in names if not _defines(SRC / file, n)]
+        for before, after in zip(segments, segments[1:]):  # a → inside the cell: the first calls the next
+            (file_a, _), (file_b, names_b) = before[-1], after[0]
+            if not reaches(_module_of(file_a), file_b, names_b):
+                bad.append(f"hop {number}: {file_a} → {file_b}, but {file_a} imports neither it nor its interface")
+        if segments:
+            file, names = segments[0][0]
+            for caller in reached:
+                if not reaches(_module_of(caller), file, names):
+                    bad.append(f"hop {number}: reached from {caller}, which imports neither {file} nor its interface")
+    for i, files in enumerate(where_files):  # no hop returns to a file the value already left
+        for file in files:
+            later = [j for j in range(i + 2, len(where_files)) if file in where_files[j]]
+            if later and file not in where_files[i + 1]:
+                bad.append(f"{file} is left after hop {i + 1} and returned to at hop {later[0] + 1}")
+    assert not bad, "docs/architecture.md's hop table drifted from the code:\n" + "\n".join(bad)
+
+
+def test_a_real_run_calls_every_name_the_hop_table_lists(tmp_path: Path) -> None:
+    """The loss of real runs (thread pipeline, SQLite; a rule, then the short path) passes through
+    every function the table names, but the reduction's (process groups only)."""
+    import sys
+    import threading
+
+    import torch
+
+    import batchtap as bt
+
+    wanted = {
+        (str(SRC / file), name)
+        for _, segments, _, runs in _hops()
+        if runs
+        for segment in segments
+        for file, names in segment
+        for name in names
+    }
+    called: set[tuple[str, str]] = set()
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        if event == "call":
+            code = frame.f_code  # type: ignore[attr-defined]
+            if code.co_filename.startswith(str(SRC)):
+                called.add((code.co_filename, code.co_qualname))
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        model = torch.nn.Linear(4, 3)
+        x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+        # with a rule (the rules stage; rule actions keep every step on the general path), then
+        # without (the later steps of a repeated signature take the short path)
+        for rules in ([bt.NonFinite()], []):
+            tap = bt.Tap(sinks=[bt.sinks.SQLite(tmp_path / "hops.db")], rules=rules, flush_every=4)
+            with tap.run(name="hops"):
+                for _ in range(12):
+                    out = model(x)
+                    tap.step(loss=torch.nn.functional.cross_entropy(out, y), outputs=out, targets=y)
+            tap.close()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    seen = {(f, q.split(".<locals>")[0]) for f, q in called}
+    missing = sorted(f"{Path(f).relative_to(SRC)} {n}" for f, n in wanted - seen)
+    assert not missing, f"docs/architecture.md's hop table names functions a real run never calls: {missing}"

@@ -15,6 +15,7 @@ from batchtap.metrics.decoding import BlockData, ColumnLayout
 from batchtap.pipeline.chain.control import Verdict
 from batchtap.pipeline.chain.decode import Decoder
 from batchtap.pipeline.chain.reduce import Reducer
+from batchtap.pipeline.chain.rows import DecodedBlock
 from batchtap.records import ALL_RANKS, Event, Record
 from batchtap.rules.engine import RuleEngine
 
@@ -112,7 +113,7 @@ class RunChain:
         return dict(self.decoder.anomaly_counts)
 
     def process(self, data: BlockData) -> Processed:
-        block = self.decoder.decode(data)
+        block: DecodedBlock = self.decoder.decode(data)
         if self._held:
             block.events[:0], self._held = self._held, []
         if self.reducer is not None:
