@@ -234,3 +234,30 @@ def test_dtensor_parameters_give_the_global_norm_declared_global() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_tap_step_twice_per_optimizer_step_leaves_the_second_row_out(sink) -> None:
+    """``tap.step`` after the optimizer step, then again after ``zero_grad(set_to_none=True)`` (a
+    second call per step, e.g. for an evaluation batch): the first row has the step's norm, the
+    second has none left to measure — left out with a warning, never the first row's norm again."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refs = []
+    tap = bt.Tap([bt.metrics.Loss(), bt.metrics.GradNorm(model)], [sink], flush_every=4)
+    with tap, tap.run(name="twice"):
+        for _ in range(3):
+            loss = torch.nn.functional.cross_entropy(model(torch.randn(8, 5)), torch.randint(0, 3, (8,)))
+            loss.backward()
+            refs.append(math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters())))
+            opt.step()
+            tap.step(loss=loss)
+            opt.zero_grad(set_to_none=True)
+            tap.step(loss=loss.detach())
+    rows = [r for r in sink.records if not r.sparse]
+    assert len(rows) == 6
+    for i, ref in enumerate(refs):
+        assert rows[2 * i].values["grad_norm"] == pytest.approx(ref, rel=1e-5)
+        assert "grad_norm" not in rows[2 * i + 1].values
+    warnings = [e.message for e in sink.events if e.kind == bt.EventKind.WARNING]
+    assert len([m for m in warnings if "tap.step twice per optimizer step" in m]) == 1, warnings

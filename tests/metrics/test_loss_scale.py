@@ -141,3 +141,35 @@ def test_declarations() -> None:
     assert not metric.per_micro_batch
     with pytest.raises(bt.ConfigError, match="LossScale needs a torch.amp.GradScaler, got SGD"):
         bt.metrics.LossScale(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("placement", ["before-update", "after-update"])
+def test_one_scaler_over_two_optimizers_keeps_a_skip_of_either(sink, placement: str) -> None:
+    """One GradScaler steps two optimizers; at step 2 only the second one's gradients are inf (the
+    scaler skips that optimizer): the row's ``amp_skipped`` is 1 wherever ``tap.step`` sits."""
+    torch.manual_seed(3)
+    a, b = torch.nn.Linear(5, 2), torch.nn.Linear(5, 2)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    used = []
+    tap = bt.Tap([bt.metrics.Loss(nonnegative=False), bt.metrics.LossScale(scaler)], [sink], flush_every=4)
+    with tap, tap.run(name="one-scaler"):
+        for step in range(5):
+            x = torch.randn(4, 5)
+            loss = a(x).pow(2).mean() + b(x).pow(2).mean()
+            used.append(scaler.get_scale())
+            scaler.scale(loss).backward()
+            if step == 2:
+                b.weight.grad[0, 0] = math.inf
+            scaler.step(opt_a)
+            scaler.step(opt_b)
+            if placement == "before-update":
+                tap.step(loss=loss)
+            scaler.update()
+            if placement == "after-update":
+                tap.step(loss=loss)
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+    rows = [r for r in sink.records if not r.sparse]
+    assert [r.values["amp_skipped"] for r in rows] == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert [r.values["loss_scale"] for r in rows] == used
