@@ -21,6 +21,7 @@ from batchtap.metrics.domain import Output, Reduce
 from batchtap.pipeline.chain.reduce import STRAGGLER_FIELDS, Reducer
 from batchtap.pipeline.chain.rows import DecodedBlock
 from batchtap.records import ALL_RANKS, Event, EventKind, Record
+from tests.pipeline._decoded import decoded_from_records
 
 OUTPUTS = (
     Output("loss", reduce=Reduce.MEAN),
@@ -87,7 +88,7 @@ def _block(
         Record("run", step, 0, step, rank, 100.0 + step, {k: v for k, v in values.items() if k != drop})
         for step in steps
     ]
-    decoded = DecodedBlock.from_records(records, [o.name for o in OUTPUTS], weights=[{"accuracy": kept}] * len(steps))
+    decoded = decoded_from_records(records, [o.name for o in OUTPUTS], weights=[{"accuracy": kept}] * len(steps))
     decoded.events.append(Event("run", steps[0], EventKind.ANOMALY, f"from rank {rank}", 0.0, rank=rank))
     reducer = Reducer(OUTPUTS, group=None, rank=rank, world_size=len(RANKS), per_rank_rows=per_rank_rows)
     n = len(steps)
@@ -307,7 +308,7 @@ def test_the_fsdp2_grad_norm_kinds_root_sum_square_of_shards_and_already_global(
     blocks = []
     for rank, shard in enumerate(shards):
         records = [Record("run", 5, 0, 5, rank, 105.0, {"shard_norm": shard, "full_norm": 13.0})]
-        decoded = DecodedBlock.from_records(records, [o.name for o in outputs])
+        decoded = decoded_from_records(records, [o.name for o in outputs])
         reducer = Reducer(outputs, group=None, rank=rank, world_size=len(shards), per_rank_rows=False)
         blocks.append((reducer, decoded, np.full(1, 8.0), np.full(1, 0.5)))
     for out in _run(blocks):

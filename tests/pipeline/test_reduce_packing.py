@@ -15,15 +15,14 @@ from batchtap.metrics.domain import Reduce
 from batchtap.pipeline.chain.reduce import Reducer
 from batchtap.pipeline.chain.rows import DecodedBlock
 from batchtap.records import ALL_RANKS, Record
+from tests.pipeline._decoded import decoded_from_records
 from tests.pipeline.test_reduce import OUTPUTS  # one of each reduction kind
 
 
 def _rank_block(rank: int, rows: list[dict], world: int) -> tuple[Reducer, DecodedBlock, np.ndarray, np.ndarray]:
     reducer = Reducer(OUTPUTS, group=None, rank=rank, world_size=world, per_rank_rows=False)
     records = [Record("run", i, 0, i, rank, 0.0, row["values"]) for i, row in enumerate(rows)]
-    decoded = DecodedBlock.from_records(
-        records, [o.name for o in OUTPUTS], weights=[row.get("weights", {}) for row in rows]
-    )
+    decoded = decoded_from_records(records, [o.name for o in OUTPUTS], weights=[row.get("weights", {}) for row in rows])
     samples = np.array([row["samples"] for row in rows], dtype=float)
     times = np.array([row["time"] for row in rows], dtype=float)
     return reducer, decoded, samples, times

@@ -24,7 +24,7 @@ that run on them take the same decisions everywhere. Values combine by their met
 :class:`~batchtap.metrics.Reduce`:
 
 * ``MEAN`` — weighted by each rank's samples, or by the count the metric averaged over
-  (``Metric.weight``: accuracy's kept targets): global accuracy = total correct / total kept targets,
+  (outputs declared ``weight="metric"``: accuracy's kept targets): global accuracy = total correct / total kept targets,
   exact for uneven per-rank batches and uneven padding;
 * ``SUM`` (throughput), ``MAX`` (step time, grad norm, lr), ``MIN``;
 * ``L2`` (also named ``ROOT_SUM_SQUARE``) — the root of the summed squares: the global norm of
