@@ -127,3 +127,23 @@ def test_top_level_help_lists_every_subcommand() -> None:
     assert done.returncode == 0
     for command in SUBCOMMANDS:
         assert f"    {command}" in done.stdout
+
+
+def test_tag_sets_tags_and_a_note_that_show_and_the_reader_read(runs: Runs, tmp_path: Path) -> None:
+    import batchtap.store
+
+    db = tmp_path / "tagged.db"
+    shutil.copy(runs.db, db)
+    done = cli("tag", runs.base[:8], "--db", str(db), "--add", "baseline", "--add", "sweep", "--notes", "lr too high")
+    assert done.returncode == 0, done.stderr
+    assert cli("tag", "cli-base", "--db", str(db), "--remove", "sweep").returncode == 0
+    with batchtap.store.open(db) as st:
+        run = st.run(runs.base)
+        assert run.tags == ("baseline",) and run.notes == "lr too high"
+        assert st.run(runs.clean).tags == ()
+    out = cli("show", "cli-base", "--db", str(db)).stdout
+    assert "tags         baseline" in out and "notes        lr too high" in out
+    printed = cli("tag", "cli-base", "--db", str(db)).stdout
+    assert "baseline" in printed and "lr too high" in printed
+    bad = cli("tag", "cli-base", "--db", str(db), "--add", " ")
+    assert bad.returncode == 1 and "a tag must be" in bad.stderr

@@ -130,7 +130,7 @@ def test_compare_fits_80_columns(wide_db: Path, runs: Runs, tmp_path: Path) -> N
 
 
 SUBCOMMANDS = ["", "demo", "runs", "show", "tail", "plot", "compare", "export", "tensorboard", "audit", "run"]
-SUBCOMMANDS += ["ui", "replay"]
+SUBCOMMANDS += ["ui", "replay", "tag"]
 
 
 @pytest.mark.parametrize("command", SUBCOMMANDS)

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from batchtap.cli import audit, compare, demo, export, plot, replay, run, runs, show, tail, tensorboard, ui
+from batchtap.cli import audit, compare, demo, export, plot, replay, run, runs, show, tag, tail, tensorboard, ui
 from batchtap.cli._common import CLIError, HelpFormatter, wrap
 
 __all__ = ["main", "build_parser"]
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=demo.main)
-    for module in (runs, show, tail, plot, compare, export, replay, tensorboard, audit, run, ui):
+    for module in (runs, show, tail, plot, compare, export, replay, tensorboard, audit, run, ui, tag):
         module.register(commands)
     # every subcommand's help fits the terminal and shows no reST markup
     for sub in commands.choices.values():
