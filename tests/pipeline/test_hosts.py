@@ -126,13 +126,13 @@ def test_a_thread_host_is_closed_once(tmp_path: Path) -> None:
 
 def test_a_whole_process_pipeline_run_never_loads_torch_in_the_pipeline_process(tmp_path: Path) -> None:
     """Blocks cross as arrays with the run's torch-free column layout, and the default metrics
-    (with an optimizer's lr) decode in numpy: the pipeline process never loads torch, so it starts
+    (with an lr and a gradient norm) decode in numpy: the pipeline process never loads torch, so it starts
     and ends without paying for it."""
 
     path = tmp_path / "modules.jsonl"
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    tap = bt.Tap(sinks=[ModulesSink(path)], optimizer=optimizer, flush_every=4, pipeline="process")
+    tap = bt.Tap(sinks=[ModulesSink(path)], optimizer=optimizer, model=model, flush_every=4, pipeline="process")
     with tap.run(name="torch-free"):
         for _ in range(10):
             x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))

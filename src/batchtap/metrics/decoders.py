@@ -18,6 +18,9 @@ from batchtap.metrics.decoding import BlockTiming, MetricDecoder, StepTiming, ev
 
 __all__ = [
     "AccuracyDecoding",
+    "ExtraDecoding",
+    "GradNormDecoding",
+    "LossScaleDecoding",
     "LearningRateDecoding",
     "LossDecoding",
     "MemoryDecoding",
@@ -30,6 +33,11 @@ __all__ = [
 #: float32 holds every integer up to 2**24 exactly, and not all of them above: past it a count
 #: is kept as a low and a high part
 EXACT_FLOAT32 = 2**24
+
+#: where a gradient norm's row found its value (GradNorm's marker column)
+_NORM_ON_DEVICE, _NORM_ON_HOST, _NORM_NOT_PASSED, _NORM_NO_GRADIENT = 1.0, 2.0, 0.0, -1.0
+#: what a LossScale row holds (its host marker column)
+_SCALE_NONE, _SCALE_PRESENT, _SKIP_UNKNOWN = 0.0, 1.0, 2.0
 
 #: notice codes of accuracy's host column (see ``AccuracyDecoding.warning``)
 NO_NOTICE, AMBIGUOUS, ONE_HOT = 0, 1, 2
@@ -76,6 +84,66 @@ class MemoryDecoding(MetricDecoder):
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         return tuple(None if math.isnan(v) else v for v in raw)
+
+
+class ExtraDecoding(MetricDecoder):
+    """An ``extra=`` value and its presence flag: left out where the step did not pass it."""
+
+    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
+        value, present = raw
+        return (value if present else None,)
+
+
+class GradNormDecoding(MetricDecoder):
+    """The norm from the device column or the host column its marker names; a step without
+    gradients left out, with one warning."""
+
+    decode_state: ClassVar[tuple[str, ...]] = ("name",)
+    name: str
+
+    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
+        where = raw[1]
+        if where == _NORM_ON_DEVICE:
+            return (raw[0],)
+        if where == _NORM_ON_HOST:
+            return (raw[2],)
+        return (None,)
+
+    def warning(self, raw: Sequence[float]) -> str | None:
+        if raw[1] != _NORM_NO_GRADIENT:
+            return None
+        return (
+            f"{self.name}: no optimizer step of the model's parameters ran since the previous row and no "
+            "parameter had a gradient when tap.step() ran (zero_grad(set_to_none=True) before tap.step, or "
+            "tap.step twice per optimizer step?); the value is left out at such steps. Call tap.step once "
+            "per optimizer step, or pass tap.step(grad_norm=clip_grad_norm_(...))"
+        )
+
+
+class LossScaleDecoding(MetricDecoder):
+    """The scale and whether the scaler skipped the step (a ``skip`` event); unknown placement of
+    ``tap.step`` left out, with one warning."""
+
+    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
+        scale, skipped, present = raw
+        if present == _SCALE_NONE:
+            return [None, None]
+        if present == _SKIP_UNKNOWN:
+            return [scale, None]
+        return [scale, skipped]
+
+    def skipped(self, raw: Sequence[float]) -> bool:
+        return raw[2] == _SCALE_PRESENT and raw[1] >= 0.5
+
+    def warning(self, raw: Sequence[float]) -> str | None:
+        if raw[2] != _SKIP_UNKNOWN:
+            return None
+        return (
+            "amp_skipped: tap.step() runs before scaler.step(optimizer), when the GradScaler has not checked "
+            "the gradients for inf/NaN yet, so whether it skips the step is not known: amp_skipped is left out "
+            "(a skipped step's non-finite gradient norm then shows as an anomaly). Call tap.step after "
+            "scaler.step(optimizer) (before or after scaler.update())"
+        )
 
 
 class AccuracyDecoding(MetricDecoder):

@@ -16,7 +16,17 @@ from batchtap.metrics._shared import Filled, step_device
 from batchtap.metrics.base import (
     Metric,
     StepInputs,
-    StepTiming,
+)
+from batchtap.metrics.decoders import (
+    _NORM_NO_GRADIENT,
+    _NORM_NOT_PASSED,
+    _NORM_ON_DEVICE,
+    _NORM_ON_HOST,
+    _SCALE_NONE,
+    _SCALE_PRESENT,
+    _SKIP_UNKNOWN,
+    GradNormDecoding,
+    LossScaleDecoding,
 )
 from batchtap.metrics.domain import NONNEGATIVE, Domain, Output, Reduce
 from batchtap.metrics.optimizer_hooks import (
@@ -30,10 +40,9 @@ from batchtap.metrics.optimizer_hooks import (
 )
 
 # GradNorm's host state column: where this step's value is, or why there is none
-_NORM_ON_DEVICE, _NORM_ON_HOST, _NORM_NOT_PASSED, _NORM_NO_GRADIENT = 1.0, 2.0, 0.0, -1.0
 
 
-class GradNorm(Metric):
+class GradNorm(GradNormDecoding, Metric):
     """Global L2 norm of the gradients, as ``torch.nn.utils.clip_grad_norm_`` computes it.
 
     The norm comes from the loop when it passes one — ``tap.step(grad_norm=total_norm)`` with what
@@ -227,24 +236,6 @@ class GradNorm(Metric):
             return (_NORM_ON_DEVICE, math.nan)
         return (_NORM_NO_GRADIENT, math.nan)
 
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        where = raw[1]
-        if where == _NORM_ON_DEVICE:
-            return (raw[0],)
-        if where == _NORM_ON_HOST:
-            return (raw[2],)
-        return (None,)
-
-    def warning(self, raw: Sequence[float]) -> str | None:
-        if raw[1] != _NORM_NO_GRADIENT:
-            return None
-        return (
-            f"{self.name}: no optimizer step of the model's parameters ran since the previous row and no "
-            "parameter had a gradient when tap.step() ran (zero_grad(set_to_none=True) before tap.step, or "
-            "tap.step twice per optimizer step?); the value is left out at such steps. Call tap.step once "
-            "per optimizer step, or pass tap.step(grad_norm=clip_grad_norm_(...))"
-        )
-
 
 class _GradNormHooks:
     """The global optimizer step hooks of a :class:`GradNorm` (weakly: the metric may go first;
@@ -297,7 +288,7 @@ def _remove(handles: Sequence[Any]) -> None:
         handle.remove()
 
 
-class LossScale(Metric):
+class LossScale(LossScaleDecoding, Metric):
     """The AMP ``GradScaler``'s loss scale, and whether it skipped the optimizer step.
 
     Reports ``loss_scale`` (the scale the step's loss was multiplied by) and ``amp_skipped`` (1
@@ -433,31 +424,9 @@ class LossScale(Metric):
     def read_host(self, inputs: StepInputs) -> Sequence[float]:
         return (self._row(inputs)[1],)
 
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        scale, skipped, present = raw
-        if present == _SCALE_NONE:
-            return [None, None]
-        if present == _SKIP_UNKNOWN:
-            return [scale, None]
-        return [scale, skipped]
-
-    def skipped(self, raw: Sequence[float]) -> bool:
-        return raw[2] == _SCALE_PRESENT and raw[1] >= 0.5
-
-    def warning(self, raw: Sequence[float]) -> str | None:
-        if raw[2] != _SKIP_UNKNOWN:
-            return None
-        return (
-            "amp_skipped: tap.step() runs before scaler.step(optimizer), when the GradScaler has not checked "
-            "the gradients for inf/NaN yet, so whether it skips the step is not known: amp_skipped is left out "
-            "(a skipped step's non-finite gradient norm then shows as an anomaly). Call tap.step after "
-            "scaler.step(optimizer) (before or after scaler.update())"
-        )
-
 
 # LossScale's placements of tap.step and its host marker
 _CHECKED, _AFTER_UPDATE, _BEFORE_STEP = "checked", "after-update", "before-step"
-_SCALE_NONE, _SCALE_PRESENT, _SKIP_UNKNOWN = 0.0, 1.0, 2.0
 
 
 class _TakeScale:

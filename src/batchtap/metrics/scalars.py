@@ -18,9 +18,8 @@ from batchtap.metrics.base import (
     Requirement,
     RowWriter,
     StepInputs,
-    StepTiming,
 )
-from batchtap.metrics.decoders import LearningRateDecoding, LossDecoding, MemoryDecoding
+from batchtap.metrics.decoders import ExtraDecoding, LearningRateDecoding, LossDecoding, MemoryDecoding
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, Domain, Output, Reduce
 from batchtap.metrics.optimizer_hooks import scaler_states, scaler_stepped_since
 
@@ -303,7 +302,7 @@ _COMBINE_OF_REDUCE = {
 }
 
 
-class Extra(Metric):
+class Extra(ExtraDecoding, Metric):
     """A value passed as ``tap.step(extra={name: value})``: a device tensor or a Python number.
 
     The kind (tensor or number) is fixed at the value's first appearance. A step that does not pass
@@ -360,7 +359,3 @@ class Extra(Metric):
         if self.on_device:
             return (present,)
         return (math.nan if value is None else float(value), present)  # type: ignore[arg-type]
-
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        value, present = raw
-        return (value if present else None,)
