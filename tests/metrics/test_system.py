@@ -198,3 +198,38 @@ def test_bad_arguments_say_what_was_expected() -> None:
         System(interval=0)
     with pytest.raises(bt.ConfigError, match=r"devices must be NVML indices in \[0, 1\), got 3"):
         System(nvml=fake_nvml({0: [1]}), devices=[3], background=False)
+
+
+def test_a_short_step_gets_the_sample_enclosing_it_never_a_later_one() -> None:
+    clock = Clock()
+    system = System(nvml=fake_nvml({0: [10, 20, 30, 40]}), clock=clock, gpu=True, host=False, background=False)
+    _sample_at(system, clock, [1.0, 2.0, 3.0, 4.0])
+    assert _step_at(system, clock, 1.5)["gpu0_util"] == 10  # the first step: the sample at 1.0
+    # steps shorter than the sampling period, inside [2, 3): each gets the sample taken at 2.0
+    for end in (2.2, 2.5, 2.9):
+        got = _step_at(system, clock, end)
+        assert (got["gpu0_util"], got["gpu0_util_min"]) == (20, 20), end
+    # a step ending exactly at a sample's time includes that sample, and only it
+    assert _step_at(system, clock, 3.0)["gpu0_util"] == 30
+    assert _step_at(system, clock, 3.5)["gpu0_util"] == 30  # after 3.0, before 4.0: the sample at 3.0
+
+
+def test_failed_readings_are_left_out_of_a_steps_mean_not_counted_as_samples() -> None:
+    clock = Clock()
+    nvml = fake_nvml({0: [10, 20, 30, 40]})
+    calls = {"power": 0}
+
+    def flaky_power(h: types.SimpleNamespace) -> int:
+        calls["power"] += 1
+        if calls["power"] % 2 == 0:  # every second reading fails (a busy driver)
+            raise NVMLError("Unknown Error")
+        return 100_000 * calls["power"]  # 100 W, 300 W
+
+    nvml.nvmlDeviceGetPowerUsage = flaky_power
+    system = System(nvml=nvml, clock=clock, host=False, background=False)
+    _sample_at(system, clock, [1.0, 2.0, 3.0, 4.0])
+    _step_at(system, clock, 4.0)  # the first step: its end's sample only
+    _sample_at(system, clock, [5.0, 6.0, 7.0, 8.0])  # power readings 5 (500 W), 6 fails, 7 (700 W), 8 fails
+    step = _step_at(system, clock, 8.0)
+    assert step["gpu0_power"] == pytest.approx((500.0 + 700.0) / 2)  # not (500 + 700) / 4
+    assert step["gpu0_util"] == 40  # its readings never failed: all four samples

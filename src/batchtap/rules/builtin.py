@@ -524,7 +524,9 @@ class GpuStarved(Rule):
         if util is None or data is None or step is None or not (data + step > 0):
             return None
         share = data / (data + step)
-        if math.isnan(util) or math.isnan(share) or util >= self.util_below or share < self.data_share:
+        # a share at the threshold counts (it reads "at least"): the division may land one ulp under it
+        short = share < self.data_share and not math.isclose(share, self.data_share, rel_tol=1e-12)
+        if math.isnan(util) or math.isnan(share) or util >= self.util_below or short:
             return None
         return util, share, data, step
 
