@@ -19,13 +19,19 @@ live run's new steps reach an open page.
    step, and the page's long tasks (over 50 ms) meanwhile.
 
 Run: ``.venv/bin/python bench/ui_load.py`` (``--quick``: 20,000 steps, 1 repeat, 3 s live).
+
+``.venv/bin/python bench/ui_load.py server-load [...]``: memory and descriptors of the server under
+50 live streams + 500 requests (no browser; see ``server-load --help``).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
+import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -116,6 +122,9 @@ def start_ui(db: Path) -> tuple[subprocess.Popen[str], str]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["server-load"]:
+        server_load(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=5)
@@ -299,6 +308,185 @@ def live(browser, base: str, db: Path, seconds: float) -> dict[str, object]:
         "long_tasks_over_50ms": len(long_tasks),
         "longest_task_ms": max(long_tasks, default=0),
     }
+
+
+SERVER_LOAD = """Memory and file descriptors of `batchtap ui` under load: 50 live streams + 500 requests.
+
+Builds a store (SQLite by default; ``--runs`` runs of ``--steps`` steps x 6 metrics, one of them still
+running so its page streams), starts ``batchtap ui`` as its own process, opens ``--streams`` server-sent
+event streams (run pages and the live runs table), then sends ``--requests`` requests (runs table,
+decimated series at several widths and zooms, events) in ``--bursts`` bursts from 16 client threads,
+idle ``--idle`` seconds between bursts (longer than the server's idle connection timeout, so a
+connection kept per worker thread would show up as a leak). The server's RSS and open descriptors
+are sampled from /proc every 50 ms.
+
+    .venv/bin/python bench/ui_load.py server-load            # 4 runs x 50k steps x 6 metrics
+    .venv/bin/python bench/ui_load.py server-load --steps 1000000 --runs 4   # 24M rows, ~1.5 GB
+
+Prints one table: store size, rows, RSS and fds before/peak/after, requests/s and error count.
+"""
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LOAD_METRICS = ("loss", "accuracy", "lr", "grad_norm", "step_time", "throughput")
+
+
+def build_load_store(db: Path, runs: int, steps: int) -> list[str]:
+    ids = []
+    sink = SQLite(db)
+    rng = random.Random(0)
+    for r in range(runs):
+        rid = f"{r:02d}" + "ab" * 15
+        ids.append(rid)
+        sink.start_run(
+            RunInfo(rid, f"load-{r}", {"lr": 10 ** -(r % 4 + 1)}, started_at=1e9 + r, metrics=LOAD_METRICS),
+        )
+        for start in range(0, steps, 20_000):
+            sink.write(
+                [
+                    Record(
+                        rid,
+                        step=s,
+                        epoch=s // 1000,
+                        batch=s % 1000,
+                        rank=0,
+                        wall_time=1e9 + s * 0.01,
+                        values={m: rng.random() * (1 + i) for i, m in enumerate(LOAD_METRICS)},
+                    )
+                    for s in range(start, min(start + 20_000, steps))
+                ]
+            )
+        if r:  # run 0 stays running: its pages stream
+            sink.end_run(
+                RunInfo(rid, f"load-{r}", {}, started_at=1e9 + r, status=RunStatus.FINISHED, ended_at=1e9 + steps)
+            )
+    sink.close()
+    return ids
+
+
+def proc_figures(pid: int) -> tuple[float, int]:
+    """RSS in MB and open descriptors of a process."""
+    rss = 0.0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) / 1024
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_load(argv: list[str]) -> None:
+    """See SERVER_LOAD."""
+    p = argparse.ArgumentParser(
+        prog="ui_load.py server-load", description=SERVER_LOAD, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--runs", type=int, default=4)
+    p.add_argument("--steps", type=int, default=50_000)
+    p.add_argument("--streams", type=int, default=50)
+    p.add_argument("--requests", type=int, default=500)
+    p.add_argument("--bursts", type=int, default=3)
+    p.add_argument("--idle", type=float, default=12.0, help="seconds between bursts (server idle timeout: 10)")
+    p.add_argument("--db", type=Path, default=None, help="reuse this store instead of building one")
+    args = p.parse_args(argv)
+
+    tmp = Path(tempfile.mkdtemp(prefix="bt-uiload-"))
+    db = args.db or tmp / "load.db"
+    if args.db is None:
+        t0 = time.perf_counter()
+        ids = build_load_store(db, args.runs, args.steps)
+        print(f"built {db} ({db.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.0f}s", flush=True)
+    else:
+        import batchtap.store
+
+        with batchtap.store.open(db) as st:
+            ids = [r.id for r in st.runs()]
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "batchtap.cli.main", "ui", "--db", str(db), "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert server.stdout is not None
+        for line in server.stdout:  # the server prints its address once it accepts connections
+            if "at http" in line:
+                break
+        before = proc_figures(server.pid)
+        peak = list(before)
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                rss, fds = proc_figures(server.pid)
+                peak[0], peak[1] = max(peak[0], rss), max(peak[1], fds)
+                stop.wait(0.05)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        streams = []
+        for i in range(args.streams):
+            url = f"{base}/api/runs/live" if i % 5 == 0 else f"{base}/api/runs/{ids[0][:8]}/live"
+            streams.append(urllib.request.urlopen(url, timeout=60))
+            streams[-1].readline()  # the stream is open on the server
+        paths = ["/api/runs", f"/api/runs/{ids[0][:8]}", f"/api/runs/{ids[-1]}/events"]
+        for rid in ids:
+            for width in (300, 800, 1600):
+                paths.append(f"/api/runs/{rid}/series?metric=loss&width={width}")
+            paths.append(f"/api/runs/{rid}/series?metric=accuracy&start=1000&end={args.steps // 3}&width=900")
+        errors = 0
+        done = 0
+        t0 = time.perf_counter()
+        per_burst = args.requests // args.bursts
+        for burst in range(args.bursts):
+            if burst:
+                time.sleep(args.idle)
+
+            def one(path: str) -> bool:
+                try:
+                    with urllib.request.urlopen(base + path, timeout=120) as r:
+                        r.read()
+                        return r.status == 200
+                except Exception:  # noqa: BLE001 - counted
+                    return False
+
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                results = list(pool.map(one, [paths[(burst * per_burst + k) % len(paths)] for k in range(per_burst)]))
+            done += len(results)
+            errors += results.count(False)
+        busy = time.perf_counter() - t0 - args.idle * (args.bursts - 1)
+        for s in streams:
+            s.close()
+        time.sleep(1.0)
+        after = proc_figures(server.pid)
+        stop.set()
+        rows = sum(1 for _ in ids) * args.steps * len(LOAD_METRICS) if args.db is None else None
+        print(
+            json.dumps(
+                {
+                    "store_mb": round(db.stat().st_size / 1e6),
+                    "rows": rows,
+                    "streams": args.streams,
+                    "requests": done,
+                    "errors": errors,
+                    "req_per_s": round(done / busy, 1),
+                    "rss_mb": {"before": round(before[0]), "peak": round(peak[0]), "after": round(after[0])},
+                    "fds": {"before": before[1], "peak": peak[1], "after": after[1]},
+                    "load": os.getloadavg(),
+                },
+                indent=1,
+            )
+        )
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 if __name__ == "__main__":
