@@ -66,14 +66,14 @@ def _build(
     require("starlette", extra="ui", purpose="batchtap ui")
     uvicorn = require("uvicorn", extra="ui", purpose="batchtap ui")
     require("bokeh", extra="ui", purpose="batchtap ui (its BokehJS draws the charts)")
-    from batchtap._defaults import DEFAULT_DB
+    from batchtap._defaults import store_url
     from batchtap.ui.app import make_app
     from batchtap.ui.data import ReadOnlyStore
 
     token = check_token(token)  # before the store opens: a bad token is the caller's to fix
     if token is None and not is_loopback(host):
         token = new_token()  # any other interface: nobody reads without the printed link
-    store = ReadOnlyStore(db if db is not None else (os.environ.get("BATCHTAP_DB") or DEFAULT_DB), schema=schema)
+    store = ReadOnlyStore(db if db is not None else store_url(), schema=schema)
     holder: dict[str, Any] = {}
     app = make_app(store, token=token, hosts=allowed_hosts(host), stopping=lambda: bool(holder["server"].should_exit))
     config = uvicorn.Config(
