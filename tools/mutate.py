@@ -88,6 +88,28 @@ TESTS: dict[str, list[str]] = {
     "sinks/resilient.py": ["tests/sinks/test_resilient.py"],
     "rules/engine.py": ["tests/rules/test_engine.py", "tests/test_tap_rules.py"],
     "store/schema.py": ["tests/store/test_schema.py", "tests/sinks/test_sqlite.py"],
+    # issue 38: the files an independent mutation run found weakest
+    "autolog/_graph.py": ["tests/autolog/test_steps.py", "tests/autolog/test_realloops.py"],
+    "autolog/_losses.py": ["tests/autolog/test_steps.py", "tests/autolog/test_realloops.py"],
+    "autolog/_steps.py": [
+        "tests/autolog/test_steps.py",
+        "tests/autolog/test_step_definition.py",
+        "tests/autolog/test_realloops.py",
+    ],
+    "autolog/_rows.py": ["tests/autolog/test_steps.py", "tests/autolog/test_realloops.py"],
+    "autolog/_session.py": [
+        "tests/autolog/test_lifecycle.py",
+        "tests/test_lifecycle.py",
+        "tests/autolog/test_steps.py",
+    ],
+    "ui/decimate.py": ["tests/ui/test_decimate.py", "tests/ui/test_server.py"],
+    "ui/auth.py": ["tests/ui/test_security.py", "tests/ui/test_server.py"],
+    "ui/app.py": ["tests/ui/test_security.py", "tests/ui/test_server.py"],
+    "integrations/_tf_ring.py": ["tests/integrations/test_keras.py"],
+    "metrics/system.py": ["tests/metrics/test_system.py", "tests/rules/test_gpu_starved.py"],
+    "rules/builtin.py": ["tests/rules", "tests/faults/test_edges_mutants.py"],
+    "sinks/webhook.py": ["tests/sinks/test_webhook.py"],
+    "_stale.py": ["tests/faults/test_edges_mutants.py", "tests/faults/test_group_kill.py"],
 }
 
 #: the modules the issue names (issue 16): the default run
@@ -109,6 +131,19 @@ MODULES = [
     "sinks/resilient.py",
     "rules/engine.py",
     "store/schema.py",
+    # issue 38
+    "autolog/_graph.py",
+    "autolog/_losses.py",
+    "autolog/_steps.py",
+    "autolog/_rows.py",
+    "autolog/_session.py",
+    "ui/decimate.py",
+    "ui/auth.py",
+    "ui/app.py",
+    "integrations/_tf_ring.py",
+    "metrics/system.py",
+    "sinks/webhook.py",
+    "_stale.py",
 ]
 
 #: functions whose every mutation site is always run, whatever the sample (issue 29: an
@@ -118,6 +153,11 @@ PINNED: dict[str, tuple[str, ...]] = {
     "capture/accumulate.py": ("_combine",),
     "metrics/accuracy.py": ("_fused_top1",),
     "pipeline/chain/dispatch.py": ("_drop_oldest",),
+    # issue 38: the survivors of the second independent run (tests/metrics/test_system.py,
+    # tests/faults/test_edges_mutants.py, tests/sinks/test_webhook.py)
+    "metrics/system.py": ("finalize", "window"),
+    "sinks/webhook.py": ("_send", "_post_once"),
+    "_stale.py": ("segment_abandoned", "_group_alive"),
 }
 
 #: attribute swaps: torch's elementwise min/max, and a count's dtype narrowed (float32 -> float16)
