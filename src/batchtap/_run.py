@@ -21,10 +21,12 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from batchtap._owner import ThreadOwner
 from batchtap.capture.accumulate import MicroBatches
+from batchtap.capture.flush import BlockData
 from batchtap.capture.loader import timed_batches
 from batchtap.capture.logged import Logged, check_logged, copy_check
 from batchtap.capture.session import (
@@ -40,13 +42,14 @@ from batchtap.metrics.base import Metric, StepInputs
 from batchtap.metrics.inputs import check_count, check_scalar, device_of, overflow_message, samples_of
 from batchtap.metrics.left_out import warn_left_out
 from batchtap.pipeline.chain.control import Control
+from batchtap.pipeline.chain.messages import BlockRows
 from batchtap.pipeline.chain.stages import ReduceSpec
 from batchtap.pipeline.ranks.agreement import ProcessGroups, RankAgreement
 from batchtap.pipeline.transport.host import PipelineHost
 from batchtap.records import Event, EventKind, RunInfo
 from batchtap.recovery.actions import ActionRunner
 
-__all__ = ["ActiveRun", "RunSettings", "resume_point"]
+__all__ = ["ActiveRun", "HandedRows", "RunSettings", "resume_point"]
 
 T = TypeVar("T")
 
@@ -65,6 +68,26 @@ class RunSettings:
     nan_guard: bool
     per_rank_rows: bool
     loss_rule: bool  # a NonFinite("loss") rule decides what a non-finite loss does (not the guard)
+
+
+@dataclasses.dataclass(frozen=True)
+class HandedRows:
+    """Rows a capture outside batchtap's ring (TensorFlow's) read back itself, for ``Tap.hand_over``.
+
+    Every array has one entry per row. ``values``: ``[n, device_width]`` raw columns in the layout
+    of the metrics handed with them (the same list at every call of a run); ``offsets``: each
+    row's step as an offset from the run's next step (``0, 1, ...``; a gap where rows were lost);
+    ``samples`` and ``step_time``: NaN where unknown; ``notes``: events of rows ``(row, kind,
+    message)`` (a loss-scale skip).
+    """
+
+    values: np.ndarray
+    offsets: np.ndarray
+    epoch: np.ndarray
+    batch: np.ndarray
+    samples: np.ndarray
+    step_time: np.ndarray
+    notes: Sequence[tuple[int, EventKind, str]] = ()
 
 
 class ActiveRun:
@@ -112,6 +135,9 @@ class ActiveRun:
         self.pending_logged: list[Logged] = []  # log() values waiting for the next flush
         self.short: ShortStep | None = None
         self._short_paths = ShortPaths()
+        self.outside: tuple[Metric, ...] = ()  # hand_over()'s metrics (a capture outside batchtap's ring)
+        self.outside_guard: int | None = None  # their layout's loss column
+        self.outside_rows = 0  # rows handed over
 
     # ------------------------------------------------------------------ the loop
 
@@ -177,6 +203,8 @@ class ActiveRun:
         if epoch is not None:
             check_count("epoch", epoch, minimum=0)
             ep = epoch
+            if not self.watching:
+                self.epoch = epoch  # log() after this step (val_* at an epoch's end) carries this epoch
         if batch is not None:
             check_count("batch", batch, minimum=0)
             index = batch
@@ -348,6 +376,77 @@ class ActiveRun:
         if settings.auto_metrics and self.writes:  # issue 29/27: a default metric left out for a fixable reason
             warn_left_out(self, settings.metrics, chosen, inputs)
         return capture
+
+    def hand_over(self, metrics: Sequence[Metric], rows: HandedRows) -> int:
+        """See ``Tap.hand_over`` and :class:`HandedRows`."""
+        n = len(rows.offsets)
+        data = BlockData(
+            device_values=np.asarray(rows.values, dtype=np.float64).reshape(n, -1),
+            host_values=np.zeros((n, 0)),
+            step=np.asarray(rows.offsets, dtype=np.int64),
+            epoch=np.asarray(rows.epoch, dtype=np.int64),
+            batch=np.asarray(rows.batch, dtype=np.int64),
+            wall_time=np.full(n, time.time()),
+            samples=np.asarray(rows.samples, dtype=np.float64),
+            data_time=np.full(n, math.nan),
+            tokens=np.full(n, math.nan),
+            step_time=np.asarray(rows.step_time, dtype=np.float64),
+        )
+        notes = rows.notes
+        self.owner.check("hand_over()")
+        self.raise_pipeline_error()
+        if self.agreement is not None:
+            raise ConfigError("Tap.hand_over() (TensorFlow capture) does not support torch.distributed process groups")
+        if self.capture is not None:
+            raise ConfigError("Tap.hand_over() cannot be mixed with Tap.step() in one run; use one capture per run")
+        metrics = tuple(metrics)
+        if self.chain is None:
+            from batchtap.metrics.layout import Layout
+
+            layout = Layout(metrics)
+            self.chain = self.pipeline.open_chain(
+                layout, run_id=self.info.id, rank=self.rank, writes=self.writes, reduce=None
+            )
+            self.outside = metrics
+            self.outside_guard = layout.guard_column
+            self.info.metrics = layout.names
+        elif metrics != self.outside:
+            raise ConfigError(
+                "Tap.hand_over() got other metrics than at the run's first hand-over; keep one list per run"
+            )
+        if len(data) == 0:
+            return self.step
+        first = self.step
+        data = dataclasses.replace(data, step=first + np.asarray(data.step, dtype=np.int64))
+        self.step = int(data.step[-1]) + 1
+        self.outside_rows += len(data)
+        self.epoch = int(data.epoch[-1])  # log() after these rows (val_* at an epoch's end) carries their epoch
+        pending, self.pending_logged = self.pending_logged, []
+        self.pipeline.send(BlockRows(self.chain, data))
+        for logged in pending:
+            self.pipeline.logged(logged, run_id=self.info.id, rank=self.rank, writes=self.writes)
+        if notes:
+            now = time.time()
+            self.send(
+                [
+                    Event(self.info.id, int(data.step[i]), kind, message, now, rank=self.rank)
+                    for i, kind, message in notes
+                ]
+            )
+        guard = self.outside_guard
+        if self.settings.nan_guard and guard is not None:
+            # the guard of a PyTorch step, on the host copy: the first non-finite loss stops the run
+            # (or, with a NonFinite("loss") rule, lets the rules decide)
+            bad = np.flatnonzero(~np.isfinite(data.device_values[:, guard]))
+            if bad.size and not self.settings.loss_rule:
+                i = int(bad[0])
+                self.on_nan((int(data.step[i]), float(data.device_values[i, guard])))
+            elif bad.size and self.runner is not None:
+                # sync: rare path — a non-finite loss was seen; wait for the rules' verdict on it.
+                self.pipeline.drain()
+        if self.runner is not None:
+            self.apply_verdicts(self.control.waiting)
+        return first
 
     def arm_start(self) -> None:
         if self.capture is not None:  # the ring is made at the first step; that step has no measured start

@@ -45,7 +45,7 @@ from batchtap._config import to_json_config
 from batchtap._defaults import checked_metrics, checked_sinks, default_sinks
 from batchtap._exit import AT_EXIT, Terminated, catch_sigterm, sigterm_received
 from batchtap._names import check_storable
-from batchtap._run import ActiveRun, RunSettings, resume_point
+from batchtap._run import ActiveRun, HandedRows, RunSettings, resume_point
 from batchtap.capture.eager import eager, eager_entry, in_eager_code
 from batchtap.errors import ConfigError, InputError, RunStateError
 from batchtap.metrics.base import Metric
@@ -558,7 +558,9 @@ class Tap:
     def steps_recorded(self) -> int:
         """Rows captured in the current (or last) run."""
         run = self._last_run
-        return run.capture.rows if run is not None and run.capture is not None else 0
+        if run is None:
+            return 0
+        return run.capture.rows if run.capture is not None else run.outside_rows
 
     @property
     def should_stop(self) -> bool:
@@ -646,6 +648,12 @@ class Tap:
             self._run.request_stop(reason, step=step, metric=metric)
         else:
             self._control.request_stop(reason, step if step is not None else 0)
+
+    def hand_over(self, metrics: Sequence[Metric], rows: HandedRows) -> int:
+        """Rows a capture outside batchtap's ring read back itself (TensorFlow's), into this run's
+        pipeline as :meth:`step`'s rows go (decoding, domain checks, anomalies, rules, sinks, NaN
+        stop). For capture back-ends. Returns the run's step of ``rows``' offset 0."""
+        return self._require_run("hand_over()").hand_over(metrics, rows)
 
     def warn(self, message: str) -> None:
         """Store a warning event with the open run (and log it): what a tool driving this Tap

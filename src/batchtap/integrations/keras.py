@@ -11,10 +11,11 @@ This callback records each batch's own values instead, the way batchtap records 
   guard at the same step, ``model.stop_training`` when the Tap asks to stop);
 * on the **TensorFlow** backend each step writes one row into a ``tf.Variable`` ring inside the
   compiled step (``jit_compile`` and ``steps_per_execution`` included: still one row per batch),
-  read back once per flush and handed to the same pipeline; a non-finite loss freezes the
-  optimizer in the graph from the next step on.
+  read back once per flush and handed to the Tap's pipeline as one block (``Tap.hand_over``: the
+  same domain checks, anomaly events, NaN stop and rules as a PyTorch block); a non-finite loss or
+  gradient norm freezes the optimizer in the graph from the next step on.
 
-JAX is not supported yet (its train step is a pure function: a ring would have to travel in the
+JAX is out of scope (its train step is a pure function: a ring would have to travel in the
 state Keras threads through it). Needs ``pip install 'batchtap[keras]'``.
 """
 
@@ -24,11 +25,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from batchtap._defaults import default_sinks
 from batchtap._optional import require
 from batchtap.errors import ConfigError
 from batchtap.integrations._lifecycle import finish_as
 from batchtap.integrations._tf_ring import TFCapture
-from batchtap.metrics import Loss
+from batchtap.sinks.console import Console
 from batchtap.tap import Tap
 
 _keras: Any = require("keras", extra="keras", purpose="batchtap.integrations.keras")
@@ -40,16 +42,40 @@ log = logging.getLogger("batchtap")
 #: exceptions Keras raises inside the train function to end an epoch's data, and catches itself
 _END_OF_DATA = ("OutOfRangeError", "StopIteration")
 
+_NO_LOSS = (
+    "the model's train_step neither calls self.compute_loss(...) nor updates a metric named 'loss', so "
+    "batchtap cannot find the step's loss and records no steps; fix: compute the loss with "
+    "self.compute_loss(x=x, y=y, y_pred=y_pred) (or keep it in a keras.metrics.Mean(name='loss'))"
+)
+
+#: compiled metrics batchtap records itself per batch
+_RECORDED = frozenset({"loss", "accuracy", "acc", "compile_metrics"})
+
+
+def _compiled_metric_names(model: Any) -> list[str]:
+    """Names of the compiled metrics (``metrics=[...]`` of ``compile``) other than accuracy."""
+    names: list[str] = []
+    compiled = vars(model).get("_compile_metrics")
+    for metric in getattr(compiled, "metrics", None) or []:
+        name = str(getattr(metric, "name", ""))
+        if name and name not in _RECORDED and not name.endswith(("accuracy", "_acc")) and name not in names:
+            names.append(name)
+    return names
+
 
 class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
     """Record every training batch of ``model.fit()`` into a :class:`~batchtap.Tap`.
 
-    Per batch: ``loss`` (what ``compute_loss`` returned: sample-weighted as Keras weights it,
-    regularization included), ``accuracy`` (top-1, for class scores ``[..., C]`` with class-index
-    or one-hot targets; unweighted), ``lr`` (the rate the step used, schedules included),
-    ``grad_norm`` (global L2 norm, unscaled under ``LossScaleOptimizer``), ``step_time`` and
-    ``throughput``. Validation results (``val_*``) are stored as sparse values at each epoch end;
-    ``evaluate(..., callbacks=[cb])`` results too (as ``eval_*``) while a run is open.
+    Per batch: ``loss`` (what ``compute_loss`` returned: Keras' total, sample- and class-weighted
+    as Keras weights it, loss weights and regularization included), ``accuracy`` (top-1, for class
+    scores ``[..., C]`` with class-index or one-hot targets; unweighted), with several outputs
+    ``loss/<output>`` and ``accuracy/<output>`` per output (TensorFlow), ``lr`` (the rate the step
+    used, schedules included), ``grad_norm`` (global L2 norm of the dense gradients, unscaled under
+    ``LossScaleOptimizer``; a skipped step is a ``skip`` event), ``step_time`` and ``throughput``.
+    Validation results (``val_*``) are stored as sparse values at each epoch end, with that epoch;
+    ``evaluate(..., callbacks=[cb])`` results too (as ``eval_*``) while a run is open. Compiled
+    metrics other than accuracy (``mae``, ``AUC``...) are not stored per batch: the run names them
+    in a warning event.
 
     The run: if no run of the Tap is open when ``fit()`` starts, the callback starts one (named
     after the model) and ends it when ``fit()`` ends — ``failed`` on an exception in a training
@@ -57,9 +83,10 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
     and leaves ending it to you (then ``fit`` and ``evaluate`` share the run).
 
     Args:
-        tap: the Tap to feed. Default: a Tap with the default sinks (``bt.Tap()`` on the torch
-            backend; ``bt.Tap(metrics=[bt.metrics.Loss()])`` on TensorFlow, where the values
-            come from the step itself).
+        tap: the Tap to feed; any Tap works on both backends (on TensorFlow the values come from
+            the step itself; metrics it cannot measure there, such as memory, are named once in
+            a warning event). Default: ``bt.Tap()`` with the default store, and the console only
+            when Keras' own output is off (``verbose=0``), so it never breaks Keras' progress bar.
         name: run name when the callback starts the run (default: ``model.name``).
         config: run config to store when the callback starts the run.
         flush_every: TensorFlow only: read the device ring after about this many steps
@@ -67,7 +94,7 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
 
     Example (not run here: it trains)::
 
-        tap = bt.Tap(metrics=[bt.metrics.Loss()], sinks=[bt.sinks.SQLite("runs/batchtap.db")])
+        tap = bt.Tap(sinks=[bt.sinks.SQLite("runs/batchtap.db")])
         model.fit(x, y, epochs=3, callbacks=[BatchtapCallback(tap)])
     """
 
@@ -107,14 +134,15 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
                 "BatchtapCallback needs a compiled model with an optimizer; call model.compile(...) first"
             )
         if self.tap is None:
-            self.tap = Tap(metrics=[Loss()]) if self.backend == "tensorflow" else Tap()
+            verbose = (self.params or {}).get("verbose", 0)
+            # Keras' own progress output on: batchtap's console would write between its redraws
+            self.tap = Tap() if not verbose else Tap(sinks=[s for s in default_sinks() if not isinstance(s, Console)])
         tap = self.tap
         self._finish_stale_run()
-        if tap.run_info is None:
-            tap.start(name=self.name or getattr(model, "name", None), config=self.config)
-            self._own_run = True
         self._in_fit = True
         self._epoch = self._batch = 0
+        self._said_no_loss = False
+        # the hooks first: a set-up that fails leaves no run behind
         if self.backend == "torch":
             from batchtap.integrations._keras_torch import TorchRecorder
 
@@ -123,9 +151,42 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
             from batchtap.integrations._keras_tf import TFRecorder
 
             self._recorder = TFRecorder(model, tap, flush_every=self.flush_every, freeze_on_nan=tap.nan_guard)
-        # Keras made its train function before this hook: make it again so it traces our hooks
-        model.make_train_function(force=True)
-        self._wrap_train_function(model)
+        try:
+            if tap.run_info is None:
+                tap.start(name=self.name or getattr(model, "name", None), config=self.config)
+                self._own_run = True
+            # Keras made its train function before this hook: make it again so it traces our hooks
+            model.make_train_function(force=True)
+            self._wrap_train_function(model)
+        except BaseException:
+            self._recorder.remove()
+            self._recorder = None
+            self._in_fit = False
+            if self._own_run and tap.run_info is not None:
+                self._own_run = False
+                tap.finish("stopped", reason="BatchtapCallback could not set up (see the exception); nothing trained")
+            raise
+        self._describe(model, tap)
+
+    def _describe(self, model: Any, tap: Tap) -> None:
+        """The run's environment (backend, versions, jit, steps_per_execution), and the compiled
+        metrics that are not stored per batch, named once."""
+        info = tap.run_info
+        if info is None:
+            return
+        env: dict[str, Any] = {
+            "keras_backend": self.backend,
+            "keras": getattr(_keras, "__version__", "?"),
+            "jit_compile": bool(getattr(model, "jit_compile", False)),
+            "steps_per_execution": int(getattr(model, "steps_per_execution", 1) or 1),
+        }
+        if self.backend == "tensorflow":
+            import tensorflow as tf
+
+            env["tensorflow"] = tf.__version__
+            for key in ("torch", "cuda", "cudnn"):  # a TensorFlow run trains without them
+                info.environment.pop(key, None)
+        info.environment.update(env)
 
     def _wrap_train_function(self, model: Any) -> None:
         original = model.train_function
@@ -146,9 +207,25 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
                 capture.advance()
                 if capture.should_stop:
                     model.stop_training = True
+            self._say_no_loss()
             return out
 
         model.train_function = train_function
+
+    def _say_no_loss(self) -> None:
+        """Once, after the first call (Keras builds its compiled metrics while tracing it): the
+        compiled metrics not stored per batch, and a custom train_step in which no loss was found."""
+        if self._said_no_loss or self._recorder is None or self.tap is None or self.tap.run_info is None:
+            return
+        self._said_no_loss = True
+        unstored = _compiled_metric_names(self.model)
+        if unstored:
+            self.tap.warn(
+                f"compiled metrics not stored per batch: {', '.join(unstored)} (Keras' logs hold running means "
+                "over the epoch; batchtap stores loss, accuracy, lr and grad_norm per batch, val_* per epoch)"
+            )
+        if getattr(self._recorder, "no_loss", False):
+            self.tap.warn(_NO_LOSS)
 
     def _next_position(self) -> tuple[int, int]:
         position = (self._epoch, self._batch)
@@ -165,7 +242,8 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
         tap = self.tap
         if tap is None or tap.run_info is None:
             return
-        # Keras already turned these into Python floats (its own read, made with or without us)
+        # Keras already turned these into Python floats (its own read, made with or without us);
+        # stored at the epoch's last step, with the epoch (the rows just handed over carry it)
         values = {k: v for k, v in (logs or {}).items() if k.startswith("val_") and isinstance(v, (int, float))}
         if values:
             tap.log(values)
@@ -223,7 +301,10 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
                 model.train_function = None  # rebuilt without the hooks by the next fit()
             if self._own_run and tap is not None and tap.run_info is not None:
                 self._own_run = False
-                finish_as(tap, exc)
+                if exc is None and getattr(recorder, "no_loss", False) and tap.steps_recorded == 0:
+                    tap.finish("finished", reason=f"0 steps recorded: {_NO_LOSS}")
+                else:
+                    finish_as(tap, exc)
             if self._own_tap and tap is not None and exc is not None:
                 tap.close()
                 self.tap = None
