@@ -9,7 +9,9 @@ AdamW with a hand-set cosine lr, each rank its own batch, ``clip_grad_norm_`` re
 * ``autolog-clip`` / ``autolog`` — ``bt.autolog()`` with and without the clipping call;
 * ``tap-dtensor`` — explicit ``bt.Tap(optimizer=)``, ``tap.step(grad_norm=)`` the ``DTensor`` as returned;
 * ``tap-full`` — the same with ``grad_norm.full_tensor()``;
-* ``tap-computed`` — ``bt.Tap(model=, optimizer=)``: the norm computed by batchtap from the shards.
+* ``tap-computed`` — ``bt.Tap(model=, optimizer=)``: the norm computed by batchtap from the shards;
+* ``autolog-tp`` — tensor parallel instead (``parallelize_module``: column- then row-wise sharded
+  ``DTensor`` weights, every rank the same batch), under ``bt.autolog()`` with clipping.
 
 Writes ``OUT_DIR/rank{R}.json``: per front-end, what its sink received and the ``.item()``
 references of every step (taken after the step, so the run is the same as without them).
@@ -35,7 +37,7 @@ from tests.conftest import ListSink
 
 STEPS = 20
 BATCH = 8
-FRONT_ENDS = ("autolog-clip", "autolog", "tap-dtensor", "tap-full", "tap-computed")
+FRONT_ENDS = ("autolog-clip", "autolog", "tap-dtensor", "tap-full", "tap-computed", "autolog-tp")
 
 
 def _model() -> nn.Module:
@@ -48,12 +50,23 @@ def _model() -> nn.Module:
     return model
 
 
+def _tensor_parallel(world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    mesh = init_device_mesh("cpu", (world,))
+    return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
 def _cosine(step: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * step / STEPS))
 
 
 def run(front_end: str, rank: int, world: int) -> dict:
-    model = _model()
+    tensor_parallel = front_end == "autolog-tp"
+    model = _tensor_parallel(world) if tensor_parallel else _model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine)
     sink = ListSink()
@@ -68,7 +81,7 @@ def run(front_end: str, rank: int, world: int) -> dict:
         tap = bt.Tap(sinks=[sink], optimizer=opt, model=model_arg, flush_every=5, collective_timeout=60.0)
         context.enter_context(tap)
         context.enter_context(tap.run(name=front_end))
-    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    g = torch.Generator().manual_seed(100 if tensor_parallel else 100 + rank)  # TP: every rank the same batch
     refs = []
     with context:
         for _ in range(STEPS):

@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard``) on two real gloo ranks, through ``bt.autolog()`` and the explicit API:
+"""FSDP2 (``fully_shard``) and tensor parallel (``parallelize_module``) on two real gloo ranks, through ``bt.autolog()`` and the explicit API:
 every stored value equals the ``.item()`` truth of the same run (``fsdp2_worker.py``).
 
 Loss and accuracy are the mean of the ranks' values (equal batches), the lr the one the step used,
@@ -21,7 +21,7 @@ from tests.realloops._loops import F32_REL
 pytest.importorskip("torch.distributed.fsdp")
 
 WORLD = 2
-FRONT_ENDS = ("autolog-clip", "autolog", "tap-dtensor", "tap-full", "tap-computed")
+FRONT_ENDS = ("autolog-clip", "autolog", "tap-dtensor", "tap-full", "tap-computed", "autolog-tp")
 
 
 @pytest.fixture(scope="module")
