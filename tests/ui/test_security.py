@@ -201,3 +201,20 @@ def test_a_metric_name_made_of_html_is_text_in_the_charts_hover_tooltip(
         assert HOSTILE_METRIC in shown[0]["text"] and shown[0]["tags"] == [], shown
         assert page.evaluate("() => window.__ran") == []
         assert not any(u.endswith("/x") for u in page.requests)  # no <img src=x>, no <a href=/x> followed
+
+
+def test_the_cli_refuses_an_unusable_token_as_a_user_error(runs: Runs) -> None:
+    import subprocess
+    import sys
+
+    from tests.cli.conftest import cli_env
+
+    done = subprocess.run(
+        [sys.executable, "-m", "batchtap.cli.main", "ui", "--db", str(runs.db), "--port", "0", "--token", "tök en"],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1 and "printable ASCII" in done.stderr and "Traceback" not in done.stderr

@@ -45,6 +45,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def main(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C."""
+    from batchtap.errors import ConfigError
     from batchtap.store import StoreError
 
     try:
@@ -62,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
             token=args.token,
             schema=args.schema or os.environ.get("BATCHTAP_DB_SCHEMA") or None,
         )
-    except StoreError as exc:
+    except (StoreError, ConfigError) as exc:  # a missing store, a token that cannot travel
         raise CLIError(str(exc)) from None
     except ImportError as exc:
         raise CLIError(str(exc)) from None
