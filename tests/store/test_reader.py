@@ -174,3 +174,82 @@ def test_reader_follows_a_writer_holding_a_write_transaction(tmp_path: Path) -> 
         assert [p.step for p in st.series(run.id, "loss")] == [*range(10), 99]
     other.close()
     sink.close()
+
+
+def test_summaries_leave_a_rollbacks_undone_steps_out(backend: Backend) -> None:
+    from batchtap.records import Event, EventKind, Record
+
+    make_sink, open_store = backend
+    run = make_run("r011back", name="rolled", started_at=100.0)
+    losses = [1.0, 0.8, 0.6, 0.0, -5.0, float("nan"), 0.7, 0.65]  # steps 3..5: the abandoned trajectory
+    sink = make_sink()
+    sink.start_run(run)
+    sink.write(
+        [Record(run.id, step=s, epoch=0, batch=s, rank=0, wall_time=101.0 + s, values={"loss": v, "acc": 0.5 + s / 100})
+         for s, v in enumerate(losses)],
+        [Event(run.id, 6, EventKind.ACTION, "rollback 1: divergence at step 5 (nan); restored the snapshot of "
+               "step 2 at step 6, undone steps 3..5, lr x0.5, skipping the next 0 batches", 107.5)],
+    )  # fmt: skip
+    sink.end_run(replace(run, status=RunStatus.FINISHED, ended_at=110.0))
+    sink.close()
+    with open_store() as st:
+        assert st.rolled_back("rolled") == (range(3, 6),)
+        loss = st.summary("rolled", "loss")
+        assert (loss.count, loss.nans, loss.min, loss.max, loss.best, loss.last, loss.last_step) == (
+            5, 0, 0.6, 1.0, 0.6, 0.65, 7,
+        )  # fmt: skip
+        acc = st.summary(run.id[:5], "acc")
+        assert acc.higher_is_better and acc.best == acc.max == pytest.approx(0.57)
+        assert st.status(run.id)[0] is RunStatus.FINISHED
+        with pytest.raises(MetricNotFound):
+            st.summary(run.id, "los")
+
+
+def test_connections_are_pooled_bounded_and_closed_when_idle(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    path = tmp_path / "bt.db"
+    sink = SQLite(path)
+    sink.start_run(make_run("p001"))
+    sink.close()
+    with batchtap.store.open(path, connections=3, idle_s=0.2) as st:
+        inside = threading.Barrier(3)
+
+        def read() -> None:
+            with st._pool.connection():
+                inside.wait(timeout=30)  # three callers hold a connection at once
+            st.runs()
+
+        threads = [threading.Thread(target=read) for _ in range(3)] + [
+            threading.Thread(target=st.runs) for _ in range(40)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert 1 <= st.open_connections <= 3
+        deadline = time.monotonic() + 30
+        while st.open_connections and time.monotonic() < deadline:
+            time.sleep(0.02)  # the pool's timer closes idle connections
+        assert st.open_connections == 0
+        assert [r.id for r in st.runs()] == ["p001"]  # and opens one again when asked
+
+
+def test_a_read_only_reader_refuses_writes_and_older_stores(tmp_path: Path) -> None:
+    from batchtap.store.schema import SQLITE
+    from tests.store._helpers import make_store_at_version
+
+    path = tmp_path / "bt.db"
+    sink = SQLite(path)
+    sink.start_run(make_run("ro01"))
+    sink.close()
+    with batchtap.store.open(path, migrate=False) as st:
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            st.query("DELETE FROM runs")
+    old = tmp_path / "v1.db"
+    conn = sqlite3.connect(old, isolation_level=None)
+    make_store_at_version(conn, SQLITE, 1)
+    conn.close()
+    with pytest.raises(batchtap.store.StoreError, match="does not migrate"):
+        batchtap.store.open(old, migrate=False)
