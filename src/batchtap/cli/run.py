@@ -102,7 +102,7 @@ class ParsedArguments:
                     print(f"batchtap: note: the script's arguments were not stored: {exc}", file=sys.stderr)
             return result
 
-        argparse.ArgumentParser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+        argparse.ArgumentParser.parse_known_args = parse_known_args  # type: ignore[method-assign, assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
