@@ -1,19 +1,22 @@
 """Keras ``fit()`` time per step: without batchtap, with ``BatchtapCallback``, and with the common
 per-batch recipe (a callback doing ``float(logs["loss"])`` in ``on_train_batch_end``), side by side.
 
-A tiny MLP (the issue's ~1 ms step). Each variant runs ``--epochs`` epochs; the first epoch (tracing,
-compilation) is left out and the step time is the median over the remaining epochs of
-(epoch time / batches). Variants are interleaved, ``--repeats`` rounds, and the medians reported.
-One backend per process (Keras picks it once): run it once per backend.
+Models: ``--model convnet`` (default: the keras.io MNIST convnet, on random 28x28x1 images, batch
+128) or ``--model mlp`` (a tiny MLP, ~1 ms steps). Each variant runs ``--epochs`` epochs; the first
+epoch (tracing, compilation) is left out and the step time is the median over the remaining epochs
+of (epoch time / batches). Variants alternate (plain, batchtap, float(loss), plain, ...) for
+``--repeats`` rounds and the medians are reported. One backend per process (Keras picks it once).
+``--matrix`` runs every TensorFlow setting the goal names in one process: XLA off and on, times
+``steps_per_execution`` 1 and 8 (one table each).
 
-    KERAS_BACKEND=tensorflow .venv/bin/python bench/keras_fit.py
+    KERAS_BACKEND=tensorflow .venv/bin/python bench/keras_fit.py --matrix
+    KERAS_BACKEND=tensorflow .venv/bin/python bench/keras_fit.py --jit --steps-per-execution 8
     KERAS_BACKEND=torch .venv/bin/python bench/keras_fit.py
-    KERAS_BACKEND=tensorflow .venv/bin/python bench/keras_fit.py --jit --steps-per-execution 10
 
-``--compiled-step N`` (TensorFlow) times only the compiled train step, called N times in a tight
-loop on one fixed batch, without and with the ops ``BatchtapCallback`` adds (its hooks on
-``compute_loss`` and ``optimizer.apply``, NaN freeze included): the in-graph cost without
-``fit()``'s per-step host work, which on a shared machine drowns it.
+``--compiled-step N`` (TensorFlow) times only the compiled train step (``model.train_step`` in a
+``tf.function``), called N times in a tight loop on one fixed batch, without and with the hooks
+``BatchtapCallback`` adds (NaN freeze and ring row included): the in-graph cost without ``fit()``'s
+per-step host work, which on a shared machine drowns it.
 """
 
 from __future__ import annotations
@@ -61,14 +64,27 @@ class FloatLoss(keras.callbacks.Callback):  # type: ignore[misc]
         self.losses.append(float(logs["loss"]))
 
 
-def fit_once(variant: str, x: np.ndarray, y: np.ndarray, args: argparse.Namespace) -> float:
-    model = keras.Sequential(
-        [
-            keras.Input((x.shape[1],)),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10, activation="softmax"),
-        ]
+def make_model(kind: str, shape: tuple[int, ...]) -> Any:
+    if kind == "convnet":  # keras.io/examples/vision/mnist_convnet
+        return keras.Sequential(
+            [
+                keras.Input(shape),
+                keras.layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
+                keras.layers.MaxPooling2D(pool_size=(2, 2)),
+                keras.layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
+                keras.layers.MaxPooling2D(pool_size=(2, 2)),
+                keras.layers.Flatten(),
+                keras.layers.Dropout(0.5),
+                keras.layers.Dense(10, activation="softmax"),
+            ]
+        )
+    return keras.Sequential(
+        [keras.Input(shape), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10, activation="softmax")]
     )
+
+
+def fit_once(variant: str, x: np.ndarray, y: np.ndarray, args: argparse.Namespace) -> float:
+    model = make_model(args.model, x.shape[1:])
     model.compile(
         optimizer=keras.optimizers.SGD(0.01),
         loss="sparse_categorical_crossentropy",
@@ -79,8 +95,7 @@ def fit_once(variant: str, x: np.ndarray, y: np.ndarray, args: argparse.Namespac
     callbacks: list[Any] = [clock]
     tap = None
     if variant == "batchtap":
-        metrics = [bt.metrics.Loss()] if keras.backend.backend() == "tensorflow" else None
-        tap = bt.Tap(metrics=metrics, sinks=[], flush_every=50)
+        tap = bt.Tap(sinks=[], flush_every=50)
         callbacks.append(BatchtapCallback(tap))
     elif variant == "float(loss)":
         callbacks.append(FloatLoss())
@@ -97,28 +112,18 @@ def compiled_step_once(variant: str, x: np.ndarray, y: np.ndarray, args: argpars
 
     from batchtap.integrations._keras_tf import TFRecorder
 
-    model = keras.Sequential(
-        [
-            keras.Input((x.shape[1],)),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10, activation="softmax"),
-        ]
-    )
+    model = make_model(args.model, x.shape[1:])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
     model.optimizer.build(model.trainable_variables)
     xb, yb = tf.constant(x[: args.batch_size]), tf.constant(y[: args.batch_size])
     recorder = None
     if variant == "batchtap":
-        tap = bt.Tap(metrics=[bt.metrics.Loss()], sinks=[], flush_every=50)
+        tap = bt.Tap(sinks=[], flush_every=50)
         recorder = TFRecorder(model, tap, flush_every=None, freeze_on_nan=True)
 
     @tf.function(jit_compile=args.jit)
     def step(xs: Any, ys: Any) -> None:
-        with tf.GradientTape() as tape:
-            y_pred = model(xs, training=True)
-            loss = model.compute_loss(xs, ys, y_pred, training=True)
-        grads = tape.gradient(loss, model.trainable_variables)
-        model.optimizer.apply(grads, model.trainable_variables)
+        model.train_step((xs, ys))
 
     for _ in range(50):
         step(xb, yb)
@@ -136,14 +141,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batches", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=None, help="default: 128 (convnet), 32 (mlp)")
     parser.add_argument("--jit", action="store_true")
     parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--compiled-step", type=int, default=0, help="time N calls of the compiled step only")
+    parser.add_argument("--model", choices=("convnet", "mlp"), default="convnet")
+    parser.add_argument("--matrix", action="store_true", help="XLA off/on x steps_per_execution 1/8 (TensorFlow)")
     args = parser.parse_args()
+    if args.batch_size is None:
+        args.batch_size = 128 if args.model == "convnet" else 32
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.batches * args.batch_size, 32)).astype("float32")
+    shape = (28, 28, 1) if args.model == "convnet" else (32,)
+    x = rng.uniform(size=(args.batches * args.batch_size, *shape)).astype("float32")
     y = rng.integers(0, 10, size=len(x))
+    settings = [(False, 1), (False, 8), (True, 1), (True, 8)] if args.matrix else [(args.jit, args.steps_per_execution)]
+    print(f"load average at start: {os.getloadavg()}")
+    for jit, spe in settings:
+        args.jit, args.steps_per_execution = jit, spe
+        table(x, y, args)
+
+
+def table(x: np.ndarray, y: np.ndarray, args: argparse.Namespace) -> None:
     variants: tuple[str, ...] = ("plain", "batchtap", "float(loss)")
     run_once = fit_once
     what = f"steps_per_execution={args.steps_per_execution}, {args.batches} batches of {args.batch_size}, "
@@ -156,7 +174,9 @@ def main() -> None:
         for variant in variants:
             times[variant].append(run_once(variant, x, y, args))
     base = statistics.median(times["plain"])
-    print(f"keras {keras.__version__}, backend {keras.backend.backend()}, jit_compile={args.jit}, {what}")
+    print(
+        f"\nkeras {keras.__version__}, backend {keras.backend.backend()}, {args.model}, jit_compile={args.jit}, {what}"
+    )
     print("| variant | us per step (median) | vs plain | runs (us) |")
     print("|---|---|---|---|")
     for variant in variants:

@@ -135,9 +135,11 @@ def exact(jit: bool, spe: int, onehot: bool, weighted: bool, loss_scale: bool) -
         {"step": r.step, "epoch": r.epoch, "batch": r.batch, **r.values} for r in sink.records if "loss" in r.values
     ]
     logged = [r.values for r in sink.records if "loss" not in r.values]
+    logged_at = [(r.epoch, r.step) for r in sink.records if "loss" not in r.values]
     return {
         "rows": rows,
         "logged": logged,
+        "logged_at": logged_at,
         "reference": reference(x, y, w if weighted else None, BATCHES * EPOCHS),
         "status": sink.ended[0].status.value,
     }

@@ -74,6 +74,7 @@ def test_validation_results_are_stored_as_sparse_values(worker: dict[str, Any]) 
     logged = worker["exact-jit0-spe1"]["logged"]
     assert len(logged) == 2  # one per epoch
     assert all(set(v) == {"val_loss", "val_accuracy"} for v in logged)
+    assert worker["exact-jit0-spe1"]["logged_at"] == [[0, 31], [1, 63]]  # each epoch's last step, with its epoch
 
 
 def test_a_nan_at_batch_k_stops_training_there(worker: dict[str, Any]) -> None:
