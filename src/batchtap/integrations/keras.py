@@ -111,7 +111,8 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
         if self.backend not in ("tensorflow", "torch"):
             raise ConfigError(
                 f"batchtap.integrations.keras supports the 'tensorflow' and 'torch' Keras backends, got "
-                f"{self.backend!r}; set KERAS_BACKEND=tensorflow or KERAS_BACKEND=torch"
+                f"{self.backend!r} (JAX is out of scope: its train step is a pure function, with no place for a "
+                "device ring); fix: set KERAS_BACKEND=tensorflow or KERAS_BACKEND=torch"
             )
         self.tap = tap
         self._own_tap = tap is None
