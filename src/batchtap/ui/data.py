@@ -46,6 +46,7 @@ JSON endpoints (for the page's scripts; every value that JSON cannot carry, NaN 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -54,7 +55,7 @@ from typing import Any
 from batchtap.store import runquery
 from batchtap.store.errors import RunNotFound
 from batchtap.store.reader import Store
-from batchtap.store.rows import RunRow, best_is_max
+from batchtap.store.rows import RunRow, best_is_max, json_object, status_of
 from batchtap.store.schema import SQLITE, Dialect
 from batchtap.ui.decimate import (
     POSTGRES_BUCKETS,
@@ -228,13 +229,34 @@ class ReadOnlyStore:
 
     def changes(self, seen: dict[str, tuple[Any, ...]]) -> tuple[list[RunRow], list[str]]:
         """The runs new or moved since ``seen`` (id -> fingerprint, updated in place) and the ids
-        gone: what the live runs table sends. A running run always counts as moved."""
-        rows = self.reader.runs()
-        now = {r.id: (r.status.value, r.steps, r.ended_at, r.last_wall_time) for r in rows}
-        moved = [r for r in rows if seen.get(r.id) != now[r.id] or r.status.value == "running"]
+        gone: what the live runs table sends.
+
+        A poll reads the runs table (no scan of values) and, for each running run, the last step
+        of its main metric (one key probe); only the runs that moved are read in full. A running
+        run always counts as moved (its duration grows)."""
+        rows = self._all("SELECT id, status, ended_at, stop_reason, environment, metric_names FROM runs")
+        now: dict[str, tuple[Any, ...]] = {}
+        for rid, stored, ended, reason, env, declared in rows:
+            status, _ = status_of(str(stored), reason, json_object(env))
+            last = None
+            if status.value == "running":
+                names = ["loss", *(json.loads(declared) if declared else [])]
+                for name in names:
+                    got = self._one("SELECT MAX(step) FROM metrics WHERE run_id = ? AND metric = ?", (rid, name))
+                    if got is not None and got[0] is not None:
+                        last = int(got[0])
+                        break
+            now[str(rid)] = (status.value, ended, last)
+        moved_ids = [rid for rid, fp in now.items() if seen.get(rid) != fp or fp[0] == "running"]
         gone = [rid for rid in seen if rid not in now]
         seen.clear()
         seen.update(now)
+        moved = []
+        for rid in moved_ids:
+            try:
+                moved.append(self.reader.run(rid))
+            except RunNotFound:
+                continue  # removed meanwhile
         return moved, gone
 
     def metric_names(self, run_id: str) -> list[str]:
