@@ -1,0 +1,161 @@
+"""Cost of per-layer signals on a nanoGPT-style CPU loop: Layers(every=10) against the same Tap
+without it (goal: <= 1 % of the whole step), Layers(every=1), Histograms(every=10) and MFU measured.
+
+Alternating pairs: every repetition runs each variant once, in an order rotated by the repetition,
+from the same weights and batches; a variant's cost is its step time over the plain Tap's of the
+same repetition, and the median of those ratios is reported (slow drift of a shared machine cancels).
+
+    .venv/bin/python bench/layers.py                   # the BENCHMARKS.md figures (quiet machine)
+    .venv/bin/python bench/layers.py --quick           # a smoke run
+    .venv/bin/python bench/layers.py --device cuda     # the GPU cell (bench/gpu_check.sh)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+import batchtap as bt  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (
+            z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.c_attn(self.ln_1(x)).split(d, 2)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    """nanoGPT's shape: token + position embeddings, pre-LN blocks, a tied head."""
+
+    def __init__(self, vocab: int, block: int, layers: int, d: int, heads: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.h = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def _variants(quick: bool) -> dict[str, Callable[[nn.Module], list[bt.metrics.Metric]]]:
+    base = lambda m: [bt.metrics.Loss(), bt.metrics.StepTime()]  # noqa: E731
+    return {
+        "tap": base,
+        "layers10": lambda m: base(m) + [bt.metrics.Layers(m, every=10)],
+        "layers1": lambda m: base(m) + [bt.metrics.Layers(m, every=1)],
+        "hist10": lambda m: base(m) + [bt.metrics.Histograms(m, every=10)],
+        "mfu": lambda m: base(m) + [bt.metrics.MFU()],
+    }
+
+
+def _run(make: Callable[[nn.Module], list], args: argparse.Namespace, batches: list, device: torch.device) -> float:
+    """Seconds per step of one run (median over the timed window's chunks of 10 steps)."""
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.block, args.layers, args.d, args.heads).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    tap = bt.Tap(make(model), [], flush_every=50)
+    chunks: list[float] = []
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with tap, tap.run(name="bench-layers"):
+        start = 0.0
+        for step, (x, y) in enumerate(batches):
+            if step >= args.warmup and (step - args.warmup) % 10 == 0:
+                sync()  # sync: the benchmark's own clock, at a chunk boundary, never in the library
+                now = time.perf_counter()
+                if step > args.warmup:
+                    chunks.append((now - start) / 10)
+                start = now
+            logits = model(x)
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            tap.step(loss=loss, targets=y)
+    return statistics.median(chunks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--steps", type=int, default=200, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=65)
+    p.add_argument("--quick", action="store_true", help="a smoke run: a tiny model, 1 rep of 20 steps")
+    p.add_argument("--only", default="", help="comma-separated variants (default: all)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.reps, args.steps, args.warmup, args.layers, args.d, args.block, args.batch = 1, 20, 10, 2, 32, 16, 4
+    device = torch.device(args.device)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    g = torch.Generator().manual_seed(1)
+    total = args.warmup + args.steps + 1
+    batches = [
+        (
+            torch.randint(0, args.vocab, (args.batch, args.block), generator=g).to(device),
+            torch.randint(0, args.vocab, (args.batch, args.block), generator=g).to(device),
+        )
+        for _ in range(total)
+    ]
+    variants = _variants(args.quick)
+    if args.only:
+        variants = {k: v for k, v in variants.items() if k in args.only.split(",") or k == "tap"}
+    names = list(variants)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    for rep in range(args.reps):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        got = {name: _run(variants[name], args, batches, device) for name in order}
+        for name in names:
+            times[name].append(got[name])
+            ratios[name].append(got[name] / got["tap"])
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+    print(
+        f"nanoGPT-style loop on {device}: {args.layers} layers, d={args.d}, block {args.block}, batch {args.batch}; "
+        f"{args.reps} reps x {args.steps} steps, load average {load:.2f}, torch {torch.__version__}"
+    )
+    print(f"{'variant':<10} {'ms/step (median)':>17} {'vs tap (median of paired ratios)':>34} {'min..max ratio':>16}")
+    for name in names:
+        r = ratios[name]
+        print(
+            f"{name:<10} {1e3 * statistics.median(times[name]):>17.3f} {statistics.median(r):>33.4f}x "
+            f"{min(r):>7.4f}..{max(r):.4f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
