@@ -33,7 +33,7 @@ fi
 #    no-host-read tests (which also run their CPU/FakeTensor halves).
 BATCHTAP_REQUIRE_GPU=${BATCHTAP_REQUIRE_GPU:-1} timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider -o addopts="" \
     tests/test_tap_gpu.py tests/recovery/test_rollback_gpu.py tests/metrics/test_builtin_gpu.py tests/test_no_sync.py \
-    tests/metrics/test_system_gpu.py \
+    tests/metrics/test_system_gpu.py tests/metrics/test_layers_gpu.py \
     tests/test_fake_cuda.py tests/test_launches.py tests/test_graph_capture.py 2>&1 | tee "$OUT/gpu-tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
