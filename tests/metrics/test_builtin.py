@@ -60,7 +60,7 @@ def test_learning_rate_follows_a_scheduler_and_a_name() -> None:
     ],
 )
 def test_throughput(timing, expected) -> None:
-    assert bt.metrics.Throughput().finalize([], timing) == (expected,)
+    assert bt.metrics.Throughput().finalize([], timing) == [expected]
 
 
 def test_loss_combines_as_a_sample_weighted_mean() -> None:
@@ -138,7 +138,7 @@ def test_default_metrics_drop_accuracy_for_regression_and_loss_only_loops() -> N
         "Memory",
     ]
     # and a loss-only loop's throughput is absent rather than NaN
-    assert bt.metrics.Throughput().finalize([], StepTiming(math.nan, 0.1, math.nan)) == (None,)
+    assert bt.metrics.Throughput().finalize([], StepTiming(math.nan, 0.1, math.nan)) == [None]
 
 
 def test_no_metric_reads_the_device_in_compute() -> None:

@@ -11,6 +11,7 @@ from batchtap.capture.flush import BlockData
 from batchtap.metrics.decoding import ColumnLayout, StepTiming
 from batchtap.pipeline.chain.decode import Decoder
 from batchtap.records import Event, EventKind, Record
+from tests.pipeline import _row_reference as reference
 
 __all__ = ["RowDecoder", "Decoded"]
 
@@ -71,7 +72,7 @@ class RowDecoder(Decoder):
                 zip(self._spans, raws, self._weighs, self._checks_inputs, self._bounds)
             ):
                 if weighs:
-                    w = metric.weight(raw)
+                    w = reference.weight(metric, raw)
                     if w is not None:
                         weights.update((o.name, w) for o in outputs if o.weight == "metric")
                 problem = metric.input_error(raw) if checks else None
@@ -90,7 +91,9 @@ class RowDecoder(Decoder):
                         out.events.append(
                             Event(self.run_id, step, EventKind.WARNING, f"step {step}: {warning}", wall, rank=self.rank)
                         )
-                for (output, low, high, finite), value in zip(bounds, metric.finalize(raw, timing), strict=True):
+                for (output, low, high, finite), value in zip(
+                    bounds, reference.finalize(metric, raw, timing), strict=True
+                ):
                     if value is None:
                         continue  # not measured at this step (e.g. no watched loader)
                     if low <= value <= high and (not finite or isfinite(value)):  # NaN fails the compare

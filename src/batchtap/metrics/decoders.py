@@ -57,14 +57,8 @@ class LearningRateDecoding(MetricDecoder):
     decode_state: ClassVar[tuple[str, ...]] = ("name",)
     name: str
 
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        first = raw[0]
-        if math.isnan(first):  # a skipped step's lr that could not be told (see warning)
-            return [None] * len(raw)
-        return [first, *(None if v == first else v for v in raw[1:])]
-
     def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
-        present = raw != raw[:, :1]  # NaN differs from everything, as in finalize
+        present = raw != raw[:, :1]  # a group's value where it differs from group 0's (NaN always does)
         known = ~np.isnan(raw[:, 0])
         present[:, 0] = known
         present &= known[:, None]
@@ -181,24 +175,6 @@ class AccuracyDecoding(MetricDecoder):
             )
         return None
 
-    def _totals(self, raw: Sequence[float]) -> list[float]:
-        """Correct per k, ignored, positions: each count's low and high part joined."""
-        n = self._counts
-        return [hi * EXACT_FLOAT32 + lo for lo, hi in zip(raw[:n], raw[n : 2 * n])]
-
-    def weight(self, raw: Sequence[float]) -> float | None:
-        """The kept targets (positions - ignored): ranks combine accuracies weighted by them
-        (exact with padding)."""
-        totals = self._totals(raw)
-        return totals[-1] - totals[-2]
-
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        totals = self._totals(raw)
-        kept = totals[-1] - totals[-2]
-        if not kept > 0:  # every target ignored: no accuracy at this step
-            return [None] * len(self.topk)
-        return [c / kept for c in totals[:-2]]
-
     def _totals_block(self, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`_totals` of every row of a block, and the kept targets (``[n, 1]``)."""
         n = self._counts
@@ -214,6 +190,8 @@ class AccuracyDecoding(MetricDecoder):
         return values, np.broadcast_to(present, values.shape)
 
     def weight_block(self, raw: np.ndarray) -> np.ndarray:
+        """The kept targets (positions - ignored): ranks combine accuracies weighted by them
+        (exact with padding)."""
         return self._totals_block(raw)[1][:, 0]
 
     def input_suspects(self, raw: np.ndarray) -> np.ndarray:

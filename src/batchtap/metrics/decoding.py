@@ -149,8 +149,17 @@ class MetricDecoder:
     decode_state: ClassVar[tuple[str, ...]] = ()
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        """One row's raw columns (device then host) to its reported values (default: as they are)."""
-        return list(raw)
+        """One row's raw columns (device then host) to its reported values.
+
+        Default: the decoder's :meth:`finalize_block` on this one row where it has one (so a block
+        decoder is never written twice), else the raw columns as they are. A metric with no array
+        math overrides this instead of :meth:`finalize_block`.
+        """
+        block = self.finalize_block(np.array([list(raw)], dtype=np.float64), _one_row(timing))
+        if block is None:
+            return list(raw)
+        values, present = (np.asarray(a).reshape(1, -1) for a in block)
+        return [v if p else None for v, p in zip(values[0].astype(np.float64).tolist(), present[0].tolist())]
 
     def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray] | None:
         """:meth:`finalize` of a whole block at once, with array math.
@@ -184,8 +193,9 @@ class MetricDecoder:
     def weight(self, raw: Sequence[float]) -> float | None:
         """What this row's values average over, for outputs declared ``weight="metric"`` (accuracy's
         kept targets); None: the step's samples. The cross-rank reduction weights each rank's value by
-        it, so uneven counts combine exactly."""
-        return None
+        it, so uneven counts combine exactly. Default: :meth:`weight_block` on this one row."""
+        block = self.weight_block(np.array([list(raw)], dtype=np.float64))
+        return None if block is None else float(np.asarray(block, dtype=np.float64)[0])
 
     def weight_block(self, raw: np.ndarray) -> np.ndarray | None:
         """:meth:`weight` of every row of a block (``[n]`` float64), or None: asked row by row."""
@@ -209,6 +219,18 @@ class MetricDecoder:
         """The rows of a block whose :meth:`input_error` may not be None (``[n]`` bool), so that
         only those are asked; None (the default): every row is asked."""
         return None
+
+
+def _one_row(timing: StepTiming | None) -> BlockTiming:
+    """One row's timing as a block's (none given: not known, as for a metric that reads none)."""
+    if timing is None:
+        timing = StepTiming(math.nan, math.nan, math.nan)
+    return BlockTiming(
+        np.array([timing.samples], dtype=np.float64),
+        np.array([timing.step_time], dtype=np.float64),
+        np.array([timing.data_time], dtype=np.float64),
+        np.array([timing.tokens], dtype=np.float64),
+    )
 
 
 def overrides(decoder: MetricDecoder, hook: str) -> bool:

@@ -94,6 +94,7 @@ class GradNorm(GradNormDecoding, Metric):
         >>> inputs = StepInputs(None, None, None, 2.0)
         >>> raw = [float(v) for v in norm.compute(inputs)] + list(norm.read_host(inputs))
         >>> reference = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9).item()
+        >>> from batchtap.metrics import StepTiming
         >>> abs(norm.finalize(raw, StepTiming(2.0, 0.1, math.nan))[0] - reference) < 1e-6
         True
     """
@@ -326,6 +327,7 @@ class LossScale(LossScaleDecoding, Metric):
         >>> metric = LossScale(scaler)
         >>> inputs = StepInputs(None, None, None, 1.0)
         >>> raw = [float(v) for v in metric.compute(inputs)] + list(metric.read_host(inputs))
+        >>> from batchtap.metrics import StepTiming
         >>> metric.finalize(raw, StepTiming(1.0, 0.1, math.nan)), metric.skipped(raw)
         ([1024.0, 1.0], True)
     """

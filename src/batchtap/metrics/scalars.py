@@ -115,6 +115,7 @@ class LearningRate(LearningRateDecoding, Metric):
         >>> lr = LearningRate(opt)
         >>> [o.name for o in lr.outputs()], lr.read_host(None)
         (['lr', 'lr_group1'], (0.1, 0.01))
+        >>> from batchtap.metrics import StepTiming
         >>> lr.finalize([0.1, 0.1], StepTiming(1.0, 0.1, math.nan))  # equal groups: one value
         [0.1, None]
     """

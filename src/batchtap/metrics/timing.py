@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-
 import numpy as np
 
 from batchtap.metrics.base import (
     BlockTiming,
     Metric,
-    StepTiming,
 )
 from batchtap.metrics.decoding import measured
 from batchtap.metrics.domain import NONNEGATIVE, Output, Reduce
@@ -26,9 +22,6 @@ class StepTime(Metric):
     def outputs(self) -> tuple[Output, ...]:
         return (Output("step_time", NONNEGATIVE, Reduce.MAX, unit="s"),)
 
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        return (None if math.isnan(timing.step_time) else timing.step_time,)
-
     def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
         return measured(timing.step_time)
 
@@ -38,9 +31,6 @@ class DataTime(Metric):
 
     def outputs(self) -> tuple[Output, ...]:
         return (Output("data_time", NONNEGATIVE, Reduce.MAX, unit="s"),)
-
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        return (None if math.isnan(timing.data_time) else timing.data_time,)
 
     def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
         return measured(timing.data_time)
@@ -54,20 +44,16 @@ class Throughput(Metric):
     time is: a loss-only loop gets no throughput rather than NaN values.
 
     Example:
+        >>> import math
+        >>> from batchtap.metrics import StepTiming
         >>> Throughput().finalize([], StepTiming(samples=8.0, step_time=0.5, data_time=math.nan, tokens=8192.0))
-        (16384.0,)
+        [16384.0]
         >>> Throughput().finalize([], StepTiming(samples=math.nan, step_time=0.5, data_time=math.nan))
-        (None,)
+        [None]
     """
 
     def outputs(self) -> tuple[Output, ...]:
         return (Output("throughput", NONNEGATIVE, Reduce.SUM),)
-
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        count = timing.tokens if math.isfinite(timing.tokens) else timing.samples
-        if not math.isfinite(count) or not timing.step_time > 0 or not math.isfinite(timing.step_time):
-            return (None,)
-        return (count / timing.step_time,)
 
     def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
         count = np.where(np.isfinite(timing.tokens), timing.tokens, timing.samples)
