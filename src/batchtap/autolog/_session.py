@@ -202,7 +202,7 @@ class Session:
         original = sys.exit
         session = self
 
-        def exit(status: object = None) -> Any:  # noqa: A001 - sys.exit's own name
+        def exit(status: Any = None) -> Any:  # noqa: A001 - sys.exit's own name
             session._exit_code = 1 if status is not None and not isinstance(status, int) else status
             return original(status)
 

@@ -166,8 +166,8 @@ def spool_only_runs(spools: dict[str, list[SpoolInfo]], stored: Iterable[str]) -
         if run_id in known:
             continue
         name = next((i.names[run_id] for i in infos if run_id in i.names), "?")
-        firsts = [i.runs[run_id][0] for i in infos if i.runs[run_id][0] is not None]
-        lasts = [i.runs[run_id][1] for i in infos if i.runs[run_id][1] is not None]
+        firsts = [first for i in infos if (first := i.runs[run_id][0]) is not None]
+        lasts = [last for i in infos if (last := i.runs[run_id][1]) is not None]
         steps = f"steps {min(firsts)}..{max(lasts)}" if firsts else "no steps"
         where = ", ".join(sorted({str(i.path.parent) for i in infos}))
         out.append(
