@@ -32,10 +32,12 @@ JSON endpoints (for the page's scripts; every value that JSON cannot carry, NaN 
   on the kept trajectory), ``last_wall``, ``duration`` (seconds; to the last stored value while
   running), ``rolled_back`` (``[[first, last], ...]`` undone steps), ``events`` (count per kind),
   ``anomalies``.
-* ``GET /api/runs/live?q=QUERY`` -> server-sent events. First ``runs`` with every matching RUN, then,
-  once a second while anything changes, ``runs`` with ``{"now", "runs": [RUN, ...], "removed": [id]}``:
-  the new runs and every run whose status, steps or end moved (running runs each time: their
-  duration moves). The page merges them by ``id``.
+* ``GET /api/runs/live?q=QUERY`` -> server-sent events, each ``event: runs`` with data
+  ``{"first": bool, "now": float, "runs": [RUN, ...], "removed": [id, ...]}``. The first message
+  (``first: true``) has every matching run; then, at most once a second and only when something
+  changed, the runs that are new or moved (status, end, last step; a running run every second, its
+  duration grows) and the ids of runs gone (deleted, or no longer matching ``q``). The page merges
+  them by ``id``. A bad ``q`` is ``400`` before the stream starts.
 * ``GET /api/runs/{id}`` — one RUN plus ``metrics``, ``sparse`` and ``ranks`` (per metric). ``{id}``
   (here and below) is a full id, a unique id prefix (the 8-character short id) or a run name (the
   latest run of it); ``404 {"error"}`` when none matches, naming the closest.
