@@ -111,25 +111,28 @@ def test_each_model_takes_its_own_clip(sink: ListSink) -> None:
 def test_times_one_changes_nothing(sink: ListSink, times_one: bool) -> None:
     """Undivided accumulation: the gradients minimise the sum of the micro-batch losses, whether the
     loop multiplies by 1 first (the HF Trainer's ``loss *= num_processes`` on one process) or not;
-    and no message claims a division that did not happen."""
+    and no message claims a division that did not happen. Accuracy counts every micro-batch's targets."""
     torch.manual_seed(2)
     expected = []
     with autologged(sink, name="times-one"):
         model = nn.Linear(6, 3)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for _ in range(4):
-            total = 0.0
+            total, correct = 0.0, 0
             for _ in range(3):
                 x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-                loss = F.cross_entropy(model(x), y)
+                out = model(x)
+                loss = F.cross_entropy(out, y)
                 (loss * 1 if times_one else loss).backward()
                 total += loss.item()
+                correct += int((out.argmax(1) == y).sum().item())
             opt.step()
             opt.zero_grad()
-            expected.append(total)
+            expected.append((total, correct / 24))
     rows = assert_one_record_per_step(sink.records, 4)
-    for record, ref in zip(rows, expected):
+    for record, (ref, accuracy) in zip(rows, expected):
         assert record.values["loss"] == pytest.approx(ref, rel=F32_REL), record.step
+        assert record.values["accuracy"] == pytest.approx(accuracy, abs=1e-9), record.step
     warnings = _warnings(sink)
     assert not [m for m in warnings if "undone" in m or "gradient-accumulation" in m], warnings
     assert len([m for m in warnings if "several losses, loss = their sum" in m]) == 1, warnings

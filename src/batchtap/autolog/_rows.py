@@ -62,9 +62,11 @@ class MicroBatch:
 
 
 #: what several backward() calls before one optimizer step are
-_ACCUMULATION, _NORMALISED, _LOSSES = "accumulation", "normalised", "losses"
+_ACCUMULATION, _NORMALISED, _UNDIVIDED, _LOSSES = "accumulation", "normalised", "undivided", "losses"
 #: the kinds whose micro-batches are handed to tap.accumulate as they come
-_MICRO_BATCHES = (_ACCUMULATION, _NORMALISED)
+_MICRO_BATCHES = (_ACCUMULATION, _NORMALISED, _UNDIVIDED)
+#: ... and the kinds among them whose step loss is the sum of the micro-batches' losses
+_SUMMED = (_NORMALISED, _UNDIVIDED)
 
 
 class Rows:
@@ -92,7 +94,7 @@ class Rows:
         self._direct: MicroBatch | None = None  # the row's one micro-batch, for tap.step(loss=...)
         self._accumulated = 0
         self._other_losses: dict[int, torch.Tensor] = {}
-        # token-normalised accumulation: the step's loss is the sum of the micro-batches' losses, and
+        # token-normalised and undivided accumulation: the step's loss is the sum of the micro-batches', and
         # the Tap averages them weighted by samples; what was handed over, to make its mean that sum
         self._handed_weight = 0.0
         self._handed_sum: torch.Tensor | None = None  # sum of loss x weight handed over
@@ -125,7 +127,7 @@ class Rows:
         if len(self.optimizers) <= 1 and len(pending) > 1:
             if self._kind in _MICRO_BATCHES:
                 # the earlier micro-batch belongs to the coming step of the one optimizer: hand it over
-                self._accumulate(pending.pop(0))
+                self._accumulate(pending.pop(0), summed=self._kind in _SUMMED)
             else:
                 pending[:] = [_summed(pending)]
 
@@ -159,12 +161,16 @@ class Rows:
             )
             return _ACCUMULATION
         if not first.divided and not second.divided:
+            same = first.shape == second.shape and _same(first.factors, second.factors)
             self.say(
                 "several-losses",
                 "several backward() calls before one optimizer step, none divided by a constant: recorded as "
                 "several losses, loss = their sum (what the step's gradients are the gradient of; a loop "
-                "accumulating micro-batches without dividing by their count minimizes that sum too)",
+                "accumulating micro-batches without dividing by their count minimizes that sum too)"
+                + ("; each the same loss graph: accuracy over all their targets" if same else ""),
             )
+            if same:  # undivided accumulation (or one loss on several batches): every batch's targets count
+                return _UNDIVIDED
         else:
             self.say(
                 "losses-assumed",
@@ -202,15 +208,16 @@ class Rows:
             if len(micro) == 1 and not self._accumulated and len(self.optimizers) == 1:
                 self._direct = micro[0]
             else:
+                summed = kind in _SUMMED
                 for i, m in enumerate(micro):
-                    self._accumulate(m, last=kind == _NORMALISED and i == len(micro) - 1)
+                    self._accumulate(m, summed=summed, last=summed and i == len(micro) - 1)
         elif slot > 0 and micro:
             losses = [m.loss for m in micro]
             if len(losses) == 1:
                 self._other_losses[slot] = losses[0]
             else:  # token-normalised micro-batches add up to the step's loss; others average
                 stacked = torch.stack(losses)
-                self._other_losses[slot] = stacked.sum() if kind == _NORMALISED else stacked.mean()
+                self._other_losses[slot] = stacked.sum() if kind in _SUMMED else stacked.mean()
         if slot >= 0:
             self._row[slot] = event
         if len(self._row) >= len(self.optimizers):
@@ -253,19 +260,20 @@ class Rows:
             self.tap.step()
         self.rows += 1
 
-    def _accumulate(self, micro: MicroBatch, *, last: bool = False) -> None:
+    def _accumulate(self, micro: MicroBatch, *, summed: bool = False, last: bool = False) -> None:
         if not self._fits(micro, "accumulate"):
             return
         outputs, targets = self._classification(micro)
         loss = micro.loss
-        if micro.normalised:
+        if summed:
             samples = samples_of(None, outputs, targets)  # the Tap's weight of this micro-batch
             loss = self._normalised(loss, samples if math.isfinite(samples) else 1.0, last)
         self.tap.accumulate(loss, outputs=outputs, targets=targets)
         self._accumulated += 1
 
     def _normalised(self, loss: torch.Tensor, weight: float, last: bool) -> torch.Tensor:
-        """The loss to hand over for a token-normalised micro-batch. The Tap's step loss is the mean
+        """The loss to hand over for a micro-batch whose step loss is a sum (token-normalised, or
+        undivided accumulation). The Tap's step loss is the mean
         of the handed losses weighted by samples (a host count, as the Tap weighs them); the step's
         loss here is their plain sum: the last micro-batch carries what makes that mean the sum
         (device ops only, exact up to float32 rounding)."""
