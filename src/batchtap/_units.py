@@ -74,7 +74,7 @@ RULES: tuple[tuple[str, str, Kind], ...] = (
     ("suffix", "_temp", "celsius"),
     ("suffix", "_sm_clock", "mhz"),
     ("exact", "throughput", "per_second"),
-    ("contains", "loss", "loss"),
+    ("suffix", "loss", "loss"),
 )
 
 #: Short labels the console shows instead of the stored names (``tail`` and the UI show the stored names).
