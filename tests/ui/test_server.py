@@ -402,15 +402,25 @@ def _show_figures(db: Path, run_id: str) -> tuple[str, int, str, str]:
     return status, steps, loss[2], loss[1]
 
 
-def test_the_ui_api_and_batchtap_show_agree_on_every_run(tmp_path: Path) -> None:
+def agree_with_show(db: Path) -> dict[str, Any]:
+    """Every run of the store as /api/runs gives it, each checked against `batchtap show`."""
     from batchtap.cli._common import fmt_value
 
-    db = tmp_path / "mixed.db"
-    ids = write_mixed_store(db)
     with batchtap.ui.start(db) as srv:
         status, body, _ = get(f"{srv.base}/api/runs")
     assert status == 200
-    listed = {r["name"]: r for r in body["runs"]}
+    for ui in body["runs"]:
+        # JSON has no NaN: a last value that failed validation is null with its step given
+        last = "nan" if ui["last_value"] is None and ui["last_step"] is not None else fmt_value(ui["last_value"])
+        figures = (ui["status"], ui["steps"], fmt_value(ui["best_value"]), last)
+        assert figures == _show_figures(db, ui["id"]), ui["name"]
+    return {r["name"]: r for r in body["runs"]}
+
+
+def test_the_ui_api_and_batchtap_show_agree_on_every_run(tmp_path: Path) -> None:
+    db = tmp_path / "mixed.db"
+    ids = write_mixed_store(db)
+    listed = agree_with_show(db)
     assert {n: listed[n]["status"] for n in ids} == {
         "fin": "finished",
         "rolled": "finished",
@@ -418,12 +428,7 @@ def test_the_ui_api_and_batchtap_show_agree_on_every_run(tmp_path: Path) -> None
         "live": "running",
         "nans": "failed",
     }
-    for name, rid in ids.items():
-        ui = listed[name]
-        assert ui["main"] == "loss" and ui["higher_is_better"] is False
-        # JSON has no NaN: a last value that failed validation is null with its step given
-        last = "nan" if ui["last_value"] is None and ui["last_step"] is not None else fmt_value(ui["last_value"])
-        assert (ui["status"], ui["steps"], fmt_value(ui["best_value"]), last) == _show_figures(db, rid), name
+    assert all(r["main"] == "loss" and r["higher_is_better"] is False for r in listed.values())
     rolled = listed["rolled"]
     # the abandoned trajectory's 0.0 (and its 5e30) are not the run's best, min or max
     assert rolled["best_value"] == 0.6 and rolled["max_value"] == 1.0 and rolled["rolled_back"] == [[5, 8]]
@@ -432,6 +437,11 @@ def test_the_ui_api_and_batchtap_show_agree_on_every_run(tmp_path: Path) -> None
         frame = st.frame(ids["rolled"])
         assert list(frame.index) == [0, 1, 2, 3, 4, 9, 10, 11] and frame.attrs["rolled_back"] == [(5, 8)]
         assert len(st.frame(ids["rolled"], rolled_back=True)) == 12
+
+
+def test_the_ui_api_and_batchtap_show_agree_on_real_training_runs(runs: Runs) -> None:
+    listed = agree_with_show(runs.db)
+    assert listed["ui-stopped"]["status"] == "stopped" and len(listed) == 3
 
 
 def test_a_short_id_or_name_finds_a_run_on_every_route(tmp_path: Path) -> None:
