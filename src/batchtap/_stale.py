@@ -1,5 +1,5 @@
 """What a killed process leaves behind, recognised by a later one: shared-memory segments and runs
-still marked ``running`` (issue 29).
+still marked ``running``.
 
 A SLURM/Kubernetes/OOM kill ends a whole process group at once: the training process, its pipeline
 process and Python's resource tracker together, so nothing of the dead process can clean up. The

@@ -36,7 +36,7 @@ __all__ = ["POSITION_COLUMNS", "events_path", "write_run", "read_records", "read
 
 #: The columns every records file starts with.
 POSITION_COLUMNS = ("run_id", "step", "epoch", "batch", "rank", "wall_time", "logged")
-_OLD_LOGGED = "sparse"  # the ``logged`` column's name in files of batchtap before issue 29
+_OLD_LOGGED = "sparse"  # the ``logged`` column's name in Parquet files written by older batchtap versions
 _CLASH = METRIC_PREFIX
 _RUN_KEY = b"batchtap.run"
 
