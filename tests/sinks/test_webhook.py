@@ -338,3 +338,19 @@ def test_a_slack_token_is_redacted_in_the_stored_config_and_argv(tmp_path: Path)
     stored = "\n".join(str(r) for r in sqlite3.connect(db).execute("SELECT * FROM runs").fetchall())
     assert SECRET not in stored and "hooks.slack.com" in stored
     assert SECRET not in " ".join(scrub_argv(["train.py", "--alerts", slack, f"--hook={slack}"]))
+
+
+def test_retries_back_off_doubling_from_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pauses between tries, read from a stand-in for time.sleep (no real waiting)."""
+    import batchtap.sinks.webhook as webhook_module
+
+    pauses: list[float] = []
+    monkeypatch.setattr(webhook_module.time, "sleep", pauses.append)
+    ep = Scripted([(503, None)] * 4)
+    try:
+        hook = Webhook(ep.base + "/hook", events=("finished",), retries=3, backoff=0.25)
+        _end(hook)
+    finally:
+        ep.close()
+    assert len(ep.seen) == 4 and hook.delivered == 0
+    assert pauses == [0.25, 0.5, 1.0]  # none before the first try, then doubling
