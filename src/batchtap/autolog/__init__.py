@@ -50,6 +50,7 @@ def autolog(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     flush_every: int = 50,
     flush_seconds: float = 1.0,
+    layers: int | None = None,
 ) -> Tap | None:
     """Record every optimizer step of this process from here on, with no other edit.
 
@@ -66,6 +67,10 @@ def autolog(
             (``lr``, ``lr_1``...); optimizers made afterwards are found by themselves.
         flush_every: rows per flush, as for :class:`~batchtap.Tap`.
         flush_seconds: seconds between flushes, as for :class:`~batchtap.Tap`.
+        layers: record per-layer ``grad_norm/<layer>``, ``weight_norm/<layer>`` and
+            ``update_ratio/<layer>`` every ``layers``-th optimizer step
+            (:class:`~batchtap.metrics.Layers`; the model is found from the first optimizer's
+            parameters). None: not recorded.
 
     Returns:
         the Tap (its ``log()``, rules and sinks work as usual); None for ``enabled=False``.
@@ -96,6 +101,7 @@ def autolog(
         flush_every=flush_every,
         flush_seconds=flush_seconds,
         optimizers=optimizers,
+        layers=layers,
     )
     session.install()
     _ACTIVE = session

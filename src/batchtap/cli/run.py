@@ -63,6 +63,13 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--flush-every", type=int, default=50, metavar="N", help="rows per flush to the store (default 50)"
     )
     parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also record grad_norm/<layer>, weight_norm/<layer> and update_ratio/<layer> every N optimizer steps",
+    )
+    parser.add_argument(
         "--tag", action="append", dest="tags", default=None, metavar="TAG", help="a tag for the run (repeatable)"
     )
     parser.add_argument("--notes", default=None, metavar="TEXT", help="a note stored with the run")
@@ -155,6 +162,8 @@ def main(args: argparse.Namespace) -> int:
         raise CLIError(f"no script {args.script!r}: expected a Python file to run; fix: check the path")
     if args.flush_every < 1:
         raise CLIError(f"--flush-every must be >= 1, got {args.flush_every}", code=2)
+    if args.layers is not None and args.layers < 1:
+        raise CLIError(f"--layers must be >= 1 (record every N-th optimizer step), got {args.layers}", code=2)
     if args.db:
         os.environ["BATCHTAP_DB"] = args.db  # the default store (and any Tap the script makes itself)
     from batchtap.autolog import active_session, autolog  # torch is imported here, not at CLI start
@@ -165,7 +174,7 @@ def main(args: argparse.Namespace) -> int:
         "environment": training_environment(),
     }
     with _script_context(script, args.args):
-        autolog(name=args.name or script.stem, config=config, flush_every=args.flush_every)
+        autolog(name=args.name or script.stem, config=config, flush_every=args.flush_every, layers=args.layers)
         session = active_session()
         info = session.tap.run_info if session is not None else None
         if info is not None and (args.tags or args.notes):

@@ -24,10 +24,10 @@ from batchtap.metrics._shared import step_device
 from batchtap.metrics.base import BlockTiming, Metric, RowWriter, StepInputs, StepTiming
 from batchtap.metrics.domain import NONNEGATIVE, Output, Reduce
 from batchtap.metrics.functional import _foreach_norm_fp32
-from batchtap.metrics.gradients import _check_scaler, _remove, _scale_carried
+from batchtap.metrics.gradients import _check_scaler, _scale_carried
 from batchtap.metrics.optimizer_hooks import StepNesting, has_closure
 
-__all__ = ["Layers", "layer_groups"]
+__all__ = ["Layers", "layer_groups", "find_model"]
 
 #: the three per-layer values, in the order of their columns
 KINDS = ("grad_norm", "weight_norm", "update_ratio")
@@ -63,6 +63,42 @@ def layer_groups(model: torch.nn.Module, depth: int = 1) -> dict[str, list[torch
     return groups
 
 
+def find_model(params: Sequence[torch.Tensor]) -> torch.nn.Module | None:
+    """The module that holds most of ``params`` among the program's root modules (found once by
+    walking the garbage collector's objects: for ``bt.autolog``, which sees optimizers, not models).
+    A ``DistributedDataParallel``-style wrapper (``.module``) is unwrapped, so layers keep the
+    model's own names.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> find_model(list(net.parameters())) is net
+        True
+    """
+    import gc
+    import warnings
+
+    wanted = {id(p) for p in params}
+    with warnings.catch_warnings():  # isinstance() on a deprecated alias object warns (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        modules = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+    children = {id(c) for m in modules for c in m.children()}
+    best: tuple[int, torch.nn.Module] | None = None
+    for module in modules:
+        if id(module) in children:
+            continue
+        held = sum(1 for p in module.parameters() if id(p) in wanted)
+        if held and (best is None or held > best[0]):
+            best = (held, module)
+    if best is None:
+        return None
+    model = best[1]
+    inner = getattr(model, "module", None)  # DistributedDataParallel, DataParallel
+    if isinstance(inner, torch.nn.Module):
+        model = inner
+    inner = getattr(model, "_orig_mod", None)  # torch.compile's wrapper
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
 class Layers(Metric):
     """Per-module gradient norm, weight norm and update ratio, every ``every``-th optimizer step.
 
@@ -93,7 +129,8 @@ class Layers(Metric):
     parameters is held on their device (allocated at the first capture).
 
     Args:
-        model: the module whose parameters to watch.
+        model: the module whose parameters to watch; None: given later with :meth:`attach`, before
+            the run's first row (what ``bt.autolog(layers=N)`` does once it found the model).
         every: capture every ``every``-th optimizer step (>= 1).
         depth: how many components of the module path name a layer (1: top-level children).
         scaler: the AMP ``GradScaler`` the loop uses; gradients it has not unscaled yet (a fused
@@ -119,37 +156,36 @@ class Layers(Metric):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | None,
         *,
         every: int = 10,
         depth: int = 1,
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
-        if not isinstance(model, torch.nn.Module):
+        if model is not None and not isinstance(model, torch.nn.Module):
             raise ConfigError(
                 f"Layers needs the model (a torch.nn.Module), got {type(model).__name__}; fix: bt.metrics.Layers(model)"
             )
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ConfigError(f"Layers every must be an int >= 1, got {every!r}; fix: e.g. every=10")
-        groups = layer_groups(model, depth)
-        if not groups:
-            raise ConfigError("Layers found no trainable parameter in the model; pass the model being trained")
         if scaler is not None:
             _check_scaler(scaler, "Layers")
         self.every = every
         self.depth = depth
         self.scaler = scaler
-        self.names: tuple[str, ...] = tuple(groups)
-        self.parameters: list[torch.Tensor] = [p for group in groups.values() for p in group]
+        self.names: tuple[str, ...] = ()
+        self.parameters: list[torch.Tensor] = []
         #: the layer index of each parameter, in the order of :attr:`parameters`
-        self.owners: tuple[int, ...] = tuple(i for i, group in enumerate(groups.values()) for _ in group)
-        width = len(self.names)
-        self.device_width = 3 * width
-        self.host_width = 1 + width  # captured?, then per layer: whether it had a gradient
-        self._outputs = tuple(
-            Output(f"{kind}/{name}", NONNEGATIVE, Reduce.MAX) for kind in KINDS for name in self.names
-        )
-        self._not_captured: tuple[float, ...] = (_NOT_CAPTURED,) + (math.nan,) * width
+        self.owners: tuple[int, ...] = ()
+        self.device_width = 0
+        self.host_width = 1
+        self._outputs: tuple[Output, ...] = ()
+        self._not_captured: tuple[float, ...] = (_NOT_CAPTURED,)
+        self._hooks: _LayersHooks | None = None
+        if model is None:
+            layer_groups(torch.nn.Module(), depth)  # checks depth now
+        else:
+            self.attach(model)
         self._rows = 0  # rows written so far: decides which optimizer step captures
         # what the pre-hook took for the coming row: (the [2, P] pre-step norms, the gradient
         # presence per layer, the scale the gradients still carried); None: nothing to capture
@@ -162,7 +198,40 @@ class Layers(Metric):
         self._onehot: torch.Tensor | None = None  # [P, L]: sums per-parameter squares into layers
         self._row_inputs: StepInputs | None = None
         self._row_values: tuple[torch.Tensor | None, tuple[float, ...]] | None = None
-        self._hooks: _LayersHooks | None = _LayersHooks(self)
+
+    @property
+    def attached(self) -> bool:
+        """Whether the model is known (a ``Layers(None)`` waits for :meth:`attach`)."""
+        return bool(self.names)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Watch ``model``: for a ``Layers(None, ...)`` made before the model was (``bt.autolog``),
+        called before the run's first row, when a run's columns are fixed.
+
+        Raises:
+            ConfigError: the model has no trainable parameter, or the metric watches one already.
+        """
+        if self.names:
+            raise ConfigError("Layers.attach: this Layers watches a model already; make one Layers per model")
+        if getattr(self, "_rows", 0):
+            raise ConfigError(
+                "Layers.attach: the run has written rows already, which fixed its columns; attach the model "
+                "before the first tap.step()"
+            )
+        groups = layer_groups(model, self.depth)
+        if not groups:
+            raise ConfigError("Layers found no trainable parameter in the model; pass the model being trained")
+        self.names = tuple(groups)
+        self.parameters = [p for group in groups.values() for p in group]
+        self.owners = tuple(i for i, group in enumerate(groups.values()) for _ in group)
+        width = len(self.names)
+        self.device_width = 3 * width
+        self.host_width = 1 + width  # captured?, then per layer: whether it had a gradient
+        self._outputs = tuple(
+            Output(f"{kind}/{name}", NONNEGATIVE, Reduce.MAX) for kind in KINDS for name in self.names
+        )
+        self._not_captured = (_NOT_CAPTURED,) + (math.nan,) * width
+        self._hooks = _LayersHooks(self)
 
     def __getstate__(self) -> dict[str, object]:
         # pipeline="process" finalizes in another process: the model, hooks and device values stay here
@@ -337,6 +406,11 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             norm = norm.float() if norm.dtype != torch.float32 else norm
             out[i] = norm if norm.device == first else norm.to(first, non_blocking=True)
     return [n for n in out if n is not None]
+
+
+def _remove(handles: Sequence[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class _LayersHooks:
