@@ -70,7 +70,8 @@ def main() -> None:
     records one run per script, so it is given one scenario."""
     frontend, scenarios, out = sys.argv[1], sys.argv[2].split(","), Path(sys.argv[3])
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        cuda = {OPTIONS[s].device for s in scenarios} == {"cuda"}
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timedelta(seconds=60))
         torch.set_num_threads(1)
     for scenario in scenarios:
         cell_out = out / scenario if len(scenarios) > 1 else out

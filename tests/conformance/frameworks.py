@@ -180,6 +180,8 @@ def run_hf(scenario: str, workdir: Path) -> Outcome:
             row = _step_truth(epoch, step, lr, norm) | {"loss": loss}
         else:
             row = _step_truth(epoch, step, lr, norm)
+            if opts.backward == "undivided":  # the Trainer adds the model's per-micro-batch means undivided
+                row["loss"] = sum(m[1] for m in step)
         row["batch"] = step[-1][0] - epoch * (n // BATCH)
         truth.append(row)
         return clip(parameters, max_norm, norm_type)

@@ -6,9 +6,9 @@ API, nothing for ``bt.autolog()`` and ``batchtap run``). Each loop takes the tru
 step in the same run: the tensors the loop made, read with ``.item()`` only after the loop ended, so
 the host reads counted inside the loop are the front-end's alone.
 
-"The step's loss" (docs/autolog.md): the loss the step's gradients minimise, as a per-sample
-(per-token for token-normalised losses) mean over the optimizer step, whatever the loop multiplied
-or divided before ``backward()``; two losses backpropagated in one step count as their sum.
+"The step's loss" (docs/autolog.md): the loss the step's gradients minimise: micro-batches divided
+by their count give the per-sample mean over the optimizer step (per-token for token-normalised
+losses), undivided micro-batches their sum, two losses backpropagated in one step their sum.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ class Options:
     pad: int | None = None  # a sequence model whose targets are padded with this value (the loss's ignore_index)
     dist: Literal["none", "ddp", "fsdp2"] = "none"
     norm_as: Literal["returned", "full_tensor"] = "returned"  # what the explicit API is given as grad_norm
+    world: int = 2  # ranks of a process group (dist != "none")
+    device: Literal["cpu", "cuda"] = "cpu"
 
 
 #: scenario name -> its loop's options (the registry lists the scenarios and documents them)
@@ -63,6 +65,8 @@ OPTIONS: dict[str, Options] = {
     "ddp-2-ranks": Options(dist="ddp"),
     "fsdp2-2-ranks": Options(dist="fsdp2", clip="torch"),
     "fsdp2-2-ranks-full_tensor": Options(dist="fsdp2", clip="torch", norm_as="full_tensor"),
+    # the CUDA cells (bench/gpu_check.sh): a single-rank mesh on one GPU where two are not lent
+    "fsdp2-cuda-1-rank": Options(dist="fsdp2", clip="torch", world=1, device="cuda"),
 }
 
 
@@ -152,7 +156,7 @@ def _wrap(model: nn.Module, opts: Options) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        mesh = init_device_mesh(opts.device, (torch.distributed.get_world_size(),))
         for layer in model:
             if any(True for _ in layer.parameters()):
                 fully_shard(layer, mesh=mesh)
@@ -175,7 +179,7 @@ def train(opts: Options, hooks: Hooks) -> list[Truth]:
     """Run the loop; the truth of every optimizer step (this rank's, in a process group)."""
     rank = torch.distributed.get_rank() if opts.dist != "none" else 0
     torch.manual_seed(0)  # the same initial model on every rank
-    model = _wrap(_model(opts), opts)
+    model = _wrap(_model(opts).to(opts.device), opts)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)  # the lr moves mid-epoch
     scaler = torch.amp.GradScaler("cpu", init_scale=AMP_SCALE) if opts.amp_skip_first else None
@@ -212,12 +216,13 @@ def _one_step(
 ) -> Truth:
     seq = opts.pad is not None
     # the HF Trainer's N: kept tokens of the whole optimizer step, known before its first backward()
-    n_items = sum((y != ignore).sum() for _, (_, y) in batches) if opts.backward == "token" else None
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    correct = torch.zeros((), dtype=torch.int64)
-    kept = torch.zeros((), dtype=torch.int64)
+    n_items = sum((y.to(opts.device) != ignore).sum() for _, (_, y) in batches) if opts.backward == "token" else None
+    loss_sum = torch.zeros((), dtype=torch.float64, device=opts.device)
+    correct = torch.zeros((), dtype=torch.int64, device=opts.device)
+    kept = torch.zeros((), dtype=torch.int64, device=opts.device)
     last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     for x, y in (b for _, b in batches):
+        x, y = x.to(opts.device), y.to(opts.device)  # host-to-device copies: no read
         with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
             out = model(x)
             flat, flat_y = (out.reshape(-1, VOCAB), y.reshape(-1)) if seq else (out, y)
@@ -248,7 +253,9 @@ def _one_step(
         elif opts.accum > 1:
             (loss / opts.accum if opts.backward == "divided" else loss).backward()
             loss_sum += loss.detach().double()
-            hooks.micro(loss, out, y, None)
+            # the explicit API takes each micro-batch's loss and stores their mean: for undivided
+            # micro-batches (whose sum the gradients minimise) that is accum x the tensor given to backward()
+            hooks.micro(loss if opts.backward == "divided" else loss * opts.accum, out, y, None)
         else:
             loss.backward()
             loss_sum += loss.detach().double()
@@ -290,6 +297,8 @@ def _one_step(
     optimizer.zero_grad(set_to_none=True)
     if opts.backward == "token":
         step_loss = loss_sum / n_items
+    elif opts.backward == "undivided":
+        step_loss = loss_sum  # what the gradients of undivided micro-batches minimise: their sum
     else:
         step_loss = loss_sum / len(batches)  # equal micro-batches: the per-sample mean
     return Truth(

@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from tests.conformance.compare import Outcome, combine_ranks
 from tests.conformance.loops import OPTIONS
 
@@ -68,15 +71,16 @@ def _truths(out: Path, world: int) -> list[dict]:
     return [json.loads((out / f"truth{rank}.json").read_text()) for rank in range(world)]
 
 
-#: the distributed scenarios one process pair runs for a front-end (a process start per cell saved)
-_DIST = [name for name, o in OPTIONS.items() if o.dist != "none"]
+#: the CPU distributed scenarios one process pair runs for a front-end (a process start per cell saved)
+_DIST = [name for name, o in OPTIONS.items() if o.dist != "none" and o.world == 2 and o.device == "cpu"]
 _launched: dict[str, Path] = {}
 
 
 def _distributed(frontend: str, scenario: str, workdir: Path) -> Path:
     """The cell's output directory; explicit and autolog run every distributed scenario in one launch."""
-    if frontend == "run":
-        _launch(frontend, [scenario], workdir, 2)
+    opts = OPTIONS[scenario]
+    if frontend == "run" or scenario not in _DIST:
+        _launch(frontend, [scenario], workdir, opts.world)
         return workdir
     if frontend not in _launched:
         shared = workdir.parent / f"dist-{frontend}"
@@ -108,9 +112,11 @@ def run_raw(frontend: str, scenario: str, workdir: Path) -> Outcome:
     from tests.conformance._worker import run_cell
 
     opts = OPTIONS[scenario]
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (a GPU cell: bench/gpu_check.sh runs it)")
     if opts.dist != "none":
         out = _distributed(frontend, scenario, workdir)
-        return Outcome(combine_ranks(_truths(out, 2)), None, out / "store.db", data_time=True)
+        return Outcome(combine_ranks(_truths(out, opts.world)), None, out / "store.db", data_time=True)
     bare = run_cell("bare", scenario, workdir / "bare", count_reads=True)["reads"]
     if frontend == "run":
         _in_process_run(scenario, workdir)

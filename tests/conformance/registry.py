@@ -66,7 +66,7 @@ class XFAIL:
 SCENARIOS: list[Scenario] = [
     Scenario("plain", "one batch per optimizer step, loss.backward()"),
     Scenario("divided-accum", "2 micro-batches, (loss / 2).backward() each"),
-    Scenario("undivided-accum", "2 micro-batches, loss.backward() each (the step's loss: their mean)"),
+    Scenario("undivided-accum", "2 micro-batches, loss.backward() each (the step's loss: their sum, as the gradients)"),
     Scenario(
         "token-normalised-accum",
         "2 micro-batches of -100-padded sequences, CE(reduction='sum') / N backward() each, N = kept tokens of "
@@ -117,8 +117,22 @@ FRONTENDS: list[FrontEnd] = [
 _FULL_TENSOR = NA("only the explicit API is handed a norm: .full_tensor() is a choice of the loop's explicit call")
 _NOT_BUILT_DIST = "not built yet: this framework's own 2-process launch ({}) is not wired into the matrix"
 
+_ENGINE = "autolog (the engine core's): "
+
 MARKS: dict[tuple[str, str], NA | XFAIL] = {
+    # wrong today: each flips to a strict-xfail failure once fixed (then delete the mark)
+    **{
+        ("undivided-accum", f): XFAIL(
+            _ENGINE + "undivided micro-batches are taken for several losses: the loss (their sum) is right, "
+            "but accuracy is the first micro-batch's, not over every target of the step"
+        )
+        for f in ("autolog", "run")
+    },
     **{("fsdp2-2-ranks-full_tensor", f): _FULL_TENSOR for f in ("autolog", "run", "lightning", "hf", "accelerate")},
+    **{
+        ("fsdp2-cuda-1-rank", f): NA(_NOT_BUILT_DIST.format("its FSDP2 strategy"))
+        for f in ("lightning", "hf", "accelerate")
+    },
     # Lightning: automatic optimization, one loss per training_step, divided by accumulate_grad_batches
     ("undivided-accum", "lightning"): NA("Lightning divides training_step's loss by accumulate_grad_batches itself"),
     ("token-normalised-accum", "lightning"): NA(

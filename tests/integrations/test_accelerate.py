@@ -128,6 +128,9 @@ def test_the_readme_snippet_runs_and_stores_every_step(tmp_path, monkeypatch) ->
         assert [p.step for p in store.series(run.id, "loss")] == list(range(8))  # 2 epochs x 8 batches / 2
         assert len(store.series(run.id, "grad_norm")) == 8 and len(store.series(run.id, "accuracy")) == 8
         assert [r.step for r in store.sparse_records(run.id)] == [3, 7]
+        # the lr each step used (StepLR halves it every 2 optimizer steps, after the step that used it)
+        assert [p.value for p in store.series(run.id, "lr")] == [0.05 * 0.5 ** (k // 2) for k in range(8)]
+        assert len(store.series(run.id, "data_time")) == 8  # the loop is watched
 
 
 def test_two_gloo_ranks_each_drive_their_tap_and_rank_0_stores_the_reduced_steps(tmp_path) -> None:

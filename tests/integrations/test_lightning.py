@@ -334,3 +334,33 @@ def test_the_readme_snippet_runs_and_stores_every_step(tmp_path, monkeypatch) ->
         assert [p.step for p in store.series(run.id, "loss")] == list(range(8))  # 2 epochs x 8 batches / 2
         assert len(store.series(run.id, "lr")) == 8 and len(store.series(run.id, "grad_norm")) == 8
         assert [r.step for r in store.sparse_records(run.id)] == [3, 7]
+
+
+def test_autolog_under_lightnings_fit_loop_numbers_every_epoch_and_times_every_batch() -> None:
+    """Lightning's fit loop knows each epoch's length, so it never asks the old epoch's DataLoader
+    iterator past its last batch, and it makes the next epoch's iterator while still holding the old
+    one: under ``bt.autolog()`` every step after epoch 0 was stored with epoch 0, batch = step and no
+    data time. Each step's (epoch, batch), its data wait and its loss against the module's .item()."""
+    from batchtap.autolog import active_session
+
+    sink = ListSink()
+    module = _Classifier()
+    tap = bt.autolog(sinks=[sink], name="lit-autolog", flush_every=4)
+    assert tap is not None
+    try:
+        pl.Trainer(
+            max_epochs=3,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(module, _loader())
+    finally:
+        bt.autolog(enabled=False)
+    assert active_session() is None
+    rows = [r for r in sink.records if not r.sparse]
+    assert [(r.epoch, r.batch) for r in rows] == [(e, b) for e in range(3) for b in range(6)]
+    assert all(r.values["data_time"] >= 0 for r in rows), [r.values.keys() for r in rows]
+    assert [r.values["loss"] for r in rows] == [pytest.approx(loss, rel=1e-6) for loss, _ in module.seen]

@@ -6,6 +6,10 @@ the wait for each batch and starts each step's clock when its first batch is han
 Evaluation loaders stay out: one iterated under ``no_grad``/``inference_mode`` is never watched,
 nor one iterated inside the training loop, and a loader whose whole iteration saw no optimizer
 step is not watched again (its wait would otherwise land in the next training step).
+
+A new iteration of the loader being watched ends the old one: a loop that knows the epoch's
+length never asks past its last batch, and Lightning's fit loop makes the next epoch's iterator
+while it still holds the previous one, so the old iteration is left suspended, not finished.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class LoaderWatch:
         self._watch = watch
         self._steps = steps
         self._running: weakref.ref[Any] | None = None  # the watched iteration in progress
+        self._running_loader: weakref.ref[DataLoader[Any]] | None = None  # the loader it iterates
         self._eval: weakref.WeakSet[DataLoader[Any]] = weakref.WeakSet()
         self.enabled = True
 
@@ -52,6 +57,9 @@ class LoaderWatch:
 
     def _watched(self, loader: DataLoader[Any], iterator: Any) -> Any:
         running = self._running() if self._running is not None else None
+        if running is not None and self._running_loader is not None and self._running_loader() is loader:
+            running.close()  # the same loader again: its old pass was left suspended at its end
+            running = None
         if running is not None or loader in self._eval:
             return iterator
         watched = self._watch(iterator)
@@ -59,6 +67,7 @@ class LoaderWatch:
             return iterator
         generator = self._through(loader, watched)
         self._running = weakref.ref(generator)
+        self._running_loader = weakref.ref(loader)
         return generator
 
     def _through(self, loader: DataLoader[Any], watched: Iterator[Any]) -> Iterator[Any]:

@@ -14,14 +14,11 @@ overrides and registers its own callback:
   at ``on_train_end``; ``train()`` itself marks the run failed (every captured step stored) when
   training raises.
 
-The recorded ``loss`` of a step is "the step's loss" of docs/autolog.md: the loss the step's
-gradients minimise, as a per-sample mean (per-token for a loss normalised by
-``num_items_in_batch``) over the step's micro-batches. It is the ``Trainer``'s own logged ``loss``
-(``trainer.state.log_history`` with ``logging_steps=1``) whichever way the ``Trainer`` normalizes
-micro-batches for gradient accumulation, except in one case the ``Trainer`` gets wrong: a model
-whose ``forward`` takes ``**kwargs`` but computes a per-micro-batch mean anyway (BERT-like
-models) is given the micro-batch losses undivided, so its logged loss is the micro-batches' *sum*;
-batchtap stores their mean and says once why its number differs (:func:`loss_sum_quirk`).
+The recorded ``loss`` of a step is the loss the ``Trainer`` optimizes and logs (``loss`` in
+``trainer.state.log_history`` with ``logging_steps=1``): the sum of what its ``training_step``
+returns over the step's micro-batches, whichever way the ``Trainer`` normalizes them for
+gradient accumulation (per micro-batch mean divided by the number of micro-batches, or a sum over
+the items of the whole step when the model takes ``num_items_in_batch``).
 
 Needs ``pip install 'batchtap[transformers]'``.
 """
@@ -66,7 +63,6 @@ class _Driver:
         self.running = False
         self.shift = False  # causal LM: logits at position t predict label t + 1
         self.own_lr = True
-        self.undivided = False  # the Trainer adds per-micro-batch means undivided (loss_sum_quirk)
         self.grad_norm: torch.Tensor | float | None = None  # the Trainer's norm of the open step
         self.micro = 0  # micro-batches of the open optimizer step
         self.samples = 0
@@ -90,7 +86,6 @@ class _Driver:
         run_name = self.name or getattr(args, "run_name", None) or type(_unwrap(model)).__name__
         self.tap.start(name=run_name, config=args.to_dict())
         quirk = loss_sum_quirk(trainer, model)
-        self.undivided = quirk is not None
         if quirk is not None:
             self.tap.warn(quirk)  # an event with the run, and a log line
         self.running = True
@@ -276,15 +271,11 @@ class BatchtapMixin:
         """The loss scaled so that the mean over the step's micro-batches is the Trainer's step loss.
 
         ``Trainer.training_step`` adds ``loss / n_micro`` per micro-batch (a per-micro-batch mean), or
-        ``loss`` itself when the loss is already normalized over the whole step; the same rule here,
-        except where the model ignores the count it was given (:func:`loss_sum_quirk`): its loss is a
-        per-micro-batch mean, kept as it is, so the step's loss is their mean, not the Trainer's sum.
+        ``loss`` itself when the loss is already normalized over the whole step; the same rule here.
         """
         trainer = cast(Any, self)
         if loss.dim() > 0:
             loss = loss.mean()  # DataParallel: one loss per GPU, averaged as training_step does
-        if self.batchtap.undivided:
-            return loss
         scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
         if scaled is None:
             scaled = (getattr(trainer, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) or (
@@ -308,7 +299,7 @@ class BatchtapTrainer(BatchtapMixin, _tf.Trainer):  # type: ignore[misc]
 
 
 def loss_sum_quirk(trainer: Any, model: Any) -> str | None:
-    """Why the Trainer's loss is the micro-batches' *sum* of means, when it is (batchtap stores their mean).
+    """Why the Trainer's loss (and so the stored one) is the micro-batches' *sum* of means, when it is.
 
     A model whose ``forward`` takes ``**kwargs`` gets ``num_items_in_batch`` from the ``Trainer``,
     which then takes its loss as normalized over the whole step and adds the micro-batches' losses
@@ -339,11 +330,10 @@ def loss_sum_quirk(trainer: Any, model: Any) -> str | None:
     return (
         f"{name}.forward takes **kwargs, so the Trainer passes it num_items_in_batch and adds the "
         f"{steps} micro-batch losses of each step undivided, but {name} computes a per-micro-batch mean "
-        f"(its forward uses neither self.loss_function nor num_items_in_batch): the Trainer's logged loss "
-        f"and the gradients are {steps}x the step's mean loss (transformers' gradient accumulation with "
-        "models that ignore the count); batchtap stores the step's mean loss, so its number is the "
-        f"Trainer's divided by {steps}; fix: set trainer.model_accepts_loss_kwargs = False before train() "
-        "(or model.accepts_loss_kwargs = False)"
+        f"(its forward uses neither self.loss_function nor num_items_in_batch): the Trainer's loss, the "
+        f"stored loss and the gradients are {steps}x the step's mean loss (transformers' gradient "
+        "accumulation with models that ignore the count); fix: set trainer.model_accepts_loss_kwargs = False "
+        "before train() (or model.accepts_loss_kwargs = False)"
     )
 
 
