@@ -21,6 +21,7 @@ from batchtap.autolog._rows import MicroBatch, Rows
 from batchtap.autolog._steps import OptimizerSteps, StepEvent
 from batchtap.metrics.accuracy import Accuracy
 from batchtap.metrics.base import Metric
+from batchtap.metrics.layers import Layers, find_model
 from batchtap.metrics.scalars import Loss, Memory
 from batchtap.metrics.timing import DataTime, StepTime, Throughput
 from batchtap.records import RunStatus
@@ -53,6 +54,7 @@ class Session:
         flush_every: int,
         flush_seconds: float,
         optimizers: Sequence[torch.optim.Optimizer],
+        layers: int | None = None,
     ) -> None:
         self.name, self.config = name, config
         self.facts = OptimizerFacts()
@@ -66,6 +68,10 @@ class Session:
             Throughput(),
             Memory(),
         ]
+        # per-layer values: the model is attached when the first optimizer shows its parameters
+        self.layers = Layers(None, every=layers) if layers is not None else None
+        if self.layers is not None:
+            metrics.append(self.layers)
         self.tap = Tap(
             metrics, sinks, flush_every=flush_every, flush_seconds=flush_seconds, rules=rules, fit_metrics=True
         )
@@ -186,6 +192,15 @@ class Session:
     def _on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.start()  # a torchrun script made its process group before its optimizer
         self.rows.add_optimizer(optimizer)
+        if self.layers is not None and not self.layers.attached and self.rows.rows == 0:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            model = find_model(params)
+            if model is None:
+                self.say(
+                    "layers", "autolog(layers=): no torch.nn.Module holds the optimizer's parameters; not recorded"
+                )
+            else:
+                self.layers.attach(model)
 
     def _on_step(self, event: StepEvent) -> None:
         self.start()
