@@ -476,7 +476,6 @@ OVER_SIZE = {
     "sinks/resilient.py": "the spool apart from the sink",
 }
 OVER_METHODS = {
-    "tap.py:Tap": "the run's calls on _run's objects",
     "sinks/resilient.py:ResilientSink": "the spool apart from the sink",
     "store/reader.py:Store": "the queries apart from the connection",
 }

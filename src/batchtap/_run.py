@@ -373,7 +373,7 @@ class ActiveRun:
         self.micro = None  # the capture owns it from here
         self.info.metrics = capture.layout.names
         self.info.environment["device"] = str(device)  # known from the first step; stored with the run's end
-        if settings.auto_metrics and self.writes:  # issue 29/27: a default metric left out for a fixable reason
+        if settings.auto_metrics and self.writes:  # a default metric left out for a fixable reason: said once
             warn_left_out(self, settings.metrics, chosen, inputs)
         return capture
 

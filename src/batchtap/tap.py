@@ -205,7 +205,7 @@ class Tap:
         )
         self.sinks = checked_sinks(default_sinks() if sinks is None else sinks, spool_dir, rank=ranks.rank())
         self._control = Control()
-        _stale.sweep_segments(once=True)  # issue 29: shared memory left by killed batchtap processes here
+        _stale.sweep_segments(once=True)  # shared memory that killed batchtap processes on this host left
         self._pipeline: PipelineHost = make_pipeline(
             pipeline, self.sinks, self._control, PipelineSettings(queue_size, backpressure, engine)
         )
@@ -343,7 +343,7 @@ class Tap:
                 ``stopped`` with that reason, whatever ``finished`` says.
             reason: why it failed or stopped, stored with the run.
         """
-        self._require_run("finish()")
+        _open(self._run, "finish()")
         status = RunStatus(status)
         if status is RunStatus.RUNNING:
             raise ConfigError("finish() needs a final status: 'finished', 'failed' or 'stopped'")
@@ -421,7 +421,7 @@ class Tap:
             loader: any iterable of batches (a ``DataLoader`` usually).
             epoch: the epoch number; default: one more than the last watched epoch.
         """
-        return self._require_run("watch()").watch(loader, epoch)
+        return _open(self._run, "watch()").watch(loader, epoch)
 
     @eager_entry
     def step(
@@ -486,9 +486,7 @@ class Tap:
         batch: int | None,
     ) -> None:
         """:meth:`step`'s general path (see ``batchtap._run``), with dynamo off."""
-        self._require_run("step()").take_step(
-            loss, outputs, targets, extra, batch_size, tokens, grad_norm, epoch, batch
-        )
+        _open(self._run, "step()").take_step(loss, outputs, targets, extra, batch_size, tokens, grad_norm, epoch, batch)
 
     @eager
     def accumulate(
@@ -520,7 +518,7 @@ class Tap:
             >>> tap.steps_recorded
             1
         """
-        self._require_run("accumulate()").accumulate(loss, outputs, targets, batch_size, tokens)
+        _open(self._run, "accumulate()").accumulate(loss, outputs, targets, batch_size, tokens)
 
     @eager
     def log(self, values: Mapping[str, torch.Tensor | float], *, step: int | None = None) -> None:
@@ -550,7 +548,7 @@ class Tap:
             ...     tap.step(loss=torch.tensor(0.7))
             ...     tap.log({"val_loss": 0.31, "val_acc": torch.tensor(0.9)})
         """
-        self._require_run("log()").log(values, step)
+        _open(self._run, "log()").log(values, step)
 
     # ------------------------------------------------------------------ state and control
 
@@ -653,7 +651,7 @@ class Tap:
         """Rows a capture outside batchtap's ring read back itself (TensorFlow's), into this run's
         pipeline as :meth:`step`'s rows go (decoding, domain checks, anomalies, rules, sinks, NaN
         stop). For capture back-ends. Returns the run's step of ``rows``' offset 0."""
-        return self._require_run("hand_over()").hand_over(metrics, rows)
+        return _open(self._run, "hand_over()").hand_over(metrics, rows)
 
     def warn(self, message: str) -> None:
         """Store a warning event with the open run (and log it): what a tool driving this Tap
@@ -663,15 +661,15 @@ class Tap:
         if run is not None:
             run.send([Event(run.info.id, max(run.step - 1, 0), EventKind.WARNING, message, time.time(), rank=run.rank)])
 
-    # ------------------------------------------------------------------ internals
-
-    def _require_run(self, what: str) -> ActiveRun:
-        if self._run is None:
-            raise RunStateError(f"{what} was called outside a run; wrap the training loop in `with tap.run(name=...):`")
-        return self._run
-
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _open(run: ActiveRun | None, what: str) -> ActiveRun:
+    """The open run, or the error that says how to open one."""
+    if run is None:
+        raise RunStateError(f"{what} was called outside a run; wrap the training loop in `with tap.run(name=...):`")
+    return run
 
 
 def check_int(name: str, value: object, minimum: int) -> None:

@@ -179,7 +179,7 @@ class Metric(MetricDecoder, abc.ABC):
             if klass is Metric or klass is MetricDecoder:
                 break
             if any(hook in vars(klass) for hook in HOST_HOOKS):
-                if issubclass(klass, Metric):
+                if issubclass(klass, Metric) or not issubclass(klass, MetricDecoder):
                     return self  # host hooks defined beside the device code
                 twin_class = klass
                 break
