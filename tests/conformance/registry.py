@@ -84,6 +84,7 @@ SCENARIOS: list[Scenario] = [
     Scenario("ddp-2-ranks", "DistributedDataParallel, 2 gloo ranks on loopback"),
     Scenario("fsdp2-2-ranks", "fully_shard per layer, 2 gloo ranks; clip_grad_norm_ returns a DTensor"),
     Scenario("fsdp2-2-ranks-full_tensor", "as fsdp2-2-ranks, the explicit API given grad_norm.full_tensor() instead"),
+    Scenario("fsdp2-cuda-1-rank", "as fsdp2-2-ranks on one GPU, a single-rank mesh (nccl); skips without CUDA"),
 ]
 
 
@@ -199,15 +200,26 @@ def cells() -> Iterator[object]:
                 yield pytest.param(scenario, frontend, id=cell_id)
 
 
-def table() -> str:
-    """The matrix as TESTING.md shows it: a row per scenario, a column per front-end."""
-    scenarios, frontends, marks = _merged()
+def table(*, modules: bool = True) -> str:
+    """The matrix as TESTING.md shows it: a row per scenario, a column per front-end, each cell
+    "exact", "n/a [k]" or "xfail [k]" with the reasons listed under the table
+    (``python -c "from tests.conformance.registry import table; print(table())"``)."""
+    scenarios, frontends, marks = _merged() if modules else (SCENARIOS, [(f, None) for f in FRONTENDS], MARKS)
     names = [f.name for f, _ in frontends]
-    lines = ["| scenario | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    reasons: list[str] = []
+    lines = ["| scenario | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---|" * len(names)]
     for s in scenarios:
         row = []
         for n in names:
             mark = marks.get((s.name, n))
-            row.append("exact" if mark is None else ("n/a" if isinstance(mark, NA) else "**xfail**"))
-        lines.append(f"| {s.name} | " + " | ".join(row) + " |")
+            if mark is None:
+                row.append("exact")
+                continue
+            label = f"{'n/a' if isinstance(mark, NA) else '**xfail**'}: {mark.reason}"
+            if label not in reasons:
+                reasons.append(label)
+            row.append(f"{'n/a' if isinstance(mark, NA) else '**xfail**'} [{reasons.index(label) + 1}]")
+        lines.append(f"| `{s.name}` | " + " | ".join(row) + " |")
+    lines.append("")
+    lines += [f"{i}. {r}" for i, r in enumerate(reasons, 1)]
     return "\n".join(lines)
