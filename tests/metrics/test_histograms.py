@@ -3,6 +3,11 @@ step used them, unscaled under a GradScaler), every N-th step only, no host read
 
 from __future__ import annotations
 
+import json
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +20,7 @@ from batchtap.hostreads import HostReadCounter
 from batchtap.metrics.histograms import Histograms, histogram, histogram_edges
 from batchtap.metrics.layers import layer_groups
 from tests.conftest import ListSink
+from tests.store._helpers import PG_DSN, pg_schema_fixture
 
 BINS = 16
 
@@ -99,3 +105,55 @@ def test_bad_arguments() -> None:
         Histograms(model, bins=1)
     with pytest.raises(ConfigError, match="every must be an int >= 1, got 0"):
         Histograms(model, every=0)
+
+
+@pytest.fixture
+def pg_schema() -> Iterator[str]:
+    yield from pg_schema_fixture()
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+def test_stores_keep_one_row_per_layer_kind_and_captured_step(tmp_path: Path, store: str, request) -> None:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    groups = layer_groups(model)
+    if store == "sqlite":
+        sink = bt.sinks.SQLite(tmp_path / "h.db")
+    else:
+        schema = request.getfixturevalue("pg_schema")
+        sink = bt.sinks.Postgres(PG_DSN, schema=schema)
+    tap = bt.Tap([bt.metrics.Loss(), Histograms(model, every=2, bins=BINS)], [sink], flush_every=3)
+    weights = {}
+    with tap, tap.run(name="hist-store") as run:
+        for step in range(5):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(torch.randn(8, 6)), torch.randint(0, 3, (8,)))
+            loss.backward()
+            opt.step()
+            if step % 2 == 0:
+                weights[step] = {k: _numpy(list(ps)) for k, ps in groups.items()}
+            tap.step(loss=loss)
+    run_id = run.id
+    query = "SELECT kind, layer, step, low, high, counts FROM histograms WHERE run_id = {p} ORDER BY step, kind, layer"
+    names = "SELECT DISTINCT metric FROM metrics WHERE run_id = {p}"
+    if store == "sqlite":
+        with sqlite3.connect(tmp_path / "h.db") as conn:
+            rows = conn.execute(query.format(p="?"), (run_id,)).fetchall()
+            stored_names = {r[0] for r in conn.execute(names.format(p="?"), (run_id,))}
+    else:
+        import psycopg
+
+        with psycopg.connect(PG_DSN, options=f"-c search_path={schema}") as conn:
+            rows = conn.execute(query.format(p="%s"), (run_id,)).fetchall()
+            stored_names = {r[0] for r in conn.execute(names.format(p="%s"), (run_id,))}
+    assert stored_names == {"loss"}  # no histogram value in the long-form table
+    assert [(k, la, s) for k, la, s, *_ in rows] == [
+        (kind, layer, step) for step in (0, 2, 4) for kind in ("grad", "weight") for layer in ("0", "2")
+    ]
+    for kind, layer, step, low, high, counts in rows:
+        assert len(json.loads(counts)) == BINS
+        if kind == "weight":
+            want = weights[step][layer]
+            assert (low, high) == pytest.approx(want[:2], rel=1e-5)
+            assert json.loads(counts) == want[2]

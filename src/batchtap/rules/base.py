@@ -24,7 +24,7 @@ import fnmatch
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar, Literal, Protocol, Union, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, Union, runtime_checkable
 
 from batchtap._validate import require_int
 from batchtap.errors import ConfigError, TrainingDiverged
@@ -423,7 +423,8 @@ class MetricGlob(Rule):
 
     def __init__(self, kind: type[Rule], pattern: str, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         template = object.__new__(kind)
-        kind.__init__(template, pattern, *args, **kwargs)  # type: ignore[misc]  # validates the arguments now
+        init: Any = kind.__init__  # a rule's own signature (metric first), not Rule's keyword-only one
+        init(template, pattern, *args, **kwargs)  # validates the arguments now
         super().__init__(
             name=template.name,
             metric=pattern,
@@ -454,7 +455,8 @@ class MetricGlob(Rule):
         child = self._children.get(name)
         if child is None:
             child = object.__new__(self.kind)
-            self.kind.__init__(child, name, *self.args, **self.kwargs)  # type: ignore[misc]
+            init: Any = self.kind.__init__
+            init(child, name, *self.args, **self.kwargs)
             self._children[name] = child
         return child
 

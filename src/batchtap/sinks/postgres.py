@@ -23,9 +23,11 @@ from batchtap.store.schema import (
     LAST_STEP,
     METRIC_COLUMNS,
     POSTGRES,
+    UPSERT_HISTOGRAMS,
     UPSERT_RUN,
     dedupe_metric_rows,
     event_rows,
+    histogram_rows,
     metric_rows,
     run_row,
     run_rows_for_records,
@@ -117,6 +119,7 @@ class Postgres(Sink):
         self._upsert_metrics = upsert_metrics_from(_STAGE)
         self._insert_events = POSTGRES.q(INSERT_EVENTS)
         self._insert_sparse = POSTGRES.q(INSERT_SPARSE)
+        self._upsert_histograms = POSTGRES.q(UPSERT_HISTOGRAMS)
         self._ensure_run = POSTGRES.q(ENSURE_RUN)
         self._upsert_run = POSTGRES.q(UPSERT_RUN)
         self._open_live()  # fail at construction, not at the first block
@@ -289,6 +292,7 @@ class Postgres(Sink):
         rows: list[Row] = [("runs", r) for r in run_rows_for_records(records)]
         rows += [("metrics", r) for r in dedupe_metric_rows(metric_rows(records))]
         rows += [("sparse", r) for r in sparse_rows(records)]
+        rows += [("histograms", r) for r in histogram_rows(records)]
         rows += [("events", _escape_nul(r)) for r in event_rows(events)]
         try:
             self._write_rows(rows)
@@ -311,6 +315,7 @@ class Postgres(Sink):
         runs = [r for t, r in rows if t == "runs"]
         values = [r for t, r in rows if t == "metrics"]
         sparse = [r for t, r in rows if t == "sparse"]
+        histograms = [r for t, r in rows if t == "histograms"]
         evs = [r for t, r in rows if t == "events"]
 
         def body(conn: Any) -> None:
@@ -326,6 +331,8 @@ class Postgres(Sink):
                 cur.execute(self._upsert_metrics)
             if sparse:
                 cur.executemany(self._insert_sparse, sparse)
+            if histograms:
+                cur.executemany(self._upsert_histograms, histograms)
             if evs:
                 cur.executemany(self._insert_events, evs)
 

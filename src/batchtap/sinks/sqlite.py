@@ -18,9 +18,11 @@ from batchtap.store.schema import (
     INSERT_SPARSE,
     LAST_STEP,
     SQLITE,
+    UPSERT_HISTOGRAMS,
     UPSERT_METRICS,
     UPSERT_RUN,
     event_rows,
+    histogram_rows,
     metric_rows,
     run_row,
     run_rows_for_records,
@@ -76,6 +78,7 @@ class SQLite(Sink):
         self._conn: sqlite3.Connection | None = None
         self._open_live()
         self._upsert_metrics = SQLITE.q(UPSERT_METRICS)
+        self._upsert_histograms = SQLITE.q(UPSERT_HISTOGRAMS)
         self._insert_events = SQLITE.q(INSERT_EVENTS)
         self._insert_sparse = SQLITE.q(INSERT_SPARSE)
         self._ensure_run = SQLITE.q(ENSURE_RUN)
@@ -113,6 +116,7 @@ class SQLite(Sink):
         conn = self._connection()
         rows = metric_rows(records)
         sparse = sparse_rows(records)
+        histograms = histogram_rows(records)
         try:
             with transaction(conn, SQLITE):
                 # A run row for records whose start_run this sink never saw (attached mid-run).
@@ -120,6 +124,8 @@ class SQLite(Sink):
                 conn.executemany(self._upsert_metrics, rows)
                 if sparse:
                     conn.executemany(self._insert_sparse, sparse)
+                if histograms:
+                    conn.executemany(self._upsert_histograms, histograms)
                 if events:
                     conn.executemany(self._insert_events, event_rows(events))
         except sqlite3.Error as exc:

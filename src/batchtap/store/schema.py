@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -48,6 +49,10 @@ __all__ = [
     "ensure_schema",
     "transaction",
     "metric_rows",
+    "histogram_rows",
+    "HISTOGRAM_PREFIX",
+    "HISTOGRAM_COLUMNS",
+    "UPSERT_HISTOGRAMS",
     "sparse_rows",
     "event_rows",
     "run_row",
@@ -184,8 +189,29 @@ _V2 = Migration(
     ),
 )
 
+_V3 = Migration(
+    3,
+    "histograms: one row per layer, kind and captured step (bt.metrics.Histograms)",
+    (
+        """CREATE TABLE histograms (
+            run_id {TEXT} NOT NULL,
+            kind {TEXT} NOT NULL,
+            layer {TEXT} NOT NULL,
+            step {INT} NOT NULL,
+            rank {INT} NOT NULL,
+            epoch {INT} NOT NULL,
+            batch {INT} NOT NULL,
+            wall_time {REAL} NOT NULL,
+            low {REAL},
+            high {REAL},
+            counts {TEXT} NOT NULL,
+            PRIMARY KEY (run_id, kind, layer, step, rank)
+        ){WITHOUT_ROWID}""",
+    ),
+)
+
 #: Every migration, in order. ``MIGRATIONS[-1].version`` is what this batchtap writes.
-MIGRATIONS: tuple[Migration, ...] = (_V1, _V2)
+MIGRATIONS: tuple[Migration, ...] = (_V1, _V2, _V3)
 #: The schema version this batchtap reads and writes.
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -194,7 +220,7 @@ _VERSION_TABLE = """CREATE TABLE schema_version (
     applied_at {REAL} NOT NULL,
     description {TEXT} NOT NULL
 )"""
-_OWN_TABLES = frozenset({"runs", "metrics", "events", "sparse_metrics", "schema_version"})
+_OWN_TABLES = frozenset({"runs", "metrics", "events", "sparse_metrics", "histograms", "schema_version"})
 # Serialises schema creation between processes opening the same PostgreSQL database at once.
 _PG_LOCK_KEY = 0x62617463  # "batc"
 
@@ -204,6 +230,11 @@ RUN_COLUMNS = (
     "metric_names", "environment",
 )  # fmt: skip
 METRIC_COLUMNS = ("run_id", "metric", "step", "rank", "epoch", "batch", "wall_time", "value")
+#: values named ``hist/<kind>/<layer>/<min|max|i>`` (bt.metrics.Histograms) are stored as histogram rows
+HISTOGRAM_PREFIX = "hist/"
+HISTOGRAM_COLUMNS = (
+    "run_id", "kind", "layer", "step", "rank", "epoch", "batch", "wall_time", "low", "high", "counts",
+)  # fmt: skip
 EVENT_COLUMNS = ("run_id", "event_key", "step", "rank", "kind", "metric", "raw_value", "message", "wall_time")
 
 
@@ -216,6 +247,11 @@ _METRICS_ON_CONFLICT = (
     " batch = excluded.batch, wall_time = excluded.wall_time, value = excluded.value"
 )
 UPSERT_METRICS = _insert("metrics", METRIC_COLUMNS) + _METRICS_ON_CONFLICT
+UPSERT_HISTOGRAMS = _insert("histograms", HISTOGRAM_COLUMNS) + (
+    " ON CONFLICT (run_id, kind, layer, step, rank) DO UPDATE SET epoch = excluded.epoch,"
+    " batch = excluded.batch, wall_time = excluded.wall_time, low = excluded.low, high = excluded.high,"
+    " counts = excluded.counts"
+)
 
 
 def upsert_metrics_from(table: str) -> str:
@@ -296,8 +332,40 @@ def metric_rows(records: Sequence[Record]) -> list[tuple[Any, ...]]:
     for r in records:
         run_id, step, rank, epoch, batch, wall = r.run_id, r.step, r.rank, r.epoch, r.batch, r.wall_time
         for name, value in r.values.items():
+            if name.startswith(HISTOGRAM_PREFIX):
+                continue  # stored compactly: histogram_rows
             v = float(value)
             append((run_id, name, step, rank, epoch, batch, wall, None if v != v else v))
+    return rows
+
+
+def histogram_rows(records: Sequence[Record]) -> list[tuple[Any, ...]]:
+    """One row per layer, kind and record of the ``hist/<kind>/<layer>/<part>`` values, in
+    :data:`HISTOGRAM_COLUMNS` order: the counts as a JSON list, bin ``i`` at index ``i``.
+
+    Example:
+        >>> v = {"loss": 1.0, "hist/grad/fc/min": -1.0, "hist/grad/fc/max": 1.0, "hist/grad/fc/1": 3.0, "hist/grad/fc/0": 2.0}
+        >>> histogram_rows([Record("r1", step=4, epoch=0, batch=4, rank=0, wall_time=1.5, values=v)])
+        [('r1', 'grad', 'fc', 4, 0, 0, 4, 1.5, -1.0, 1.0, '[2.0,3.0]')]
+    """
+    rows: list[tuple[Any, ...]] = []
+    for r in records:
+        parts: dict[tuple[str, str], dict[str, float]] = {}
+        for name, value in r.values.items():
+            if name.startswith(HISTOGRAM_PREFIX):
+                kind, _, rest = name[len(HISTOGRAM_PREFIX) :].partition("/")
+                layer, _, part = rest.rpartition("/")
+                parts.setdefault((kind, layer), {})[part] = float(value)
+        for (kind, layer), got in parts.items():
+            low, high = got.pop("min", math.nan), got.pop("max", math.nan)
+            counts = [got[k] for k in sorted(got, key=int)]
+            rows.append(
+                (
+                    r.run_id, kind, layer, r.step, r.rank, r.epoch, r.batch, r.wall_time,
+                    None if low != low else low, None if high != high else high,
+                    json.dumps(counts, separators=(",", ":")),
+                )
+            )  # fmt: skip
     return rows
 
 
