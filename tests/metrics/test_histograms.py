@@ -157,3 +157,31 @@ def test_stores_keep_one_row_per_layer_kind_and_captured_step(tmp_path: Path, st
             want = weights[step][layer]
             assert (low, high) == pytest.approx(want[:2], rel=1e-5)
             assert json.loads(counts) == want[2]
+
+
+def test_export_csv_writes_the_histograms_beside_the_values(tmp_path: Path) -> None:
+    from batchtap.cli.main import main as cli
+
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    db = tmp_path / "h.db"
+    tap = bt.Tap([bt.metrics.Loss(), Histograms(model, every=2, bins=4)], [bt.sinks.SQLite(db)], flush_every=2)
+    with tap, tap.run(name="hist-export"):
+        for _ in range(4):
+            opt.zero_grad()
+            loss = model(torch.randn(3, 5)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            tap.step(loss=loss)
+    out = tmp_path / "x.csv"
+    assert cli(["export", "hist-export", "--db", str(db), "--format", "csv", "-o", str(out)]) == 0
+    lines = (tmp_path / "x.histograms.csv").read_text().splitlines()
+    assert lines[0] == "run_id,kind,layer,step,rank,low,high,bin0,bin1,bin2,bin3"
+    rows = [line.split(",") for line in lines[1:]]
+    assert [(r[1], r[2], r[3]) for r in rows] == [
+        (kind, layer, step) for kind in ("grad", "weight") for layer in ("0", "2") for step in ("0", "2")
+    ]
+    weights = sum(p.numel() for p in model[2].parameters())
+    assert all(sum(float(c) for c in r[7:]) == weights for r in rows if r[1] == "weight" and r[2] == "2")
+    assert "hist/" not in out.read_text()  # the long-form values carry no histogram column

@@ -16,7 +16,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from batchtap.cli._common import CLIError, add_db_arguments, db_url, open_store, resolve_run, run_info, run_records
 from batchtap.errors import SinkError
@@ -39,7 +39,9 @@ own names; batchtap.sinks.jsonl.replay(FILE, sink) feeds the file into another s
 Parquet (needs -o and pyarrow): one row per record, columns run_id,step,epoch,batch,rank,
 wall_time,sparse,<metrics>; a tap.log() record is a row with sparse=true; null = no value, NaN =
 a value that failed validation; the run in the file metadata (batchtap.run); events in
-<FILE stem>.events.parquet."""
+<FILE stem>.events.parquet.
+Histograms (bt.metrics.Histograms) go to <FILE stem>.histograms.csv with --format csv -o: one line
+per layer, kind and captured step (run_id,kind,layer,step,rank,low,high,bin0,bin1,...)."""
 
 Format = Literal["csv", "jsonl", "parquet"]
 
@@ -97,7 +99,7 @@ def _outputs(path: Path, fmt: Format) -> list[Path]:
         return [path, parquet_events(path)]
     from batchtap.sinks.csv import events_path, part_paths, sparse_path
 
-    sidecars = [events_path(path), sparse_path(path)]
+    sidecars = [events_path(path), sparse_path(path), path.with_name(f"{path.stem}.histograms.csv")]
     return [*part_paths(path), *sidecars] if path.exists() else sidecars
 
 
@@ -182,6 +184,7 @@ def export_run(args: argparse.Namespace, fmt: Format, path: Path) -> tuple[int, 
                 )
         records = run_records(store, run, args.metrics, args.rank)
         events = store.events(run.id)
+        histograms = _histograms(store, run.id, args.rank)
     if args.rank is not None:
         events = [e for e in events if e.rank == args.rank]
     if fmt == "parquet":
@@ -212,8 +215,30 @@ def export_run(args: argparse.Namespace, fmt: Format, path: Path) -> tuple[int, 
         sink.close()
     if fmt == "csv":
         _events_file_even_without_events(path)
+        if histograms:
+            _write_histograms(path.with_name(f"{path.stem}.histograms.csv"), histograms)
     sparse = sum(r.sparse for r in records)
     return len(records) - sparse, sparse, len(events)
+
+
+def _histograms(store: Any, run_id: str, rank: int | None) -> list[Any]:
+    from batchtap.store.histograms import read_histograms
+
+    found = read_histograms(store, run_id)
+    return [h for h in found if rank is None or h.rank == rank]
+
+
+def _write_histograms(path: Path, histograms: list[Any]) -> None:
+    """``<FILE stem>.histograms.csv``: one line per layer, kind and captured step (bt.metrics.Histograms)."""
+    import csv
+
+    from batchtap.store.histograms import HISTOGRAM_CSV_COLUMNS, histogram_csv_row
+
+    bins = max(len(h.counts) for h in histograms)
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([*HISTOGRAM_CSV_COLUMNS, *(f"bin{i}" for i in range(bins))])
+        writer.writerows(histogram_csv_row(h) for h in histograms)
 
 
 def main(args: argparse.Namespace) -> int:
