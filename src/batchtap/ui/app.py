@@ -13,6 +13,8 @@ Routes:
 * ``/api/runs/{id}/series?metric=&rank=&start=&end=&width=`` — one line, decimated to ``width``.
 * ``/api/runs/{id}/events``, ``/api/runs/{id}/ranks?metric=`` — events; the per-rank spread.
 * ``/api/runs/{id}/live?after=&events=`` — server-sent events while the run is running.
+* ``/api/runs/{id}/layers?top=``, ``/api/runs/{id}/histograms?kind=`` — per-layer values grouped by
+  layer, and the stored histograms (:mod:`batchtap.ui.layers`; drawn by ``static/layers.js``).
 * ``/static/...`` (this package), ``/bokeh/js/...`` (BokehJS from the ``bokeh`` wheel).
 
 Every response carries a Content-Security-Policy that allows scripts, styles and connections from
@@ -40,6 +42,7 @@ from batchtap._units import table as units_table
 from batchtap.store.runquery import QueryError
 from batchtap.ui.auth import LOOPBACK_HOSTS, TokenGate
 from batchtap.ui.data import ReadOnlyStore
+from batchtap.ui.layers import layer_routes
 from batchtap.ui.live import stream_run, stream_runs
 
 __all__ = ["make_app", "CSP"]
@@ -180,6 +183,7 @@ def make_app(
         Route("/api/runs/{run_id:str}/events", events),
         Route("/api/runs/{run_id:str}/ranks", ranks),
         Route("/api/runs/{run_id:str}/live", live),
+        *layer_routes(store, run_id, _HEADERS),  # per-layer values and histograms (ui/layers.py)
         Mount("/static", StaticFiles(packages=[("batchtap.ui", "static")]), name="static"),
         # BokehJS as the installed bokeh wheel ships it: nothing vendored here, nothing from a CDN.
         Mount("/bokeh", StaticFiles(packages=[("bokeh", "server/static")]), name="bokeh"),

@@ -1,0 +1,64 @@
+"""The browser view's per-layer endpoints over a real SQLite store written by a real run:
+/api/runs/{id}/layers groups Layers' values by layer (largest gradient norm first, top-k), and
+/api/runs/{id}/histograms gives each layer's stored histograms as steps x bins; the page loads
+static/layers.js."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import batchtap as bt
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "ui.db"
+    metrics = [bt.metrics.Loss(), bt.metrics.Layers(model, every=2), bt.metrics.Histograms(model, every=3, bins=4)]
+    tap = bt.Tap(metrics, [bt.sinks.SQLite(path)], flush_every=3)
+    with tap, tap.run(name="layers-ui"):
+        for _ in range(7):
+            opt.zero_grad()
+            loss = model(torch.randn(4, 6)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            tap.step(loss=loss)
+    return path
+
+
+def test_layers_and_histograms_endpoints(db: Path) -> None:
+    from starlette.testclient import TestClient
+
+    from batchtap.ui.app import make_app
+    from batchtap.ui.data import ReadOnlyStore
+
+    store = ReadOnlyStore(db)
+    try:
+        client = TestClient(make_app(store), base_url="http://127.0.0.1")
+        layers = client.get("/api/runs/layers-ui/layers?top=2").json()
+        assert {e["layer"] for e in layers["layers"]} == {"0", "2", "4"}
+        norms = [e["grad_norm"] for e in layers["layers"]]
+        assert norms == sorted(norms, reverse=True) and len(layers["top"]) == 2
+        assert all(e["step"] == 6 and e["update_ratio"] > 0 and e["weight_norm"] > 0 for e in layers["layers"])
+        stored = {r[0]: r[1] for r in store.reader.query(
+            "SELECT metric, value FROM metrics WHERE metric LIKE 'grad_norm/%' AND step = 6", ()
+        )}  # fmt: skip
+        assert {f"grad_norm/{e['layer']}": e["grad_norm"] for e in layers["layers"]} == stored
+        hist = client.get("/api/runs/layers-ui/histograms").json()["histograms"]
+        assert [(h["kind"], h["layer"]) for h in hist] == [
+            (k, la) for k in ("grad", "weight") for la in ("0", "2", "4")
+        ]
+        for h in hist:
+            assert h["steps"] == [0, 3, 6] and all(len(c) == 4 for c in h["counts"])
+            assert all(lo <= hi for lo, hi in zip(h["low"], h["high"]))
+        page = client.get("/run/layers-ui").text
+        assert '<script src="/static/layers.js" defer></script>' in page
+        assert client.get("/static/layers.js").status_code == 200
+    finally:
+        store.close()
