@@ -433,7 +433,9 @@ def server_load(argv: list[str]) -> None:
         sampler.start()
         streams = []
         for i in range(args.streams):
-            url = f"{base}/api/runs/live" if i % 5 == 0 else f"{base}/api/runs/{ids[0][:8]}/live"
+            # as a run page does: its stream starts after the last step it has already drawn
+            page = f"{base}/api/runs/{ids[0][:8]}/live?after={args.steps - 1}&events=0"
+            url = f"{base}/api/runs/live" if i % 5 == 0 else page
             streams.append(urllib.request.urlopen(url, timeout=60))
             streams[-1].readline()  # the stream is open on the server
         paths = ["/api/runs", f"/api/runs/{ids[0][:8]}", f"/api/runs/{ids[-1]}/events"]

@@ -594,3 +594,20 @@ def test_bursts_of_requests_under_a_256_descriptor_limit_leak_no_connection(tmp_
     assert got["n_errors"] == 0, got["errors"]
     assert 1 <= got["peak"] <= 8 and got["idle"] == 0
     assert got["codes"] == ["200"]
+
+
+def test_a_stream_opened_far_behind_catches_up_in_bounded_steps(tmp_path: Path, monkeypatch: Any) -> None:
+    import batchtap.ui.live
+
+    monkeypatch.setattr(batchtap.ui.live, "CATCH_UP", 7)
+    db = tmp_path / "mixed.db"
+    ids = write_mixed_store(db)  # "live": running (this process), 10 steps
+    with batchtap.ui.start(db) as srv:
+        with urllib.request.urlopen(f"{srv.base}/api/runs/{ids['live'][:8]}/live?after=-1", timeout=30) as stream:
+            got: list[int] = []
+            while len(got) < 10:
+                update = _next_sse(stream, "update")
+                steps = update.get("lines", {}).get("loss", {}).get("step", [])
+                assert len(steps) <= 7
+                got += steps
+    assert got == list(range(10))
