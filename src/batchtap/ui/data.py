@@ -108,7 +108,8 @@ class ReadOnlyStore:
     Args:
         url: SQLite path, ``sqlite:///path`` or ``postgresql://...``.
         schema: PostgreSQL schema holding the tables (``None``: the server's ``search_path``).
-        connections: most connections open at once (the server's threads share them).
+        connections: most connections open at once (the server's threads share them; more than
+            the cores the database reads can use only adds memory).
         idle_s: an unused connection is closed after this many seconds.
 
     Raises:
@@ -120,7 +121,7 @@ class ReadOnlyStore:
         url: str | os.PathLike[str],
         *,
         schema: str | None = None,
-        connections: int = 8,
+        connections: int = 4,
         idle_s: float = 10.0,
     ) -> None:
         import batchtap.store
