@@ -940,7 +940,7 @@ async function drawParallel(box, runs, configKeys, chosen) {
   if (!keys.length) keys = configKeys.slice();
   const axes = keys.map((k) => {
     const vs = values(k);
-    const numeric = vs.every((v) => v == null || typeof v === "number");
+    const numeric = vs.every((v) => typeof v === "number"); // a missing value makes it an axis of categories
     if (numeric) {
       const finite = vs.filter(Number.isFinite);
       const lo = Math.min(...finite), hi = Math.max(...finite);
@@ -949,7 +949,8 @@ async function drawParallel(box, runs, configKeys, chosen) {
       return { label: k, norm: (v) => (Number.isFinite(v) ? (hi === lo ? 0.5 : (t(v) - t(lo)) / (t(hi) - t(lo))) : NaN), low: fmtValue(lo), high: fmtValue(hi), log: positive };
     }
     const cats = [...new Set(vs.map((v) => JSON.stringify(v ?? null)))].sort();
-    return { label: k, norm: (v) => (cats.length === 1 ? 0.5 : cats.indexOf(JSON.stringify(v ?? null)) / (cats.length - 1)), low: cats[0], high: cats[cats.length - 1] };
+    const shown = (c) => { const v = JSON.parse(c); return typeof v === "string" ? v : c; };
+    return { label: k, norm: (v) => (cats.length === 1 ? 0.5 : cats.indexOf(JSON.stringify(v ?? null)) / (cats.length - 1)), low: shown(cats[0]), high: shown(cats[cats.length - 1]) };
   });
   const mvals = runs.map((r) => r[metricKey]).filter(Number.isFinite);
   const mlo = Math.min(...mvals), mhi = Math.max(...mvals);
@@ -977,7 +978,8 @@ async function drawParallel(box, runs, configKeys, chosen) {
   p.ygrid.visible = false;
   p.xgrid.visible = false;
   p.xaxis.ticker = new Bokeh.FixedTicker({ ticks: axes.map((_, i) => i) });
-  p.xaxis.major_label_overrides = Object.fromEntries(axes.map((a, i) => [i, a.label + (a.log ? " (log)" : "")]));
+  // canvas text; BokehJS takes the overrides as a Map from the tick
+  p.xaxis.major_label_overrides = new Map(axes.map((a, i) => [i, a.label + (a.log ? " (log)" : "")]));
   for (const [i, a] of axes.entries()) {
     p.add_layout(new Bokeh.Span({ location: i, dimension: "height", line_color: "#9aa1ad", line_width: 1 }));
     p.add_layout(new Bokeh.Label({ x: i, y: 1.02, text: String(a.high), text_font_size: "11px", text_align: "center", text_color: "#6b7385" }));
