@@ -354,3 +354,31 @@ def test_retries_back_off_doubling_from_backoff(monkeypatch: pytest.MonkeyPatch)
         ep.close()
     assert len(ep.seen) == 4 and hook.delivered == 0
     assert pauses == [0.25, 0.5, 1.0]  # none before the first try, then doubling
+
+
+def test_a_redirect_keeps_the_credentials_on_their_host_and_drops_them_on_another() -> None:
+    ep = Scripted([(307, "/same-host"), (308, None)])
+    port = ep.server.server_address[1]
+    ep.script[1] = (308, f"http://localhost:{port}/other-host")  # another host name: no credentials there
+    try:
+        hook = Webhook(f"http://alice:pw@127.0.0.1:{port}/hook", events=("finished",), retries=0)
+        _end(hook)
+    finally:
+        ep.close()
+    assert [p for _, p, _, _ in ep.seen] == ["/hook", "/same-host", "/other-host"] and hook.delivered == 1
+    auth = [a for *_, a in ep.seen]
+    assert auth[0] == auth[1] is not None and auth[0].startswith("Basic ") and auth[2] is None
+
+
+def test_a_refused_redirect_names_where_it_pointed_without_its_path() -> None:
+    ep = Scripted([])
+    port = ep.server.server_address[1]
+    ep.script.append((302, f"http://localhost:{port}/moved/{SECRET}"))
+    try:
+        hook = Webhook(f"http://127.0.0.1:{port}/hook", events=("finished",), retries=0)
+        _end(hook)
+    finally:
+        ep.close()
+    (warning,) = hook.take_events()
+    assert f"HTTP 302 redirect to http://localhost:{port}/… refused" in warning.message
+    assert SECRET not in warning.message
