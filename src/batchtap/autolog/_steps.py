@@ -32,10 +32,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from batchtap.autolog._patches import PatchRegistry
-from batchtap.metrics.optimizer_hooks import StepNesting, global_norm, gradients_norm, has_closure
+from batchtap.metrics.optimizer_hooks import global_norm, gradients_norm, step_watch
 
 __all__ = ["StepEvent", "OptimizerSteps"]
 
@@ -83,7 +82,6 @@ class OptimizerSteps:
         self._on_step = on_step
         self._on_optimizer = on_optimizer
         self._guard = guard
-        self._nesting = StepNesting()  # only the outermost step() call's hooks count
         self._open: _OpenStep | None = None
         # pre-clip norms of this step's clipping calls, by the ids of the parameters each clipped
         # (several models: each optimizer takes its own model's, never another's)
@@ -95,8 +93,7 @@ class OptimizerSteps:
         self.enabled = True
 
     def install(self, patches: PatchRegistry) -> None:
-        patches.handle(register_optimizer_step_pre_hook(self._pre))
-        patches.handle(register_optimizer_step_post_hook(self._post))
+        patches.handle(step_watch().listen(self))  # the hooks every batchtap part shares
         self._patch_init(patches)
         self._patch_clip(patches)
         self._patch_scaler(patches)
@@ -122,17 +119,15 @@ class OptimizerSteps:
 
     # ------------------------------------------------------------------ the step hooks
 
-    def _pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self._nesting.pre(sys._getframe(1)):
-            return  # super().step() of a subclass, or an optimizer wrapping another
+    def step_begins(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
+        """The outermost ``optimizer.step`` call's pre-hook (through the shared step watch)."""
         self._open = None  # an earlier step that raised left its step open: it is not recorded
         if not self.enabled or torch.compiler.is_compiling():
             return
-        self._guard(lambda: self._begin(optimizer, args, kwargs))
+        self._guard(lambda: self._begin(optimizer, closure))
 
-    def _begin(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _begin(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
         self.known(optimizer)
-        closure = has_closure(args, kwargs)
         found_inf = getattr(optimizer, "found_inf", None)  # set by GradScaler.step for a fused optimizer
         grad_scale = getattr(optimizer, "grad_scale", None)
         open_step = _OpenStep(optimizer, learning_rates(optimizer), closure, found_inf)
@@ -140,9 +135,8 @@ class OptimizerSteps:
             open_step.grad_norm = self._norm(optimizer, grad_scale)
         self._open = open_step
 
-    def _post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self._nesting.post():
-            return
+    def step_ends(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
+        """The outermost call's post-hook (never for a step that raised)."""
         open_step, self._open = self._open, None
         if open_step is None or not self.enabled:
             return
@@ -287,7 +281,7 @@ class OptimizerSteps:
     def raised(self) -> bool:
         """Whether an optimizer step raised since the last check (it is still open but no longer on
         the stack: its post-hook never came); called at each ``backward()``. Closes it."""
-        if not self._nesting.stale(sys._getframe(1)):
+        if not step_watch().nesting.stale(sys._getframe(1)):
             return False
         self._open = None
         return True

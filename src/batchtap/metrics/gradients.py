@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import math
-import sys
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from batchtap.errors import ConfigError
 from batchtap.metrics._shared import Filled, step_device
@@ -30,13 +28,12 @@ from batchtap.metrics.decoders import (
 )
 from batchtap.metrics.domain import NONNEGATIVE, Domain, Output, Reduce
 from batchtap.metrics.optimizer_hooks import (
-    StepNesting,
     dtensor_type,
     global_norm,
     gradients_norm,
-    has_closure,
     scaler_states,
     scaler_stepped_since,
+    step_watch,
 )
 
 # GradNorm's host state column: where this step's value is, or why there is none
@@ -239,20 +236,18 @@ class GradNorm(GradNormDecoding, Metric):
 
 
 class _GradNormHooks:
-    """The global optimizer step hooks of a :class:`GradNorm` (weakly: the metric may go first;
-    the hooks are removed when it does)."""
+    """What a :class:`GradNorm` takes at the optimizer steps of its parameters, through the shared
+    step watch (which holds it weakly: it goes with its metric, and the metric may go first)."""
 
-    __slots__ = ("metric", "ids", "owners", "nesting", "closure", "__weakref__")
+    __slots__ = ("metric", "ids", "owners", "closure", "handle", "__weakref__")
 
     def __init__(self, metric: GradNorm, params: Sequence[torch.Tensor]) -> None:
         self.metric = weakref.ref(metric)
         self.ids = frozenset(id(p) for p in params)
         # optimizer -> (param groups when checked, whether it steps any of these parameters)
         self.owners: weakref.WeakKeyDictionary[object, tuple[int, bool]] = weakref.WeakKeyDictionary()
-        self.nesting = StepNesting()
         self.closure: object | None = None  # the optimizer whose closure step is open
-        handles = (register_optimizer_step_pre_hook(self.pre), register_optimizer_step_post_hook(self.post))
-        weakref.finalize(metric, _remove, handles)
+        self.handle = step_watch().listen(self)
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
         groups = optimizer.param_groups
@@ -263,30 +258,21 @@ class _GradNormHooks:
             self.owners[optimizer] = known
         return known[1]
 
-    def pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.nesting.pre(sys._getframe(1)):
-            return  # super().step() of a subclass: the outer call's hooks count
+    def step_begins(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
         self.closure = None
         metric = self.metric()
         if metric is None or not metric.hooks_take() or not self._owns(optimizer) or torch.compiler.is_compiling():
             return
-        if has_closure(args, kwargs):
+        if closure:
             self.closure = optimizer  # the closure computes this step's gradients: take the norm after it
             return
         metric._take(optimizer)
 
-    def post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.nesting.post():
-            return
-        closure, self.closure = self.closure, None
+    def step_ends(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
+        closure_of, self.closure = self.closure, None
         metric = self.metric()
-        if closure is optimizer and metric is not None:
+        if closure_of is optimizer and metric is not None:
             metric._take(optimizer)
-
-
-def _remove(handles: Sequence[Any]) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 class LossScale(LossScaleDecoding, Metric):
@@ -346,13 +332,13 @@ class LossScale(LossScaleDecoding, Metric):
         self._hooked = False  # a scaler step ran (its hook fired) since the last row
         self._row_inputs: StepInputs | None = None
         self._row_values: tuple[tuple[torch.Tensor, ...], float] | None = None
-        handle = register_optimizer_step_pre_hook(_TakeScale(self))
-        weakref.finalize(self, _remove, (handle,))
+        self._listener: _TakeScale | None = _TakeScale(self)
+        step_watch().listen(self._listener)  # held weakly there: it goes with this metric
 
     def __getstate__(self) -> dict[str, object]:
         # pipeline="process" finalizes in another process: the scaler and device values stay here
         state = self.__dict__.copy()
-        state.update(scaler=None, _states=None, _stepped=None, _row_inputs=None, _row_values=None)
+        state.update(scaler=None, _states=None, _stepped=None, _row_inputs=None, _row_values=None, _listener=None)
         return state
 
     def outputs(self) -> tuple[Output, ...]:
@@ -432,17 +418,21 @@ _CHECKED, _AFTER_UPDATE, _BEFORE_STEP = "checked", "after-update", "before-step"
 
 
 class _TakeScale:
-    """The global optimizer step pre-hook of a :class:`LossScale` (weakly: the metric may go first)."""
+    """What a :class:`LossScale` takes at each optimizer step, through the shared step watch
+    (weakly: the metric may go first)."""
 
-    __slots__ = ("metric",)
+    __slots__ = ("metric", "__weakref__")
 
     def __init__(self, metric: LossScale) -> None:
         self.metric = weakref.ref(metric)
 
-    def __call__(self, optimizer: object, args: object, kwargs: object) -> None:
+    def step_begins(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
         metric = self.metric()
         if metric is not None and not torch.compiler.is_compiling():
             metric._take(optimizer)
+
+    def step_ends(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
+        pass
 
 
 def _check_scaler(scaler: object, who: str) -> None:

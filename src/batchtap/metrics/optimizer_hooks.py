@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import sys
 import types
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from batchtap.metrics.functional import grads_norm
 
 __all__ = [
+    "StepListener",
     "StepNesting",
+    "StepWatch",
+    "step_watch",
     "dtensor_type",
     "global_norm",
     "gradients_norm",
@@ -104,6 +109,100 @@ class StepNesting:
             return False
         self._outer = None
         return True
+
+
+class StepListener(Protocol):
+    """What listens to the outermost ``optimizer.step`` calls through :class:`StepWatch`."""
+
+    def step_begins(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
+        """Before the step runs (its pre-hook): the gradients are the step's unless ``closure``."""
+
+    def step_ends(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
+        """After it ran (its post-hook; never for a step that raised)."""
+
+
+class StepWatch:
+    """The one pair of global optimizer step hooks that every part of batchtap listens through:
+    ``bt.Tap(optimizer=, model=, scaler=)``'s learning rate, gradient norm and loss scale, and
+    autolog's steps. Only the outermost call of a nested ``step`` (``super().step()``) reaches the
+    listeners, told once by one :class:`StepNesting`; listeners are held weakly (a metric that is
+    gone stops listening), and torch's hooks are registered while anyone listens.
+
+    Example:
+        >>> class Seen:
+        ...     def __init__(self): self.calls = []
+        ...     def step_begins(self, optimizer, closure): self.calls.append(("begins", closure))
+        ...     def step_ends(self, optimizer, closure): self.calls.append(("ends", closure))
+        >>> seen = Seen(); handle = step_watch().listen(seen)
+        >>> w = torch.nn.Parameter(torch.ones(1)); w.grad = torch.ones(1)
+        >>> torch.optim.SGD([w], lr=0.1).step(); handle.remove(); seen.calls
+        [('begins', False), ('ends', False)]
+    """
+
+    def __init__(self) -> None:
+        self.nesting = StepNesting()
+        self._listeners: list[weakref.ref[StepListener]] = []
+        self._handles: tuple[Any, Any] | None = None
+        self._closure = False
+
+    def listen(self, listener: StepListener) -> _Listening:
+        """Call ``listener`` at every outermost optimizer step from now on; ``.remove()`` the
+        returned handle to stop (or let the listener be collected)."""
+        if self._handles is None:
+            self._handles = (register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post))
+        ref = weakref.ref(listener, self._forget)
+        self._listeners.append(ref)
+        return _Listening(self, ref)
+
+    def _forget(self, ref: weakref.ref[StepListener]) -> None:
+        if ref in self._listeners:
+            self._listeners.remove(ref)
+        if not self._listeners and self._handles is not None:
+            for handle in self._handles:  # nobody listens: every optimizer step is torch's own again
+                handle.remove()
+            self._handles = None
+            self.nesting = StepNesting()
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.nesting.pre(sys._getframe(1)):
+            return  # super().step() of a subclass, or an optimizer wrapping another
+        self._closure = closure = has_closure(args, kwargs)
+        for ref in list(self._listeners):
+            listener = ref()
+            if listener is not None:
+                listener.step_begins(optimizer, closure)
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.nesting.post():
+            return
+        closure = self._closure
+        for ref in list(self._listeners):
+            listener = ref()
+            if listener is not None:
+                listener.step_ends(optimizer, closure)
+
+
+class _Listening:
+    """A :meth:`StepWatch.listen` handle: ``remove()`` stops listening."""
+
+    __slots__ = ("_watch", "_ref")
+
+    def __init__(self, watch: StepWatch, ref: weakref.ref[StepListener]) -> None:
+        self._watch, self._ref = watch, ref
+
+    def remove(self) -> None:
+        self._watch._forget(self._ref)
+
+
+_WATCH: StepWatch | None = None
+
+
+def step_watch() -> StepWatch:
+    """The process's :class:`StepWatch`."""
+    global _WATCH
+    if _WATCH is None:
+        _WATCH = StepWatch()
+    return _WATCH
 
 
 def _on_stack(frame: types.FrameType | None, start: types.FrameType) -> bool:

@@ -21,7 +21,7 @@ from batchtap.metrics.base import (
 )
 from batchtap.metrics.decoders import ExtraDecoding, LearningRateDecoding, LossDecoding, MemoryDecoding
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, Domain, Output, Reduce
-from batchtap.metrics.optimizer_hooks import scaler_states, scaler_stepped_since
+from batchtap.metrics.optimizer_hooks import scaler_states, scaler_stepped_since, step_watch
 
 
 class Loss(LossDecoding, Metric):
@@ -85,7 +85,7 @@ class Loss(LossDecoding, Metric):
 class LearningRate(LearningRateDecoding, Metric):
     """The learning rate the optimizer step used, read on the host (it is a Python float there).
 
-    The value is taken in a step pre-hook of the optimizer (``register_step_pre_hook``), so it is
+    The value is taken at the optimizer's step pre-hook (the shared step watch), so it is
     the step's own wherever the loop calls ``scheduler.step()`` or sets ``group["lr"]``: the common
     ``optimizer.step(); scheduler.step(); tap.step(...)`` records this step's lr, not the next
     one's. Where ``tap.step`` sits is learned at the run's first captured step: after an optimizer
@@ -144,7 +144,8 @@ class LearningRate(LearningRateDecoding, Metric):
         self._moves: bool | None = None
         self._previous_taken: tuple[float, ...] | None = None
         self._previous_now: tuple[float, ...] | None = self.current()  # the lr when the metric was made
-        self._handle: object = optimizer.register_step_pre_hook(_TakeLearningRate(self))
+        self._handle: _TakeLearningRate | None = _TakeLearningRate(self)
+        step_watch().listen(self._handle)  # held weakly there: it goes with this metric
 
     def __getstate__(self) -> dict[str, object]:
         # pipeline="process" finalizes in another process: the hook stays with the optimizer here
@@ -189,17 +190,21 @@ class LearningRate(LearningRateDecoding, Metric):
 
 
 class _TakeLearningRate:
-    """The optimizer step pre-hook of a :class:`LearningRate` (weakly: the metric may go first)."""
+    """What a :class:`LearningRate` takes at its optimizer's steps, through the shared step watch
+    (weakly: the metric may go first)."""
 
-    __slots__ = ("metric",)
+    __slots__ = ("metric", "__weakref__")
 
     def __init__(self, metric: LearningRate) -> None:
         self.metric = weakref.ref(metric)
 
-    def __call__(self, optimizer: object, args: object, kwargs: object) -> None:
+    def step_begins(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
         metric = self.metric()
-        if metric is not None:
+        if metric is not None and optimizer is metric.optimizer:
             metric._taken = metric.current()
+
+    def step_ends(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
+        pass
 
 
 class Memory(MemoryDecoding, Metric):
