@@ -147,3 +147,15 @@ def test_tag_sets_tags_and_a_note_that_show_and_the_reader_read(runs: Runs, tmp_
     assert "baseline" in printed and "lr too high" in printed
     bad = cli("tag", "cli-base", "--db", str(db), "--add", " ")
     assert bad.returncode == 1 and "a tag must be" in bad.stderr
+
+
+def test_runs_where_filters_with_the_browser_views_query_language(runs: Runs) -> None:
+    done = cli("runs", "--db", str(runs.db), "--where", "status=stopped or name=cli-clean")
+    assert done.returncode == 0, done.stderr
+    names = sorted(line.split()[0] for line in done.stdout.splitlines()[1:])
+    assert names == ["cli-clean", "cli-stop"]
+    assert "no run matches" in cli("runs", "--db", str(runs.db), "--where", "steps>1000").stdout
+    typo = cli("runs", "--db", str(runs.db), "--where", "lrr<0.1")
+    assert typo.returncode == 1 and "no run has 'lrr'" in typo.stderr
+    bad = cli("runs", "--db", str(runs.db), "--where", "lr<")
+    assert bad.returncode == 2 and "expected a clause" in bad.stderr

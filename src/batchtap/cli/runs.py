@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING, Any
 
 from batchtap.cli._common import (
+    CLIError,
     add_db_arguments,
     events_by_kind,
     fit_table,
@@ -17,6 +19,10 @@ from batchtap.cli._common import (
 )
 from batchtap.cli.replay import add_spool_argument, describe, pending_spools, spool_only_runs
 from batchtap.records import EventKind
+
+if TYPE_CHECKING:
+    from batchtap.store import RunRow, Store
+    from batchtap.store.rows import MetricSummary
 
 __all__ = ["register", "main"]
 
@@ -45,6 +51,13 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--limit", type=int, default=20, metavar="N", help="show the N most recent runs (default 20)")
     group.add_argument("--all", action="store_true", help="show every run")
+    parser.add_argument(
+        "--where",
+        metavar="QUERY",
+        default=None,
+        help="only runs matching QUERY, e.g. 'lr<0.01 and status=finished' or 'tag=baseline' "
+        "(fields: id name status steps best last duration anomalies tag notes, else config keys)",
+    )
     parser.set_defaults(func=main)
 
 
@@ -53,20 +66,55 @@ def _started(t: float) -> str:
     return time.strftime("%m-%d %H:%M", time.localtime(t))
 
 
+def _figures(store: Store, run: RunRow) -> tuple[str | None, MetricSummary | None, int]:
+    """The metric a run is judged by, its summary on the kept trajectory (the steps a rollback
+    undid left out, as the browser view shows it) and the run's anomaly count."""
+    main_metric = store.main_metric(run)
+    summary = None if main_metric is None else store.summary(run.id, main_metric)
+    return main_metric, summary, events_by_kind(store.events(run.id))[EventKind.ANOMALY]
+
+
+def _as_dict(run: RunRow, main_metric: str | None, summary: MetricSummary | None, anomalies: int) -> dict[str, Any]:
+    """A run with the fields ``--where`` names (as the browser view's runs table has them)."""
+    return {
+        "id": run.id,
+        "name": run.name,
+        "status": run.status.value,
+        "steps": run.steps,
+        "best_value": None if summary is None else summary.best,
+        "last_value": None if summary is None else summary.last,
+        "duration": run.duration,
+        "anomalies": anomalies,
+        "tags": list(run.tags),
+        "notes": run.notes,
+        "config": run.config,
+    }
+
+
 def main(args: argparse.Namespace) -> int:
     """List the runs; returns the exit status."""
     with open_store(args) as store:
         runs = store.runs()
+        figures: dict[str, tuple[str | None, MetricSummary | None, int]] = {}
+        if args.where:
+            # every run's figures, then the filter (the browser view's query language, in Python)
+            from batchtap.store import runquery
+
+            try:
+                query = runquery.parse(args.where)
+            except runquery.QueryError as exc:
+                raise CLIError(str(exc), code=2) from None
+            figures = {run.id: _figures(store, run) for run in runs}
+            try:
+                kept = {d["id"] for d in query.filter([_as_dict(run, *figures[run.id]) for run in runs])}
+            except runquery.QueryError as exc:
+                raise CLIError(str(exc)) from None
+            runs = [run for run in runs if run.id in kept]
         shown = runs if args.all else runs[-max(args.limit, 0) :] if args.limit > 0 else []
         rows = []
         spools = pending_spools(args)
         for run in shown:
-            main_metric = store.main_metric(run)
-            undone = store.rolled_back(run.id)
-            # last and best of the metric the run is judged by, on its kept trajectory (the steps a
-            # rollback undid are left out), as the browser view shows them
-            summary = None if main_metric is None else store.summary(run.id, main_metric, undone=undone)
-            anomalies = events_by_kind(store.events(run.id))[EventKind.ANOMALY]
+            main_metric, summary, anomalies = figures.get(run.id) or _figures(store, run)
             rows.append(
                 [
                     run.name,
@@ -85,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
     # a run whose start never reached the store (locked or down from its first call) is only in its spool
     only_spooled = spool_only_runs(spools, (run.id for run in runs))
     if not runs:
-        print(f"no runs in {where}")
+        print(f"no run matches {args.where!r} in {where}" if args.where else f"no runs in {where}")
         for text in only_spooled:
             for line in wrap(text, indent="    "):
                 print(line)
