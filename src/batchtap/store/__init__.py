@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 from batchtap.store.errors import MetricNotFound, RunNotFound, StoreError
-from batchtap.store.reader import Point, RunRow, Store, open
+from batchtap.store.reader import MetricSummary, Point, RunRow, Store, open
 from batchtap.store.schema import SCHEMA_VERSION
 from batchtap.store.url import StoreURL, parse_url, redact_dsn
 
@@ -21,6 +21,7 @@ __all__ = [
     "Store",
     "RunRow",
     "Point",
+    "MetricSummary",
     "StoreError",
     "RunNotFound",
     "MetricNotFound",
