@@ -203,8 +203,6 @@ class ActiveRun:
         if epoch is not None:
             check_count("epoch", epoch, minimum=0)
             ep = epoch
-            if not self.watching:
-                self.epoch = epoch  # log() after this step (val_* at an epoch's end) carries this epoch
         if batch is not None:
             check_count("batch", batch, minimum=0)
             index = batch
@@ -314,15 +312,21 @@ class ActiveRun:
             capture=capture,
         )
 
-    def log(self, values: Mapping[str, torch.Tensor | float], step: int | None) -> None:
+    def log(self, values: Mapping[str, torch.Tensor | float], step: int | None, epoch: int | None = None) -> None:
         """See ``Tap.log``."""
         self.owner.check("log()")
         check_logged(values, step, taken=self.capture.layout.names if self.capture is not None else ())
+        if epoch is not None:
+            check_count("epoch", epoch, minimum=0)
         if step is None:
             step = max(self.step - 1, 0)
         clock = self.capture.clock if self.capture is not None else None
         logged = Logged.capture(
-            values, step=step, epoch=self.epoch, wall_time=time.time(), marker=lambda: copy_check(clock, values)
+            values,
+            step=step,
+            epoch=self.epoch if epoch is None else epoch,
+            wall_time=time.time(),
+            marker=lambda: copy_check(clock, values),
         )
         if self.capture is not None and self.agreement is None:
             # Handed over with the next flush, after the block of the steps before it: no flush of

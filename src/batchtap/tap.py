@@ -521,7 +521,9 @@ class Tap:
         _open(self._run, "accumulate()").accumulate(loss, outputs, targets, batch_size, tokens)
 
     @eager
-    def log(self, values: Mapping[str, torch.Tensor | float], *, step: int | None = None) -> None:
+    def log(
+        self, values: Mapping[str, torch.Tensor | float], *, step: int | None = None, epoch: int | None = None
+    ) -> None:
         """Record values that are not per training step: evaluation, epoch summaries, anything.
 
         Any name, first seen at any step; stored in the same store as their own rows (not as
@@ -540,6 +542,7 @@ class Tap:
                 before a new run's first step: step 0, the step of its first record, stored with
                 an earlier wall time so readers list them before that record; before a resumed
                 run's first step: the last step stored before the resume).
+            epoch: the epoch they belong to (default: the watched loader's, else the last hand-over's).
 
         Example:
             >>> import torch, batchtap as bt
@@ -548,7 +551,7 @@ class Tap:
             ...     tap.step(loss=torch.tensor(0.7))
             ...     tap.log({"val_loss": 0.31, "val_acc": torch.tensor(0.9)})
         """
-        _open(self._run, "log()").log(values, step)
+        _open(self._run, "log()").log(values, step, epoch)
 
     # ------------------------------------------------------------------ state and control
 

@@ -244,10 +244,10 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
         if tap is None or tap.run_info is None:
             return
         # Keras already turned these into Python floats (its own read, made with or without us);
-        # stored at the epoch's last step, with the epoch (the rows just handed over carry it)
+        # stored at the epoch's last step, with its epoch
         values = {k: v for k, v in (logs or {}).items() if k.startswith("val_") and isinstance(v, (int, float))}
         if values:
-            tap.log(values)
+            tap.log(values, epoch=epoch)
 
     def on_train_end(self, logs: Any = None) -> None:
         self._end(None)
