@@ -241,7 +241,7 @@ def test_row_writer_compute_and_block_agree() -> None:
     values, present = a.finalize_block(rows, BlockTiming(*(np.full(2, 1.0) for _ in range(4))))
     assert values[0].tolist() == pytest.approx(list(a.finalize(computed, timing)))
     assert present.tolist() == [[True] * a.device_width, [False] * a.device_width]
-    assert a.finalize(list(rows[1]), timing) == (None,) * a.device_width
+    assert list(a.finalize(list(rows[1]), timing)) == [None] * a.device_width
 
 
 def test_depth_groups_and_bad_arguments() -> None:
@@ -276,3 +276,21 @@ def test_no_host_read_in_tap_steps(sink: ListSink, every: int) -> None:
     assert reads.count == 0, reads.reads
     captured = [r.step for r in sink.records if "grad_norm/0" in r.values]
     assert captured == list(range(0, 30, every))
+
+
+def test_decoders_are_torch_free_twins() -> None:
+    import subprocess
+    import sys
+
+    from batchtap.metrics.layer_decoders import HistogramsDecoding, LayersDecoding, MFUDecoding
+
+    model = _model()
+    for metric, kind in (
+        (bt.metrics.Layers(model), LayersDecoding),
+        (bt.metrics.Histograms(model), HistogramsDecoding),
+        (bt.metrics.MFU(), MFUDecoding),
+    ):
+        twin = metric.decoder()
+        assert type(twin) is kind, type(twin)
+    code = "import sys, batchtap.metrics.layer_decoders\nassert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -12,9 +12,10 @@ import torch
 
 from batchtap.errors import ConfigError
 from batchtap.metrics._shared import step_device
-from batchtap.metrics.base import BlockTiming, Metric, RowWriter, StepInputs, StepTiming
+from batchtap.metrics.base import Metric, RowWriter, StepInputs
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, Output, Reduce
 from batchtap.metrics.gradients import _check_scaler, _scale_carried
+from batchtap.metrics.layer_decoders import CAPTURED, NOT_CAPTURED, HistogramsDecoding
 from batchtap.metrics.layers import _LayersHooks, layer_groups
 
 __all__ = ["Histograms", "histogram", "histogram_edges", "HISTOGRAM_PREFIX"]
@@ -22,7 +23,7 @@ __all__ = ["Histograms", "histogram", "histogram_edges", "HISTOGRAM_PREFIX"]
 #: every histogram value's name starts with this: ``hist/<kind>/<layer>/<min|max|i>``
 HISTOGRAM_PREFIX = "hist/"
 _KINDS = ("weight", "grad")
-_NOT_CAPTURED, _CAPTURED = 0.0, 1.0
+_NOT_CAPTURED, _CAPTURED = NOT_CAPTURED, CAPTURED
 
 
 def histogram(tensors: Sequence[torch.Tensor], bins: int) -> torch.Tensor:
@@ -53,7 +54,7 @@ def histogram_edges(low: float, high: float, bins: int) -> np.ndarray:
     return np.linspace(low, high, bins + 1)
 
 
-class Histograms(Metric):
+class Histograms(HistogramsDecoding, Metric):
     """Per-layer histograms of the weights (after the step) and of the gradients (as the optimizer
     step used them; unscaled under AMP with ``scaler=``) every ``every``-th optimizer step.
 
@@ -204,21 +205,3 @@ class Histograms(Metric):
                 rows[slot].copy_(values, non_blocking=True)
 
         return write
-
-    def _present(self, captured: np.ndarray, have: np.ndarray) -> np.ndarray:
-        """``[n, device_width]`` presence: captured rows; gradient parts only where the layer had one."""
-        per = self.bins + 2
-        width = len(self.names)
-        weight = np.repeat(captured[:, None], width * per, axis=1)
-        grad = np.repeat(captured[:, None] & (have == 1.0), per, axis=1)
-        return np.concatenate([weight, grad], axis=1)
-
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        row = np.asarray(raw, dtype=np.float64)[None, :]
-        values, present = self.finalize_block(row, None)  # type: ignore[arg-type]  # timing unused
-        return [float(v) if p else None for v, p in zip(values[0], present[0])]
-
-    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
-        captured = raw[:, self.device_width] == _CAPTURED
-        have = raw[:, self.device_width + 1 :]
-        return raw[:, : self.device_width].copy(), self._present(captured, have)

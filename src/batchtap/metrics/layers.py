@@ -15,16 +15,16 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from batchtap.errors import ConfigError
 from batchtap.metrics._shared import step_device
-from batchtap.metrics.base import BlockTiming, Metric, RowWriter, StepInputs, StepTiming
+from batchtap.metrics.base import Metric, RowWriter, StepInputs
 from batchtap.metrics.domain import NONNEGATIVE, Output, Reduce
 from batchtap.metrics.functional import _foreach_norm_fp32
 from batchtap.metrics.gradients import _check_scaler, _scale_carried
+from batchtap.metrics.layer_decoders import CAPTURED, NOT_CAPTURED, LayersDecoding
 from batchtap.metrics.optimizer_hooks import StepNesting, has_closure
 
 __all__ = ["Layers", "layer_groups", "find_model"]
@@ -33,7 +33,7 @@ __all__ = ["Layers", "layer_groups", "find_model"]
 KINDS = ("grad_norm", "weight_norm", "update_ratio")
 
 # Layers' first host column: whether this row carries a capture
-_NOT_CAPTURED, _CAPTURED = 0.0, 1.0
+_NOT_CAPTURED, _CAPTURED = NOT_CAPTURED, CAPTURED
 
 
 def layer_groups(model: torch.nn.Module, depth: int = 1) -> dict[str, list[torch.nn.Parameter]]:
@@ -99,7 +99,7 @@ def find_model(params: Sequence[torch.Tensor]) -> torch.nn.Module | None:
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
-class Layers(Metric):
+class Layers(LayersDecoding, Metric):
     """Per-module gradient norm, weight norm and update ratio, every ``every``-th optimizer step.
 
     For each module at ``depth`` (the model's top-level children by default) that has trainable
@@ -145,6 +145,7 @@ class Layers(Metric):
         ['grad_norm/0', 'grad_norm/2', 'weight_norm/0', 'weight_norm/2', 'update_ratio/0', 'update_ratio/2']
         >>> model(torch.randn(5, 3)).pow(2).mean().backward()
         >>> opt.step()  # the pre-hook takes the gradient norms and the weights before the step
+        >>> from batchtap.metrics.decoding import StepTiming
         >>> inputs = StepInputs(None, None, None, 5.0)
         >>> raw = [float(v) for v in layers.compute(inputs)] + list(layers.read_host(inputs))
         >>> values = layers.finalize(raw, StepTiming(5.0, 0.1, math.nan))
@@ -372,22 +373,6 @@ class Layers(Metric):
                 rows[slot].copy_(values.reshape(-1), non_blocking=True)
 
         return write
-
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        width = len(self.names)
-        if raw[self.device_width] != _CAPTURED:
-            return (None,) * self.device_width
-        have = raw[self.device_width + 1 :]
-        values: list[float | None] = [raw[i] if have[i] == 1.0 else None for i in range(width)]
-        values += list(raw[width : self.device_width])
-        return values
-
-    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
-        width = len(self.names)
-        captured = raw[:, self.device_width] == _CAPTURED
-        present = np.repeat(captured[:, None], self.device_width, axis=1)
-        present[:, :width] &= raw[:, self.device_width + 1 :] == 1.0
-        return raw[:, : self.device_width].copy(), present
 
 
 def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -4,34 +4,18 @@ from the step clocks and a FLOP count made once, with no device read."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from batchtap.errors import ConfigError
 from batchtap.metrics._shared import step_device
-from batchtap.metrics.base import BlockTiming, Metric, StepInputs, StepTiming
+from batchtap.metrics.base import Metric, StepInputs
 from batchtap.metrics.domain import NONNEGATIVE, UNIT_INTERVAL, Output, Reduce
+from batchtap.metrics.layer_decoders import MFU_CPU, MFU_KNOWN, MFU_UNKNOWN_GPU, PEAK_FLOPS, MFUDecoding
 
 __all__ = ["MFU", "PEAK_FLOPS", "peak_flops_of"]
-
-#: dense peak FLOP/s per GPU (no structured sparsity) from NVIDIA's data sheets, by a name fragment
-#: of ``torch.cuda.get_device_name()`` (first match wins: the specific names come first) and the
-#: dtype the matrix products run in ("tf32": float32 with TF32 matmuls allowed)
-PEAK_FLOPS: Mapping[str, Mapping[str, float]] = {
-    "H100 PCIe": {"fp8": 1513e12, "bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12},
-    "H100 NVL": {"fp8": 1671e12, "bf16": 835e12, "fp16": 835e12, "tf32": 418e12, "fp32": 60e12},
-    "GH200": {"fp8": 1979e12, "bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
-    "H200": {"fp8": 1979e12, "bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
-    "H100": {"fp8": 1979e12, "bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},  # SXM
-    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-    "L40S": {"fp8": 733e12, "bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12},
-    "L4": {"fp8": 242e12, "bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
-    "T4": {"fp16": 65e12, "fp32": 8.1e12},
-}
 
 _DTYPE_KEYS = {
     torch.bfloat16: "bf16",
@@ -67,8 +51,7 @@ def _missing_formulas() -> dict[Any, Any]:
     return formulas
 
 
-# MFU's host columns: why mfu is absent
-_MFU_KNOWN, _MFU_CPU, _MFU_UNKNOWN_GPU = 0.0, 1.0, 2.0
+_MFU_KNOWN, _MFU_CPU, _MFU_UNKNOWN_GPU = MFU_KNOWN, MFU_CPU, MFU_UNKNOWN_GPU
 
 
 def peak_flops_of(device_name: str, dtype: torch.dtype, *, tf32: bool = False) -> float | None:
@@ -92,7 +75,7 @@ def peak_flops_of(device_name: str, dtype: torch.dtype, *, tf32: bool = False) -
     return None
 
 
-class MFU(Metric):
+class MFU(MFUDecoding, Metric):
     """``tokens_per_second``, ``flops_per_second`` and ``mfu`` (model FLOPs utilisation) per step.
 
     * ``tokens_per_second``: the step's tokens (``tap.step(tokens=...)``, else the element count
@@ -115,6 +98,7 @@ class MFU(Metric):
             autocast); None: ``torch.float32`` (TF32 when ``torch.backends.cuda.matmul.allow_tf32``).
 
     Example:
+        >>> from batchtap.metrics.decoding import StepTiming
         >>> metric = MFU(flops_per_step=2e12, peak_flops=1e14)
         >>> inputs = StepInputs(None, None, torch.zeros(4, 256, dtype=torch.long), 4.0)
         >>> raw = list(metric.read_host(inputs))
@@ -139,6 +123,7 @@ class MFU(Metric):
         self.flops_per_step: float | None = None if flops_per_step is None else float(flops_per_step)
         self.peak_flops: float | None = None if peak_flops is None else float(peak_flops)
         self.dtype = dtype
+        self.dtype_name = str(dtype or torch.float32)
         self._counter: Any = None  # the open FlopCounterMode between the first two rows
         self._rows = 0
         self._peak: tuple[float, float] | None = None  # (peak or NaN, why absent), found at the first row
@@ -195,45 +180,3 @@ class MFU(Metric):
             tokens = float(targets.numel())  # token ids [B, T]: metadata only
         flops = math.nan if self.flops_per_step is None else self.flops_per_step
         return (flops, self._peak[0], tokens, self._peak[1])
-
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        flops, peak, shape_tokens, _ = raw
-        seconds = timing.step_time
-        if not (math.isfinite(seconds) and seconds > 0):
-            return (None, None, None)
-        tokens = timing.tokens if math.isfinite(timing.tokens) else shape_tokens
-        per_second = flops / seconds if math.isfinite(flops) else None
-        mfu = per_second / peak if per_second is not None and math.isfinite(peak) else None
-        return (tokens / seconds if math.isfinite(tokens) else None, per_second, mfu)
-
-    def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray]:
-        seconds = timing.step_time
-        tokens = np.where(np.isfinite(timing.tokens), timing.tokens, raw[:, 2])
-        with np.errstate(invalid="ignore", divide="ignore"):
-            timed = np.isfinite(seconds) & (seconds > 0)
-            per_second = raw[:, 0] / seconds
-            values = np.stack([tokens / seconds, per_second, per_second / raw[:, 1]], axis=1)
-        present = np.stack(
-            [timed & np.isfinite(tokens), timed & np.isfinite(raw[:, 0]), timed & np.isfinite(raw[:, 0] * raw[:, 1])],
-            axis=1,
-        )
-        return values, present
-
-    def warning_suspects(self, raw: np.ndarray) -> np.ndarray:
-        """The rows whose :meth:`warning` may say something: those where mfu is absent for a reason."""
-        return np.asarray(raw[:, 3] != _MFU_KNOWN)
-
-    def warning(self, raw: Sequence[float]) -> str | None:
-        why = raw[3]
-        if why == _MFU_CPU:
-            return (
-                "mfu: left out on the CPU (batchtap knows no peak FLOP/s of CPUs); flops_per_second is "
-                "recorded; pass bt.metrics.MFU(peak_flops=...) to get mfu"
-            )
-        if why == _MFU_UNKNOWN_GPU:
-            dtype = self.dtype or torch.float32
-            return (
-                f"mfu: left out: no peak FLOP/s known for {self._device_name or 'this GPU'} in {dtype} "
-                f"(known: {', '.join(PEAK_FLOPS)}); pass bt.metrics.MFU(peak_flops=..., dtype=...)"
-            )
-        return None
