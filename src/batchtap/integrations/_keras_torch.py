@@ -45,6 +45,7 @@ class TorchRecorder:
         self.tap = tap
         self.position = position  # (epoch, batch) of the step being recorded
         self._holder, self._scale = optimizer_facts(model.optimizer)
+        self.no_loss = False  # a train_step applied gradients without compute_loss: nothing recorded
         self.hooks = Hooks(model, self._on_apply)
 
     def remove(self) -> None:
@@ -71,7 +72,8 @@ class TorchRecorder:
     def _record(self, grads: Any, lr: torch.Tensor | None) -> None:
         seen, self.hooks.seen = self.hooks.seen, None
         if seen is None or not isinstance(seen.loss, torch.Tensor):
-            return  # a custom train_step without compute_loss: nothing to record
+            self.no_loss = True  # a custom train_step without compute_loss: said once, nothing recorded
+            return
         tensors = [g.detach() for g in grads if isinstance(g, torch.Tensor)]
         norm = None
         with torch.no_grad():

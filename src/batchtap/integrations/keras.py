@@ -43,9 +43,10 @@ log = logging.getLogger("batchtap")
 _END_OF_DATA = ("OutOfRangeError", "StopIteration")
 
 _NO_LOSS = (
-    "the model's train_step neither calls self.compute_loss(...) nor updates a metric named 'loss', so "
-    "batchtap cannot find the step's loss and records no steps; fix: compute the loss with "
-    "self.compute_loss(x=x, y=y, y_pred=y_pred) (or keep it in a keras.metrics.Mean(name='loss'))"
+    "the model's train_step neither calls self.compute_loss(...) nor (TensorFlow) updates a metric named "
+    "'loss', so batchtap cannot find the step's loss and records no steps; fix: compute the loss with "
+    "self.compute_loss(x=x, y=y, y_pred=y_pred) (on TensorFlow, keeping it in a keras.metrics.Mean(name='loss') "
+    "also works)"
 )
 
 #: compiled metrics batchtap records itself per batch
