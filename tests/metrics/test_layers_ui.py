@@ -62,3 +62,16 @@ def test_layers_and_histograms_endpoints(db: Path) -> None:
         assert client.get("/static/layers.js").status_code == 200
     finally:
         store.close()
+
+
+def test_show_groups_the_per_layer_values_by_layer(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from batchtap.cli.main import main as cli
+
+    assert cli(["show", "layers-ui", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    metrics_part, _, layers_part = out.partition("layers (last values, largest gradient norm first)")
+    assert layers_part, out
+    assert "grad_norm/" not in metrics_part and "update_ratio/" not in metrics_part
+    header, *rows = [line for line in layers_part.splitlines()[1:] if line.startswith("  ")][:4]
+    assert header.split() == ["layer", "grad_norm", "weight_norm", "update_ratio"]
+    assert sorted(r.split()[0] for r in rows[:3]) == ["0", "2", "4"]

@@ -19,6 +19,7 @@ from batchtap.cli._common import (
     resolve_run,
     wrap,
 )
+from batchtap.cli._layers import layer_table, split_layer_metrics
 from batchtap.cli.replay import add_spool_argument, describe, pending_spools, spool_only_runs
 from batchtap.records import EventKind
 
@@ -78,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
         summaries = {m: store.summary(run.id, m, undone=undone) for m in names}
         events = store.events(run.id)
     spools = pending_spools(args).get(run.id, [])
-    metrics = [m for m in names if m not in sparse]
+    metrics, layers = split_layer_metrics([m for m in names if m not in sparse])
     logged = [m for m in names if m in sparse]
     series = {m: [p.value for p in pts] for m, pts in points.items()}
     out: list[str] = []
@@ -140,6 +141,8 @@ def main(args: argparse.Namespace) -> int:
         )
     else:
         out.append("  (no values stored)")
+    if layers:
+        out.extend(layer_table(layers, summaries))
     if logged:
         out.append("logged values (tap.log)")
         rows = []
