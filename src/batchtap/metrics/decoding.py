@@ -159,6 +159,7 @@ class MetricDecoder:
         if block is None:
             return list(raw)
         values, present = (np.asarray(a).reshape(1, -1) for a in block)
+        # sync: none — numpy arrays on the pipeline, no device value
         return [v if p else None for v, p in zip(values[0].astype(np.float64).tolist(), present[0].tolist())]
 
     def finalize_block(self, raw: np.ndarray, timing: BlockTiming) -> tuple[np.ndarray, np.ndarray] | None:

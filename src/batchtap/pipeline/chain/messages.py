@@ -20,10 +20,10 @@ import dataclasses
 import itertools
 from typing import TYPE_CHECKING
 
-from batchtap.metrics.decoding import BlockData, ColumnLayout
 from batchtap.records import EpochStart, Event, Record, RunEnd, RunInfo, RunStart
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: a pipeline process answers a run's start before it loads numpy
+    from batchtap.metrics.decoding import BlockData, ColumnLayout
     from batchtap.pipeline.chain.stages import ReduceSpec
 
 __all__ = [

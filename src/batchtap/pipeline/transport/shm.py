@@ -2,7 +2,7 @@
 
 One segment per run (its width is the run's), made by the training process. ``slots`` block slots
 of up to ``max_rows`` rows; each row is the run's device and host columns followed by the row's
-facts (``batchtap.capture.flush.FACTS``), all float64. Two
+facts (``batchtap.metrics.decoding.FACTS``), all float64. Two
 counters in the segment's header order the hand-over:
 
 * ``published``: blocks the training process has written (it writes slot ``n % slots``, then bumps
@@ -21,11 +21,16 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing.util
 from multiprocessing import shared_memory
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from batchtap import _stale  # owner-named segments, removed by our rule (see batchtap._stale)
-from batchtap.metrics.decoding import FACTS, INTEGER_FACTS, BlockData
+
+if TYPE_CHECKING:
+    from batchtap.metrics.decoding import BlockData
+
+# numpy and the block type load at a run's first chain, not with this module: a pipeline process
+# answers a run's start before it needs them
+
 
 __all__ = ["BlockSegment", "SegmentShape"]
 
@@ -45,6 +50,8 @@ class SegmentShape:
 
     @property
     def width(self) -> int:
+        from batchtap.metrics.decoding import FACTS
+
         return self.device_width + self.host_width + len(FACTS)
 
     @property
@@ -57,6 +64,8 @@ class BlockSegment:
     (pipeline process)."""
 
     def __init__(self, shm: shared_memory.SharedMemory, shape: SegmentShape, *, owner: bool) -> None:
+        import numpy as np
+
         self.shm = shm
         self.shape = shape
         self.owner = owner
@@ -102,6 +111,8 @@ class BlockSegment:
     def publish(self, data: BlockData) -> int:
         """Write ``data`` into the next slot and return its sequence number (call only while
         :meth:`has_room`: the sender waits for room, polling, never here)."""
+        from batchtap.metrics.decoding import FACTS
+
         n = len(data)
         if n > self.shape.max_rows:
             raise ValueError(f"a block of {n} rows does not fit a segment slot of {self.shape.max_rows} rows")
@@ -123,6 +134,10 @@ class BlockSegment:
 
     def read(self, seq: int) -> BlockData:
         """A copy of published block ``seq`` (safe to keep after the slot is reused)."""
+        import numpy as np
+
+        from batchtap.metrics.decoding import FACTS, INTEGER_FACTS, BlockData
+
         slot = seq % self.shape.slots
         n = int(self._rows[slot])
         dw, hw = self.shape.device_width, self.shape.host_width
