@@ -105,6 +105,8 @@ def _check_step(
             problems.append(f"step {step} {metric}: not stored (truth {expected[metric]!r})")
     if data_time and "data_time" not in got:
         problems.append(f"step {step}: no data_time stored")
+    if step > 0 and "step_time" not in got:  # the first step may have no start to time from
+        problems.append(f"step {step}: no step_time stored")
     return problems
 
 
