@@ -61,7 +61,7 @@ class _QuietTerminated:
 
     def __call__(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
         if issubclass(kind, Terminated):
-            print("batchtap: SIGTERM: the run is stored as stopped; ending as SIGTERM would", file=sys.stderr)
+            print("batchtap: SIGTERM: storing the run as stopped, then ending as SIGTERM would", file=sys.stderr)
             return
         self.previous(kind, value, tb)
 
