@@ -185,7 +185,7 @@ def test_any_tap_works_on_tensorflow(shapes: dict[str, Any]) -> None:
     assert [(v["epoch"], v["step"]) for v in case["logged"]] == [(0, 7), (1, 15)]  # val_* with their epoch
     env = case["environment"]
     assert env["keras_backend"] == "tensorflow" and env["steps_per_execution"] == 1 and not env["jit_compile"]
-    assert env["keras"] and env["tensorflow"] and "torch" not in env
+    assert env["keras"] and env["tensorflow"] and "torch" not in env and env["device"] == "tensorflow:CPU"
 
 
 def test_tf_capture_loss_only_steps_and_epochs(shapes: dict[str, Any]) -> None:

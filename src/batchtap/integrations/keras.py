@@ -186,6 +186,7 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
             import tensorflow as tf
 
             env["tensorflow"] = tf.__version__
+            env["device"] = "tensorflow:GPU" if tf.config.list_logical_devices("GPU") else "tensorflow:CPU"
             for key in ("torch", "cuda", "cudnn"):  # a TensorFlow run trains without them
                 info.environment.pop(key, None)
         info.environment.update(env)
