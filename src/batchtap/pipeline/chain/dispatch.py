@@ -328,8 +328,19 @@ class Dispatcher:
         if self._run is not None:
             # A sink can fail in end_run (a webhook's final alert) after the run's last block: let every
             # sink finish what it was given, then hand what they said there to the others before they close.
-            # sync: close — bounded by the close's own timeout.
-            self.flush(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            # sync: close — bounded by half the close's timeout; a sink already stuck at the last flush is
+            # not waited for (its own close still gets the rest of the timeout below).
+            late_wait = None if timeout is None else timeout / 2
+            barriers = []
+            for w in self.workers:
+                if w not in self.stuck:
+                    done = threading.Event()
+                    w.put_call(_Flushed(done))
+                    barriers.append(done)
+            until = None if late_wait is None else time.monotonic() + late_wait
+            for done in barriers:
+                if not done.wait(None if until is None else max(0.0, until - time.monotonic())):
+                    break
             late = []
             for w in self.workers:
                 while w.late:
