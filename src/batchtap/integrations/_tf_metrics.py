@@ -161,7 +161,7 @@ def plan_for(
     throughput = next((m for m in tap_metrics if isinstance(m, Throughput)), None) or Throughput()
     metrics += [step_time, throughput]
     sources += [(), ()]
-    unmeasured = []
+    unmeasured: list[str] = []
     for metric in tap_metrics:
         if not isinstance(metric, _MEASURED):
             unmeasured.extend(o.name for o in metric.outputs())

@@ -298,7 +298,7 @@ class TFCapture:
         if stops.size and self.tap.nan_guard:
             count = int(stops[0]) + 1
             rows, step_time, skipped = rows[:count], step_time[:count], skipped[:count]
-        rows[np.ix_(skipped, [column["grad_norm?"]])] = 0.0  # a skipped step's norm is left out
+        rows[skipped, column["grad_norm?"]] = 0.0  # a skipped step's norm is left out
         notes = [
             (
                 int(i),
