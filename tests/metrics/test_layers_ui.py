@@ -75,3 +75,35 @@ def test_show_groups_the_per_layer_values_by_layer(db: Path, capsys: pytest.Capt
     header, *rows = [line for line in layers_part.splitlines()[1:] if line.startswith("  ")][:4]
     assert header.split() == ["layer", "grad_norm", "weight_norm", "update_ratio"]
     assert sorted(r.split()[0] for r in rows[:3]) == ["0", "2", "4"]
+
+
+def test_run_page_draws_the_layers_section_in_a_real_browser(db: Path) -> None:
+    import os
+    import shutil
+
+    chromium = os.environ.get("BATCHTAP_TEST_CHROMIUM", "/usr/bin/chromium")
+    if not os.path.isfile(chromium):
+        chromium = shutil.which("chromium") or ""
+    if not chromium:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true but no Chromium for the browser test (apt-get install -y chromium)")
+        pytest.skip("no Chromium (apt-get install -y chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    import batchtap.ui
+
+    with batchtap.ui.start(db) as server, sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium)
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url.rstrip("/") + "/run/layers-ui")
+            page.wait_for_function("window.bt && window.bt.layersDrawn === true", timeout=60_000)
+            section = page.locator("#bt-layers")
+            assert section.locator("table tr").count() == 1 + 3  # header + the three layers
+            assert section.locator("canvas.bt-heatmap").count() == 6  # grad and weight x 3 layers
+            captions = section.locator("figcaption").all_text_contents()
+            assert "weight histogram: 0" in captions and "grad histogram: 4" in captions
+            assert errors == []
+        finally:
+            browser.close()
