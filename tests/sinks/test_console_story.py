@@ -17,7 +17,8 @@ from pathlib import Path
 
 import batchtap.store
 from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus
-from batchtap.sinks.console import HOLD_WRITES, MESSAGES_PER_LINE, Console
+from batchtap.sinks._story import HOLD_WRITES, MESSAGES_PER_LINE
+from batchtap.sinks.console import Console
 from tests.cli.conftest import cli_env
 
 RUN = "abcdef0123456789"
