@@ -10,6 +10,7 @@ AdamW with a hand-set cosine lr, each rank its own batch, ``clip_grad_norm_`` re
 * ``tap-dtensor`` — explicit ``bt.Tap(optimizer=)``, ``tap.step(grad_norm=)`` the ``DTensor`` as returned;
 * ``tap-full`` — the same with ``grad_norm.full_tensor()``;
 * ``tap-computed`` — ``bt.Tap(model=, optimizer=)``: the norm computed by batchtap from the shards;
+* ``bare`` / ``bare-tp`` — the loop with no batchtap at all: its host reads per iteration are the baseline;
 * ``autolog-tp`` — tensor parallel instead (``parallelize_module``: column- then row-wise sharded
   ``DTensor`` weights, every rank the same batch), under ``bt.autolog()`` with clipping.
 
@@ -33,11 +34,12 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 import batchtap as bt
+from batchtap.hostreads import HostReadCounter
 from tests.conftest import ListSink
 
 STEPS = 20
 BATCH = 8
-FRONT_ENDS = ("autolog-clip", "autolog", "tap-dtensor", "tap-full", "tap-computed", "autolog-tp")
+FRONT_ENDS = ("bare", "bare-tp", "autolog-clip", "autolog", "tap-dtensor", "tap-full", "tap-computed", "autolog-tp")
 
 
 def _model() -> nn.Module:
@@ -65,7 +67,7 @@ def _cosine(step: int) -> float:
 
 
 def run(front_end: str, rank: int, world: int) -> dict:
-    tensor_parallel = front_end == "autolog-tp"
+    tensor_parallel = front_end.endswith("-tp")
     model = _tensor_parallel(world) if tensor_parallel else _model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine)
@@ -73,7 +75,9 @@ def run(front_end: str, rank: int, world: int) -> dict:
     clip = front_end not in ("autolog", "tap-computed")  # a computed norm is of the gradients the step used
     tap: bt.Tap | None = None
     context = contextlib.ExitStack()
-    if front_end.startswith("autolog"):
+    if front_end.startswith("bare"):
+        pass
+    elif front_end.startswith("autolog"):
         bt.autolog(sinks=[sink], name=front_end, optimizers=[opt], flush_every=5)
         context.callback(bt.autolog, enabled=False)
     else:
@@ -86,22 +90,30 @@ def run(front_end: str, rank: int, world: int) -> dict:
     with context:
         for _ in range(STEPS):
             x, y = torch.randn(BATCH, 8, generator=g), torch.randint(0, 4, (BATCH,), generator=g)
-            outputs = model(x)
-            loss = F.cross_entropy(outputs, y)
-            opt.zero_grad()
-            loss.backward()
+            with HostReadCounter() as reads:  # the loop's own calls, batchtap's hooks inside them
+                outputs = model(x)
+                loss = F.cross_entropy(outputs, y)
+                opt.zero_grad()
+                loss.backward()
+            step_reads = reads.count
             grads = [p.grad for p in model.parameters()]
             norm = torch.nn.utils.get_total_norm(grads).full_tensor().item()  # before clipping, the global norm
             total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05) if clip else None
             after = torch.nn.utils.get_total_norm(grads).full_tensor().item() if clip else None  # clipped
             lr = opt.param_groups[0]["lr"]
-            opt.step()
-            sched.step()
-            if tap is not None:
-                passed = (
-                    None if front_end == "tap-computed" else total.full_tensor() if front_end == "tap-full" else total
-                )
-                tap.step(loss=loss, outputs=outputs, targets=y, grad_norm=passed)
+            with HostReadCounter() as reads:
+                opt.step()
+                sched.step()
+                if tap is not None:
+                    passed = (
+                        None
+                        if front_end == "tap-computed"
+                        else total.full_tensor()
+                        if front_end == "tap-full"
+                        else total
+                    )
+                    tap.step(loss=loss, outputs=outputs, targets=y, grad_norm=passed)
+            step_reads += reads.count
             stats: list = [None] * world
             dist.all_gather_object(stats, (loss.item(), (outputs.argmax(1) == y).sum().item()))
             refs.append(
@@ -111,6 +123,7 @@ def run(front_end: str, rank: int, world: int) -> dict:
                     "lr": lr,
                     "grad_norm": norm,
                     "clipped_norm": after,
+                    "host_reads": step_reads,
                 }
             )
     return {

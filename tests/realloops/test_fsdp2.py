@@ -54,6 +54,10 @@ def test_fsdp2_values_equal_the_item_truth(ranks: list[dict], front_end: str) ->
             assert ref["clipped_norm"] < ref["grad_norm"] / 2
     lrs = [r["values"]["lr"] for r in rows]
     assert len(set(lrs)) > 10  # the cosine schedule moved it: each step's own lr is checked
+    # no host read added per step: the same count as the loop without batchtap (after the first
+    # steps, which build the ring and the short path)
+    bare = [ref["host_reads"] for ref in ranks[0]["bare-tp" if front_end.endswith("-tp") else "bare"]["refs"]][3:]
+    assert [ref["host_reads"] for ref in refs][3:] == bare, (front_end, bare)
 
 
 def test_a_global_norm_combined_again_would_be_caught(ranks: list[dict]) -> None:
