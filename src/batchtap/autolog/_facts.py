@@ -2,8 +2,9 @@
 
 Per optimizer (the first one made: ``lr``, ``grad_norm``; the others ``lr_1``, ``grad_norm_1``,
 ``loss_1``...): the learning rate its step used, read in the step's pre-hook; the gradient norm of
-that step (what ``clip_grad_norm_`` returned, the norm before clipping, else computed from the
-gradients the step used); the loss of the ``backward()`` calls that preceded it (for the first
+that step (the pre-clip norm of a clipping call over its parameters — ``clip_grad_norm_``'s result or
+the ``total_norm`` given to ``clip_grads_with_norm_`` — else computed from the gradients the step used;
+for ``DTensor`` gradients the global norm on every rank, declared ``Reduce.GLOBAL``); the loss of the ``backward()`` calls that preceded it (for the first
 optimizer that is the Tap's own ``loss``). With a ``GradScaler``: the scale the step's loss was
 multiplied by and whether the scaler skipped the step. The columns are fixed by :meth:`bind` at the
 run's first row; a row's values are set by :meth:`set_row` right before the ``Tap.step`` call that
