@@ -78,6 +78,10 @@ def test_a_spike_does_not_flatten_the_loss_chart_and_is_marked(
     spikes = [s for s, v in zip(store_steps(db, run_id, "loss"), loss_values(db, run_id)) if v > y[1]]
     assert spikes and sorted(marked) == spikes  # every point above the range is marked at the edge
     assert "outside the y range" in page.locator(".chart[data-metric='loss'] .clip-note").inner_text()
+    # The steps the rollback undid are shaded (the server's rolled_back spans).
+    undone = page.evaluate("() => bt.run.rolled_back")
+    boxes = page.evaluate("() => bt.charts.loss.boxes.map(b => [b.left + 0.5, b.right - 0.5])")
+    assert undone and boxes == undone and all(a <= SPIKE_AT + 1 <= b for a, b in undone)
     # The smoothed line goes on through the spike instead of leaving the chart for dozens of steps.
     smooth = page.evaluate("() => Array.from(bt.charts.loss.lines[0].source.data.smooth)")
     assert all(y[0] <= v <= y[1] for v in smooth if v is not None and math.isfinite(v))

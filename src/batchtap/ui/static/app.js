@@ -419,8 +419,19 @@ class Chart {
     for (const line of this.lines) line.source.data = { ...line.source.data, smooth: ema(line.source.data.mean, smoothing(), null, this.cut) };
   }
 
+  // Steps a rollback undid, shaded: the trajectory that was abandoned (its values stay stored and
+  // drawn; best values leave them out). Drawn on the step axis only.
+  shade(ranges) {
+    this.boxes = ranges.map(([first, last]) => new Bokeh.BoxAnnotation({
+      left: first - 0.5, right: last + 0.5, fill_color: EVENT_STYLE.action.color, fill_alpha: 0.08, line_alpha: 0,
+      visible: this.xMode === "step",
+    }));
+    for (const box of this.boxes) this.plot.add_layout(box);
+  }
+
   setX(mode) {
     this.xMode = mode;
+    for (const box of this.boxes || []) box.visible = mode === "step";
     this.plot.xaxis.axis_label = X_LABELS[mode];
     for (const line of this.lines) {
       const d = line.source.data;
@@ -1058,6 +1069,8 @@ async function runView(runId) {
   await Promise.all(Object.values(bt.charts).map((chart) => chart.load()));
   const { events } = await eventsPromise;
   showEvents(eventsBox, events);
+  const undone = Array.isArray(run.rolled_back) ? run.rolled_back : [];
+  for (const chart of Object.values(bt.charts)) if (!chart.sparse) chart.shade(undone);
   await drawCharts(Object.values(bt.charts), chartsBox);
   for (const chart of Object.values(bt.charts)) chart.fullSpan = Math.max(1, run.last_step ?? 1);
   xRange.connect(xRange.change, () => {
