@@ -118,17 +118,9 @@ FRONTENDS: list[FrontEnd] = [
 _FULL_TENSOR = NA("only the explicit API is handed a norm: .full_tensor() is a choice of the loop's explicit call")
 _NOT_BUILT_DIST = "not built yet: this framework's own 2-process launch ({}) is not wired into the matrix"
 
-_ENGINE = "autolog (the engine core's): "
 
 MARKS: dict[tuple[str, str], NA | XFAIL] = {
-    # wrong today: each flips to a strict-xfail failure once fixed (then delete the mark)
-    **{
-        ("undivided-accum", f): XFAIL(
-            _ENGINE + "undivided micro-batches are taken for several losses: the loss (their sum) is right, "
-            "but accuracy is the first micro-batch's, not over every target of the step"
-        )
-        for f in ("autolog", "run")
-    },
+    # wrong today: XFAIL(reason) marks go here; each flips to a strict-xfail failure once fixed
     **{("fsdp2-2-ranks-full_tensor", f): _FULL_TENSOR for f in ("autolog", "run", "lightning", "hf", "accelerate")},
     **{
         ("fsdp2-cuda-1-rank", f): NA(_NOT_BUILT_DIST.format("its FSDP2 strategy"))
