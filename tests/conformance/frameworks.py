@@ -60,7 +60,9 @@ def _step_truth(epoch: int, micro: list[tuple[int, float, int, int]], lr: float,
 # ---------------------------------------------------------------------------------------- Lightning
 
 
-def run_lightning(scenario: str, workdir: Path) -> Outcome:
+def run_lightning(scenario: str, workdir: Path, *, autolog: bool = False) -> Outcome:
+    """The LightningModule of the scenario under ``BatchtapCallback``, or (``autolog``) under
+    ``bt.autolog()`` with no callback, as ``batchtap run`` would record a Lightning script."""
     import lightning.pytorch as pl
 
     from batchtap.integrations.lightning import BatchtapCallback
@@ -98,7 +100,12 @@ def run_lightning(scenario: str, workdir: Path) -> Outcome:
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     module = Module()
-    tap = _tap(workdir / "store.db", opts)
+    if autolog:
+        bt.autolog(sinks=[bt.sinks.SQLite(str(workdir / "store.db"))], name=scenario, flush_every=3)
+        callbacks = []
+    else:
+        tap = _tap(workdir / "store.db", opts)
+        callbacks = [BatchtapCallback(tap, name=scenario)]
     trainer = pl.Trainer(
         max_epochs=EPOCHS,
         accelerator="cpu",
@@ -109,11 +116,17 @@ def run_lightning(scenario: str, workdir: Path) -> Outcome:
         enable_model_summary=False,
         accumulate_grad_batches=opts.accum,
         gradient_clip_val=MAX_NORM if opts.clip == "torch" else None,
-        callbacks=[BatchtapCallback(tap, name=scenario)],
+        callbacks=callbacks,
     )
-    trainer.fit(module, DataLoader(_data(opts, 0), batch_size=BATCH))
-    tap.close()
-    return Outcome(module.truth, None, workdir / "store.db", data_time=False)
+    try:
+        trainer.fit(module, DataLoader(_data(opts, 0), batch_size=BATCH))
+    finally:
+        if autolog:
+            bt.autolog(enabled=False)
+        else:
+            tap.close()
+    # the callback sees no loader fetch (no data_time); autolog watches Lightning's DataLoader iterations
+    return Outcome(module.truth, None, workdir / "store.db", data_time=autolog)
 
 
 # ---------------------------------------------------------------------------------------- HF Trainer
@@ -252,8 +265,13 @@ def run_accelerate(scenario: str, workdir: Path) -> Outcome:
     return Outcome(truth, None, workdir / "store.db", data_time=True)
 
 
+def run_lightning_autolog(scenario: str, workdir: Path) -> Outcome:
+    return run_lightning(scenario, workdir, autolog=True)
+
+
 RUNNERS: dict[str, Callable[[str, Path], Outcome]] = {
     "lightning": run_lightning,
+    "lightning-autolog": run_lightning_autolog,
     "hf": run_hf,
     "accelerate": run_accelerate,
 }

@@ -18,7 +18,8 @@ Entry format (a new front-end or scenario is one entry here or in a cell module,
 * **Cell modules**: a module named in :data:`CELL_MODULES` that exists (e.g. the Keras engineer's
   ``tests/conformance/keras_cells.py``) may define ``FRONTENDS``, ``SCENARIOS`` (lists of the same
   entries) and ``MARKS`` (same dict form); they are merged in. A front-end that only runs some
-  scenarios marks the others ``NA`` (an unmarked cell is expected exact).
+  scenarios marks the others ``NA`` (an unmarked cell is expected exact); a module's own scenario
+  meets the front-ends of other sources as ``NA`` unless the module marks the cell.
 """
 
 from __future__ import annotations
@@ -111,6 +112,11 @@ FRONTENDS: list[FrontEnd] = [
     FrontEnd("autolog", _raw("autolog"), "bt.autolog() at the top of the unmodified loop"),
     FrontEnd("run", _raw("run"), "batchtap run SCRIPT (a subprocess; each rank its own under torchrun-style env)"),
     FrontEnd("lightning", _framework("lightning"), "BatchtapCallback on a real lightning.Trainer"),
+    FrontEnd(
+        "lightning-autolog",
+        _framework("lightning-autolog"),
+        "bt.autolog() over a real lightning.Trainer, no callback (what batchtap run records of a Lightning script)",
+    ),
     FrontEnd("hf", _framework("hf"), "BatchtapTrainer (a real transformers.Trainer)"),
     FrontEnd("accelerate", _framework("accelerate"), "BatchtapTracker + tap calls in a real Accelerate loop"),
 ]
@@ -157,11 +163,19 @@ MARKS: dict[tuple[str, str], NA | XFAIL] = {
     ("fsdp2-2-ranks", "accelerate"): NA(_NOT_BUILT_DIST.format("accelerate launch with an FSDP2 plugin")),
 }
 
+# the Lightning scenarios are the same with or without the callback
+MARKS.update({(s, "lightning-autolog"): m for (s, f), m in list(MARKS.items()) if f == "lightning"})
+
 #: modules that add entries of their own (imported when they exist)
 CELL_MODULES: tuple[str, ...] = ("tests.conformance.keras_cells",)
 
 
 def _merged() -> tuple[list[Scenario], list[tuple[FrontEnd, str | None]], dict[tuple[str, str], NA | XFAIL]]:
+    """Scenarios, front-ends (with the module that added each, None for this one) and marks, merged.
+
+    A scenario a cell module added meets the front-ends of other sources as NA unless that module
+    marks the cell otherwise: a module cannot know the front-ends added after it was written.
+    """
     scenarios = list(SCENARIOS)
     frontends: list[tuple[FrontEnd, str | None]] = [(f, None) for f in FRONTENDS]
     marks = dict(MARKS)
@@ -169,9 +183,17 @@ def _merged() -> tuple[list[Scenario], list[tuple[FrontEnd, str | None]], dict[t
         if importlib.util.find_spec(name) is None:
             continue
         module = importlib.import_module(name)
-        scenarios += list(getattr(module, "SCENARIOS", []))
+        own_scenarios = list(getattr(module, "SCENARIOS", []))
+        own_frontends = [f.name for f in getattr(module, "FRONTENDS", [])]
+        module_marks = getattr(module, "MARKS", {})
+        scenarios += own_scenarios
         frontends += [(f, name) for f in getattr(module, "FRONTENDS", [])]
-        marks.update(getattr(module, "MARKS", {}))
+        marks.update(module_marks)
+        for scenario in own_scenarios:
+            for frontend, _ in frontends:
+                key = (scenario.name, frontend.name)
+                if frontend.name not in own_frontends and key not in module_marks:
+                    marks[key] = NA(f"a scenario of {name.rsplit('.', 1)[-1]}.py, not written for this front-end")
     return scenarios, frontends, marks
 
 
