@@ -92,10 +92,17 @@ def test_fp32_loop_equals_item_on_every_nth_step(sink: ListSink, every: int) -> 
     assert not [e for e in sink.events if e.kind in (bt.EventKind.ANOMALY, bt.EventKind.WARNING)]
 
 
-@pytest.mark.parametrize("unscale", [False, True], ids=["scaler.step-unscales", "unscale_-then-clip"])
-def test_amp_grad_scaler_values_are_unscaled(sink: ListSink, unscale: bool) -> None:
+@pytest.mark.parametrize(
+    ("unscale", "fused"),
+    [(False, False), (True, False), (False, True)],
+    ids=["scaler.step-unscales", "unscale_-then-clip", "fused-Adam-unscales-in-its-kernel"],
+)
+def test_amp_grad_scaler_values_are_unscaled(sink: ListSink, unscale: bool, fused: bool) -> None:
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if fused:  # the scaler hands its scale to the fused kernel: the gradients reach the step still scaled
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     groups = layer_groups(model)
     layers = bt.metrics.Layers(model, every=2, scaler=scaler)
