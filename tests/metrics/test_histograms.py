@@ -185,3 +185,13 @@ def test_export_csv_writes_the_histograms_beside_the_values(tmp_path: Path) -> N
     weights = sum(p.numel() for p in model[2].parameters())
     assert all(sum(float(c) for c in r[7:]) == weights for r in rows if r[1] == "weight" and r[2] == "2")
     assert "hist/" not in out.read_text()  # the long-form values carry no histogram column
+
+
+def test_other_values_under_hist_stay_ordinary_metric_rows() -> None:
+    from batchtap.records import Record
+    from batchtap.store.schema import histogram_rows, metric_rows
+
+    values = {"hist/my_value": 1.0, "hist/a/b": 2.0, "hist/grad/fc/0": 3.0, "hist/grad/fc/min": 0.0}
+    record = Record("r", step=1, epoch=0, batch=1, rank=0, wall_time=0.0, values=values)
+    assert [row[1] for row in metric_rows([record])] == ["hist/my_value", "hist/a/b"]
+    assert [(row[1], row[2], row[-1]) for row in histogram_rows([record])] == [("grad", "fc", "[3.0]")]

@@ -332,11 +332,26 @@ def metric_rows(records: Sequence[Record]) -> list[tuple[Any, ...]]:
     for r in records:
         run_id, step, rank, epoch, batch, wall = r.run_id, r.step, r.rank, r.epoch, r.batch, r.wall_time
         for name, value in r.values.items():
-            if name.startswith(HISTOGRAM_PREFIX):
+            if name.startswith(HISTOGRAM_PREFIX) and _histogram_part(name) is not None:
                 continue  # stored compactly: histogram_rows
             v = float(value)
             append((run_id, name, step, rank, epoch, batch, wall, None if v != v else v))
     return rows
+
+
+def _histogram_part(name: str) -> tuple[str, str, str] | None:
+    """``(kind, layer, part)`` of a histogram value's name ``hist/<kind>/<layer>/<min|max|i>``;
+    None for any other name under ``hist/`` (a user's own value, stored as usual).
+
+    Example:
+        >>> _histogram_part("hist/grad/blocks.0/12"), _histogram_part("hist/my_value")
+        (('grad', 'blocks.0', '12'), None)
+    """
+    kind, _, rest = name[len(HISTOGRAM_PREFIX) :].partition("/")
+    layer, _, part = rest.rpartition("/")
+    if not kind or not layer or not (part in ("min", "max") or part.isdigit()):
+        return None
+    return kind, layer, part
 
 
 def histogram_rows(records: Sequence[Record]) -> list[tuple[Any, ...]]:
@@ -353,9 +368,9 @@ def histogram_rows(records: Sequence[Record]) -> list[tuple[Any, ...]]:
         parts: dict[tuple[str, str], dict[str, float]] = {}
         for name, value in r.values.items():
             if name.startswith(HISTOGRAM_PREFIX):
-                kind, _, rest = name[len(HISTOGRAM_PREFIX) :].partition("/")
-                layer, _, part = rest.rpartition("/")
-                parts.setdefault((kind, layer), {})[part] = float(value)
+                found = _histogram_part(name)
+                if found is not None:
+                    parts.setdefault(found[:2], {})[found[2]] = float(value)
         for (kind, layer), got in parts.items():
             low, high = got.pop("min", math.nan), got.pop("max", math.nan)
             counts = [got[k] for k in sorted(got, key=int)]
