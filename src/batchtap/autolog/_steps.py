@@ -90,9 +90,13 @@ class OptimizerSteps:
         self._scaler_step: list[StepEvent] | None = None  # inside GradScaler.step: the hooks' event goes here
         self._params: weakref.WeakKeyDictionary[torch.optim.Optimizer, frozenset[int]] = weakref.WeakKeyDictionary()
         self._known: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._patches: PatchRegistry | None = None
+        self._zero: Any = None  # inside a DeepSpeed ZeRO optimizer's step: that optimizer
+        self._zero_patched: set[type] = set()
         self.enabled = True
 
     def install(self, patches: PatchRegistry) -> None:
+        self._patches = patches
         patches.handle(step_watch().listen(self))  # the hooks every batchtap part shares
         self._patch_init(patches)
         self._patch_clip(patches)
@@ -103,7 +107,36 @@ class OptimizerSteps:
     def known(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer not in self._known:
             self._known.add(optimizer)
+            if "deepspeed" in sys.modules:
+                self._patch_zero()
             self._on_optimizer(optimizer)
+
+    def _patch_zero(self) -> None:
+        """DeepSpeed ZeRO wraps the torch optimizer and clips its flat gradient partitions itself,
+        inside its own ``step``, before it steps the wrapped one: no clipping call to observe, and
+        the gradients the wrapped step sees are clipped. Its pre-clip global norm of the step
+        (``_global_grad_norm``, set before the wrapped step) is the step's norm. Patched when an
+        optimizer is made with DeepSpeed loaded (``deepspeed.initialize`` makes the wrapped one)."""
+        if self._patches is None:
+            return
+        steps = self
+        for module_name, class_name in _ZERO_OPTIMIZERS:
+            cls = getattr(sys.modules.get(module_name), class_name, None)
+            if not isinstance(cls, type) or cls in self._zero_patched:
+                continue
+            self._zero_patched.add(cls)
+            original = cls.step
+
+            def step(wrapper: Any, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
+                outer, steps._zero = steps._zero, wrapper
+                try:
+                    return __original(wrapper, *args, **kwargs)
+                finally:
+                    steps._zero = outer
+
+            step.__wrapped__ = original  # type: ignore[attr-defined]
+            step.__doc__ = original.__doc__
+            self._patches.replace(cls, "step", step)
 
     def _patch_init(self, patches: PatchRegistry) -> None:
         original = torch.optim.Optimizer.__init__
@@ -159,6 +192,13 @@ class OptimizerSteps:
         clipped = self._take_clip(optimizer)
         if clipped is not None:
             return clipped
+        zero = self._zero
+        if zero is not None and getattr(zero, "optimizer", None) is optimizer:
+            norm = getattr(zero, "_global_grad_norm", None)  # ZeRO's pre-clip norm of this step
+            if isinstance(norm, torch.Tensor):
+                return norm.detach()
+            if isinstance(norm, float):  # inf on an overflow (a host float already)
+                return torch.tensor(norm)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return None
@@ -307,6 +347,13 @@ class OptimizerSteps:
         # the scale this step's loss was multiplied by; update() changes it in place later
         event.scale = scale.clone() if isinstance(scale, torch.Tensor) else None
         self._on_step(event)
+
+
+#: DeepSpeed's ZeRO optimizers (module, class): they clip inside their own step
+_ZERO_OPTIMIZERS = (
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"),
+)
 
 
 @dataclasses.dataclass(slots=True)
