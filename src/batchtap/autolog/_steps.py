@@ -125,7 +125,7 @@ class OptimizerSteps:
             if not isinstance(cls, type) or cls in self._zero_patched:
                 continue
             self._zero_patched.add(cls)
-            original = cls.step
+            original = cls.step  # type: ignore[attr-defined]
 
             def step(wrapper: Any, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
                 outer, steps._zero = steps._zero, wrapper
