@@ -10,13 +10,11 @@ metric (names ``grad_norm/<module path>``, ``weight_norm/<module path>``,
 from __future__ import annotations
 
 import math
-import sys
 import weakref
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from batchtap.errors import ConfigError
 from batchtap.metrics._shared import step_device
@@ -25,7 +23,7 @@ from batchtap.metrics.domain import NONNEGATIVE, Output, Reduce
 from batchtap.metrics.functional import _foreach_norm_fp32
 from batchtap.metrics.gradients import _check_scaler, _scale_carried
 from batchtap.metrics.layer_decoders import CAPTURED, NOT_CAPTURED, LayersDecoding
-from batchtap.metrics.optimizer_hooks import StepNesting, has_closure
+from batchtap.metrics.optimizer_hooks import step_watch
 
 __all__ = ["Layers", "layer_groups", "find_model"]
 
@@ -393,25 +391,20 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [n for n in out if n is not None]
 
 
-def _remove(handles: Sequence[Any]) -> None:
-    for handle in handles:
-        handle.remove()
-
-
 class _LayersHooks:
-    """The global optimizer step hooks of a :class:`Layers` (weakly: the metric may go first; the
-    hooks are removed when it does)."""
+    """What a :class:`Layers` (or :class:`~batchtap.metrics.histograms.Histograms`) does at the
+    optimizer steps of its parameters, heard through batchtap's one pair of optimizer step hooks
+    (:func:`~batchtap.metrics.optimizer_hooks.step_watch`). The metric holds it; it holds the metric
+    weakly, so both go together and the watch forgets it."""
 
-    __slots__ = ("metric", "ids", "owners", "nesting", "closure", "__weakref__")
+    __slots__ = ("metric", "ids", "owners", "closure", "handle", "__weakref__")
 
     def __init__(self, metric: Layers) -> None:
         self.metric = weakref.ref(metric)
         self.ids = frozenset(id(p) for p in metric.parameters)
         self.owners: weakref.WeakKeyDictionary[object, tuple[int, bool]] = weakref.WeakKeyDictionary()
-        self.nesting = StepNesting()
         self.closure: object | None = None
-        handles = (register_optimizer_step_pre_hook(self.pre), register_optimizer_step_post_hook(self.post))
-        weakref.finalize(metric, _remove, handles)
+        self.handle = step_watch().listen(self)
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
         groups = optimizer.param_groups
@@ -422,24 +415,20 @@ class _LayersHooks:
             self.owners[optimizer] = known
         return known[1]
 
-    def pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.nesting.pre(sys._getframe(1)):
-            return  # super().step() of a subclass: the outer call's hooks count
+    def step_begins(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
         self.closure = None
         metric = self.metric()
         # host counters only: a step that does not capture costs this check and nothing on the device
         if metric is None or not metric.capturing() or torch.compiler.is_compiling() or not self._owns(optimizer):
             return
-        if has_closure(args, kwargs):
+        if closure:
             self.closure = optimizer  # the closure computes this step's gradients: take them after it
             metric._take(optimizer, grads=False)
             return
         metric._take(optimizer)
 
-    def post(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.nesting.post():
-            return
-        closure, self.closure = self.closure, None
+    def step_ends(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
+        taken, self.closure = self.closure, None
         metric = self.metric()
-        if closure is optimizer and metric is not None:
+        if taken is optimizer and metric is not None:
             metric._take(optimizer, weights=False)
