@@ -49,17 +49,22 @@ _NO_LOSS = (
     "also works)"
 )
 
-#: compiled metrics batchtap records itself per batch
-_RECORDED = frozenset({"loss", "accuracy", "acc", "compile_metrics"})
+#: compiled metrics batchtap records itself per batch (top-1 accuracy of class scores)
+_RECORDED = frozenset(
+    {"loss", "compile_metrics", "accuracy", "acc", "sparse_categorical_accuracy", "categorical_accuracy"}
+)
 
 
 def _compiled_metric_names(model: Any) -> list[str]:
-    """Names of the compiled metrics (``metrics=[...]`` of ``compile``) other than accuracy."""
+    """Names of the compiled metrics (``metrics=[...]`` of ``compile``) batchtap does not store per
+    batch: all but top-1 accuracy (per output too: ``head_a_accuracy``)."""
+    outputs = [str(n) for n in (getattr(model, "output_names", None) or [])]
     names: list[str] = []
     compiled = vars(model).get("_compile_metrics")
     for metric in getattr(compiled, "metrics", None) or []:
         name = str(getattr(metric, "name", ""))
-        if name and name not in _RECORDED and not name.endswith(("accuracy", "_acc")) and name not in names:
+        base = next((name[len(o) + 1 :] for o in outputs if name.startswith(f"{o}_")), name)
+        if name and base not in _RECORDED and name not in names:
             names.append(name)
     return names
 
