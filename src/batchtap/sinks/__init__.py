@@ -5,17 +5,40 @@ Example:
     >>> sink = bt.sinks.Console(every=10)
 """
 
-from batchtap.sinks.base import Sink
-from batchtap.sinks.console import Console
-from batchtap.sinks.csv import CSV
-from batchtap.sinks.jsonl import JSONL
-from batchtap.sinks.mlflow import MLflow
-from batchtap.sinks.postgres import Postgres
-from batchtap.sinks.prometheus import Prometheus
-from batchtap.sinks.sqlite import SQLite
-from batchtap.sinks.tensorboard import TensorBoard
-from batchtap.sinks.wandb import WandB
-from batchtap.sinks.webhook import Webhook
+# Loaded on first use: the pipeline process imports the sinks it was handed, not every sink (and
+# what each imports: the PostgreSQL sink loads the store's readers), before it answers a run's start.
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchtap.sinks.base import Sink
+    from batchtap.sinks.console import Console
+    from batchtap.sinks.csv import CSV
+    from batchtap.sinks.jsonl import JSONL
+    from batchtap.sinks.mlflow import MLflow
+    from batchtap.sinks.postgres import Postgres
+    from batchtap.sinks.prometheus import Prometheus
+    from batchtap.sinks.sqlite import SQLite
+    from batchtap.sinks.tensorboard import TensorBoard
+    from batchtap.sinks.wandb import WandB
+    from batchtap.sinks.webhook import Webhook
+
+#: public name -> the module of this package that defines it
+_WHERE = {
+    "Sink": "base",
+    "Console": "console",
+    "CSV": "csv",
+    "JSONL": "jsonl",
+    "MLflow": "mlflow",
+    "Postgres": "postgres",
+    "Prometheus": "prometheus",
+    "SQLite": "sqlite",
+    "TensorBoard": "tensorboard",
+    "WandB": "wandb",
+    "Webhook": "webhook",
+}
 
 __all__ = [
     "Sink",
@@ -30,3 +53,16 @@ __all__ = [
     "WandB",
     "Webhook",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batchtap.sinks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"batchtap.sinks.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
