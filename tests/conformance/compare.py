@@ -33,6 +33,7 @@ class Outcome:
         reads: host reads per step (after the first) where the front-end counted them, else None.
         db: the SQLite store the run wrote to.
         data_time: True when this front-end must store the loader's wait on every step.
+        step_time: True when it must store a step time on every step after the first.
         notes: what the cell's run said on the way (for a failure's message).
     """
 
@@ -40,6 +41,7 @@ class Outcome:
     reads: list[int] | None
     db: Path
     data_time: bool = False
+    step_time: bool = False
     notes: list[str] = field(default_factory=list)
 
 
@@ -74,7 +76,7 @@ def check(outcome: Outcome) -> None:
         problems.append(f"stored steps {sorted(rows)}, expected 0..{len(truth) - 1}")
     for step, expected in enumerate(truth):
         got = rows.get(step, {})
-        problems += _check_step(step, expected, got, data_time=outcome.data_time)
+        problems += _check_step(step, expected, got, data_time=outcome.data_time, step_time=outcome.step_time)
     if outcome.reads is not None and any(outcome.reads):
         problems.append(f"host reads per step (after the first): {outcome.reads}, expected 0")
     if problems:
@@ -83,7 +85,12 @@ def check(outcome: Outcome) -> None:
 
 
 def _check_step(
-    step: int, expected: Mapping[str, float], got: Mapping[str, tuple[int, int, float | None]], *, data_time: bool
+    step: int,
+    expected: Mapping[str, float],
+    got: Mapping[str, tuple[int, int, float | None]],
+    *,
+    data_time: bool,
+    step_time: bool,
 ) -> list[str]:
     problems = []
     where = (int(expected["epoch"]), int(expected["batch"]))
@@ -105,7 +112,7 @@ def _check_step(
             problems.append(f"step {step} {metric}: not stored (truth {expected[metric]!r})")
     if data_time and "data_time" not in got:
         problems.append(f"step {step}: no data_time stored")
-    if step > 0 and "step_time" not in got:  # the first step may have no start to time from
+    if step_time and step > 0 and "step_time" not in got:  # the first step may have no start to time from
         problems.append(f"step {step}: no step_time stored")
     return problems
 

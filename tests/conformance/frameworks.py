@@ -126,7 +126,7 @@ def run_lightning(scenario: str, workdir: Path, *, autolog: bool = False) -> Out
         else:
             tap.close()
     # the callback sees no loader fetch (no data_time); autolog watches Lightning's DataLoader iterations
-    return Outcome(module.truth, None, workdir / "store.db", data_time=autolog)
+    return Outcome(module.truth, None, workdir / "store.db", data_time=autolog, step_time=True)
 
 
 # ---------------------------------------------------------------------------------------- HF Trainer
@@ -203,7 +203,7 @@ def run_hf(scenario: str, workdir: Path) -> Outcome:
     del tf
     trainer.train()
     tap.close()
-    return Outcome(truth, None, workdir / "store.db", data_time=False)
+    return Outcome(truth, None, workdir / "store.db", data_time=False, step_time=True)
 
 
 # ---------------------------------------------------------------------------------------- Accelerate
@@ -262,7 +262,7 @@ def run_accelerate(scenario: str, workdir: Path) -> Outcome:
     if opts.clip == "none":
         for row in truth:
             del row["grad_norm"]  # nothing computes it: the Tap was given no model and the loop no norm
-    return Outcome(truth, None, workdir / "store.db", data_time=True)
+    return Outcome(truth, None, workdir / "store.db", data_time=True, step_time=True)
 
 
 def run_lightning_autolog(scenario: str, workdir: Path) -> Outcome:

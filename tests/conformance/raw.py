@@ -116,7 +116,7 @@ def run_raw(frontend: str, scenario: str, workdir: Path) -> Outcome:
         pytest.skip("needs CUDA (a GPU cell: bench/gpu_check.sh runs it)")
     if opts.dist != "none":
         out = _distributed(frontend, scenario, workdir)
-        return Outcome(combine_ranks(_truths(out, opts.world)), None, out / "store.db", data_time=True)
+        return Outcome(combine_ranks(_truths(out, opts.world)), None, out / "store.db", data_time=True, step_time=True)
     bare = run_cell("bare", scenario, workdir / "bare", count_reads=True)["reads"]
     if frontend == "run":
         _in_process_run(scenario, workdir)
@@ -124,4 +124,4 @@ def run_raw(frontend: str, scenario: str, workdir: Path) -> Outcome:
     else:
         result = run_cell(frontend, scenario, workdir, count_reads=True)
     added = [on - off for on, off in zip(result["reads"], bare)]  # the loop's own reads (GradScaler) taken out
-    return Outcome(result["steps"], added, workdir / "store.db", data_time=True)
+    return Outcome(result["steps"], added, workdir / "store.db", data_time=True, step_time=True)

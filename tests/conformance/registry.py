@@ -145,7 +145,9 @@ MARKS: dict[tuple[str, str], NA | XFAIL] = {
     ("fsdp2-2-ranks", "lightning"): NA(_NOT_BUILT_DIST.format("ModelParallelStrategy")),
     # the HF Trainer: one loss per micro-batch from the model, clipped through Accelerate
     ("clip-torch", "hf"): NA("the Trainer clips through accelerator.clip_grad_norm_: clip-get_total_norm"),
-    ("amp-skipped-first-step", "hf"): NA("TrainingArguments(fp16=True) needs a GPU; use_cpu allows bf16 only"),
+    ("amp-skipped-first-step", "hf"): NA(
+        "TrainingArguments(fp16=True) is refused with use_cpu=True (bf16 only there, no GradScaler)"
+    ),
     ("two-losses", "hf"): NA("the Trainer backpropagates the one loss compute_loss returns per micro-batch"),
     ("pad-1", "hf"): NA("transformers' model losses ignore -100 only"),
     ("ddp-2-ranks", "hf"): NA(_NOT_BUILT_DIST.format("accelerate launch / torchrun around the Trainer")),
@@ -156,7 +158,9 @@ MARKS: dict[tuple[str, str], NA | XFAIL] = {
         "not built yet: a token-normalised Accelerate loop (accelerator.backward divides it again by the step count)"
     ),
     ("clip-torch", "accelerate"): NA("an Accelerate loop clips with accelerator.clip_grad_norm_: clip-get_total_norm"),
-    ("amp-skipped-first-step", "accelerate"): NA("Accelerator(mixed_precision='fp16') needs a GPU; the CPU has bf16"),
+    ("amp-skipped-first-step", "accelerate"): NA(
+        "Accelerator(cpu=True, mixed_precision='fp16') makes no GradScaler (scaler None): no step is skipped"
+    ),
     ("ddp-2-ranks", "accelerate"): NA(
         _NOT_BUILT_DIST.format("accelerate launch; tests/integrations/test_accelerate.py runs 2 gloo ranks")
     ),
