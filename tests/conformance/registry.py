@@ -146,7 +146,7 @@ MARKS: dict[tuple[str, str], NA | XFAIL] = {
     # the HF Trainer: one loss per micro-batch from the model, clipped through Accelerate
     ("clip-torch", "hf"): NA("the Trainer clips through accelerator.clip_grad_norm_: clip-get_total_norm"),
     ("amp-skipped-first-step", "hf"): NA(
-        "TrainingArguments(fp16=True) is refused with use_cpu=True (bf16 only there, no GradScaler)"
+        "the Trainer's fp16 goes through Accelerate, which makes no GradScaler with cpu=True: no step is skipped"
     ),
     ("two-losses", "hf"): NA("the Trainer backpropagates the one loss compute_loss returns per micro-batch"),
     ("pad-1", "hf"): NA("transformers' model losses ignore -100 only"),
