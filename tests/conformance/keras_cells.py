@@ -58,7 +58,9 @@ def _cell(frontend: str) -> Callable[[str, Path], Any]:
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
         steps = json.loads((workdir / "truth.json").read_text())
-        return Outcome(steps=steps, reads=None, db=workdir / "store.db")
+        # fit() front-ends time every call (TensorFlow) or step (torch); a plain TFCapture loop that
+        # never calls call_started() has no step time
+        return Outcome(steps=steps, reads=None, db=workdir / "store.db", step_time=frontend != "tfcapture")
 
     return run
 
