@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from batchtap._names import check_storable
 from batchtap._owner import ThreadOwner
 from batchtap.capture.accumulate import MicroBatches
 from batchtap.capture.flush import BlockData
@@ -49,7 +50,7 @@ from batchtap.pipeline.transport.host import PipelineHost
 from batchtap.records import Event, EventKind, RunInfo
 from batchtap.recovery.actions import ActionRunner
 
-__all__ = ["ActiveRun", "HandedRows", "RunSettings", "resume_point"]
+__all__ = ["ActiveRun", "HandedRows", "RunSettings", "resume_point", "run_labels"]
 
 T = TypeVar("T")
 
@@ -559,3 +560,21 @@ def resume_point(pipeline: PipelineHost, run_id: str) -> tuple[int, str | None]:
         )
     # a run stored before its first flush (killed early) has no step yet: it resumes at step 0
     return (max(stored) + 1 if stored else 0), (names[0] if names else None)
+
+
+def run_labels(tags: Sequence[str], notes: str | None) -> dict[str, Any]:
+    """``tags=`` and ``notes=`` checked, as the run's environment keeps them (where the store's
+    readers and ``batchtap tag`` find them)."""
+    if not isinstance(tags, (list, tuple)) or not all(isinstance(tag, str) for tag in tags):
+        raise InputError(f"tags must be a list of strings, got {tags!r}; e.g. tags=['sweep', 'lr-0.01']")
+    if notes is not None and not isinstance(notes, str):
+        raise InputError(f"notes must be a string or None, got {type(notes).__name__}")
+    labels: dict[str, Any] = {}
+    if tags:
+        for tag in tags:
+            check_storable("tag", tag)
+        labels["tags"] = list(dict.fromkeys(tags))
+    if notes:
+        check_storable("notes", notes)
+        labels["notes"] = notes
+    return labels

@@ -45,7 +45,7 @@ from batchtap._config import to_json_config
 from batchtap._defaults import checked_metrics, checked_sinks, default_sinks
 from batchtap._exit import AT_EXIT, Terminated, catch_sigterm, sigterm_received
 from batchtap._names import check_storable
-from batchtap._run import ActiveRun, HandedRows, RunSettings, resume_point
+from batchtap._run import ActiveRun, HandedRows, RunSettings, resume_point, run_labels
 from batchtap.capture.eager import eager, eager_entry, in_eager_code
 from batchtap.errors import ConfigError, InputError, RunStateError
 from batchtap.metrics.base import Metric
@@ -219,7 +219,15 @@ class Tap:
     # ------------------------------------------------------------------ life cycle
 
     @contextlib.contextmanager
-    def run(self, name: str | None = None, *, config: Any = None, resume: str | None = None) -> Iterator[RunInfo]:
+    def run(
+        self,
+        name: str | None = None,
+        *,
+        config: Any = None,
+        resume: str | None = None,
+        tags: Sequence[str] = (),
+        notes: str | None = None,
+    ) -> Iterator[RunInfo]:
         """Context of one training run. Leaving it, however it is left, stores every captured step.
 
         Args:
@@ -231,11 +239,14 @@ class Tap:
             resume: id of an earlier run to continue: the run keeps that id and its step count
                 continues after the last step a sink (SQLite, PostgreSQL) has stored, so a restart
                 after a crash neither duplicates nor skips keys.
+            tags: labels for the run (``"sweep-3"``, ``"baseline"``): shown and filtered on in
+                ``batchtap runs`` and the browser view; ``batchtap tag`` changes them later.
+            notes: a free-text note stored with the run.
 
         Yields:
             the run's :class:`~batchtap.RunInfo`.
         """
-        info = self.start(name, config=config, resume=resume)
+        info = self.start(name, config=config, resume=resume, tags=tags, notes=notes)
         status, reason = RunStatus.FINISHED, None
         terminated = False
         try:
@@ -256,7 +267,15 @@ class Tap:
             self.close()
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def start(self, name: str | None = None, *, config: Any = None, resume: str | None = None) -> RunInfo:
+    def start(
+        self,
+        name: str | None = None,
+        *,
+        config: Any = None,
+        resume: str | None = None,
+        tags: Sequence[str] = (),
+        notes: str | None = None,
+    ) -> RunInfo:
         """Begin a run without a ``with`` block (a script-level loop, a notebook); end it with
         :meth:`finish`. Arguments as for :meth:`run`.
 
@@ -279,6 +298,7 @@ class Tap:
                 if not isinstance(text, str):
                     raise InputError(f"{label} must be a string or None, got {type(text).__name__}")
                 check_storable(label, text)
+        labels = run_labels(tags, notes)
         try:
             config_json, as_repr = to_json_config(config)
         except TypeError as exc:
@@ -292,7 +312,7 @@ class Tap:
             config=config_json,
             started_at=started,
             world_size=ranks.world_size(),
-            environment=_env.environment(),
+            environment={**_env.environment(), **labels},
         )
         agreement = None
         if ranks.is_distributed():
