@@ -60,7 +60,6 @@ _FOUNDATION = {
     "_owner",
     "_userframes",
     "_validate",
-    "_format",
     "_units",
     "_stale",
 } & TOP_MODULES

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from batchtap._defaults import DEFAULT_DB, store_url
-from batchtap._format import number
+from batchtap._units import number
 from batchtap.records import ALL_RANKS, Event, EventKind, Record, RunInfo
 from batchtap.store import RunNotFound, StoreError
 
@@ -206,7 +206,7 @@ def short_id(run_id: str) -> str:
 
 
 def fmt_value(x: float | None) -> str:
-    """A metric value as the console prints a plain number (:func:`batchtap._format.number`, the one
+    """A metric value as the console prints a plain number (:func:`batchtap._units.number`, the one
     number formatter); ``-`` when there is none.
 
     Example:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TextIO
 
-from batchtap._format import format_value
+from batchtap._units import format_value
 from batchtap.cli._common import (
     CLIError,
     add_db_arguments,
