@@ -28,6 +28,7 @@ from batchtap.metrics.decoders import (
 )
 from batchtap.metrics.domain import NONNEGATIVE, Domain, Output, Reduce
 from batchtap.metrics.optimizer_hooks import (
+    ParameterStepListener,
     dtensor_type,
     global_norm,
     gradients_norm,
@@ -235,33 +236,19 @@ class GradNorm(GradNormDecoding, Metric):
         return (_NORM_NO_GRADIENT, math.nan)
 
 
-class _GradNormHooks:
+class _GradNormHooks(ParameterStepListener["GradNorm"]):
     """What a :class:`GradNorm` takes at the optimizer steps of its parameters, through the shared
     step watch (which holds it weakly: it goes with its metric, and the metric may go first)."""
 
-    __slots__ = ("metric", "ids", "owners", "closure", "handle", "__weakref__")
+    __slots__ = ()
 
     def __init__(self, metric: GradNorm, params: Sequence[torch.Tensor]) -> None:
-        self.metric = weakref.ref(metric)
-        self.ids = frozenset(id(p) for p in params)
-        # optimizer -> (param groups when checked, whether it steps any of these parameters)
-        self.owners: weakref.WeakKeyDictionary[object, tuple[int, bool]] = weakref.WeakKeyDictionary()
-        self.closure: object | None = None  # the optimizer whose closure step is open
-        self.handle = step_watch().listen(self)
-
-    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        groups = optimizer.param_groups
-        known = self.owners.get(optimizer)
-        if known is None or known[0] != len(groups):
-            ids = self.ids
-            known = (len(groups), any(id(p) in ids for group in groups for p in group["params"]))
-            self.owners[optimizer] = known
-        return known[1]
+        super().__init__(metric, params)
 
     def step_begins(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
         self.closure = None
         metric = self.metric()
-        if metric is None or not metric.hooks_take() or not self._owns(optimizer) or torch.compiler.is_compiling():
+        if metric is None or not metric.hooks_take() or not self.owns(optimizer) or torch.compiler.is_compiling():
             return
         if closure:
             self.closure = optimizer  # the closure computes this step's gradients: take the norm after it

@@ -10,7 +10,6 @@ metric (names ``grad_norm/<module path>``, ``weight_norm/<module path>``,
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -23,7 +22,7 @@ from batchtap.metrics.domain import NONNEGATIVE, Output, Reduce
 from batchtap.metrics.functional import _foreach_norm_fp32
 from batchtap.metrics.gradients import _check_scaler, _scale_carried
 from batchtap.metrics.layer_decoders import CAPTURED, NOT_CAPTURED, LayersDecoding
-from batchtap.metrics.optimizer_hooks import step_watch
+from batchtap.metrics.optimizer_hooks import ParameterStepListener
 
 __all__ = ["Layers", "layer_groups", "find_model"]
 
@@ -391,35 +390,22 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [n for n in out if n is not None]
 
 
-class _LayersHooks:
+class _LayersHooks(ParameterStepListener["Layers"]):
     """What a :class:`Layers` (or :class:`~batchtap.metrics.histograms.Histograms`) does at the
     optimizer steps of its parameters, heard through batchtap's one pair of optimizer step hooks
     (:func:`~batchtap.metrics.optimizer_hooks.step_watch`). The metric holds it; it holds the metric
     weakly, so both go together and the watch forgets it."""
 
-    __slots__ = ("metric", "ids", "owners", "closure", "handle", "__weakref__")
+    __slots__ = ()
 
     def __init__(self, metric: Layers) -> None:
-        self.metric = weakref.ref(metric)
-        self.ids = frozenset(id(p) for p in metric.parameters)
-        self.owners: weakref.WeakKeyDictionary[object, tuple[int, bool]] = weakref.WeakKeyDictionary()
-        self.closure: object | None = None
-        self.handle = step_watch().listen(self)
-
-    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        groups = optimizer.param_groups
-        known = self.owners.get(optimizer)
-        if known is None or known[0] != len(groups):
-            ids = self.ids
-            known = (len(groups), any(id(p) in ids for group in groups for p in group["params"]))
-            self.owners[optimizer] = known
-        return known[1]
+        super().__init__(metric, metric.parameters)
 
     def step_begins(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
         self.closure = None
         metric = self.metric()
         # host counters only: a step that does not capture costs this check and nothing on the device
-        if metric is None or not metric.capturing() or torch.compiler.is_compiling() or not self._owns(optimizer):
+        if metric is None or not metric.capturing() or torch.compiler.is_compiling() or not self.owns(optimizer):
             return
         if closure:
             self.closure = optimizer  # the closure computes this step's gradients: take them after it

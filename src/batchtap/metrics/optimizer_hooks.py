@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 import types
 import weakref
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -22,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from batchtap.metrics.functional import grads_norm
 
 __all__ = [
+    "ParameterStepListener",
     "StepListener",
     "StepNesting",
     "StepWatch",
@@ -192,6 +193,38 @@ class _Listening:
 
     def remove(self) -> None:
         self._watch._forget(self._ref)
+
+
+_M = TypeVar("_M")
+
+
+class ParameterStepListener(Generic[_M]):
+    """Base of a metric's listener to the optimizer steps that update any of its parameters.
+
+    It holds its metric weakly (the step watch holds the listener weakly too, so both go with the
+    metric) and remembers per optimizer whether it steps those parameters, checked again only when
+    the optimizer's parameter groups change. Subclasses add ``step_begins`` / ``step_ends``.
+    """
+
+    __slots__ = ("metric", "ids", "owners", "closure", "handle", "__weakref__")
+
+    def __init__(self, metric: _M, params: Iterable[torch.Tensor]) -> None:
+        self.metric = weakref.ref(metric)
+        self.ids = frozenset(id(p) for p in params)
+        # optimizer -> (param groups when checked, whether it steps any of these parameters)
+        self.owners: weakref.WeakKeyDictionary[object, tuple[int, bool]] = weakref.WeakKeyDictionary()
+        self.closure: object | None = None  # the optimizer whose closure step is open
+        self.handle = step_watch().listen(self)  # type: ignore[arg-type]  # subclasses are StepListeners
+
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` steps any of the parameters (a host check, cached)."""
+        groups = optimizer.param_groups
+        known = self.owners.get(optimizer)
+        if known is None or known[0] != len(groups):
+            ids = self.ids
+            known = (len(groups), any(id(p) in ids for group in groups for p in group["params"]))
+            self.owners[optimizer] = known
+        return known[1]
 
 
 _WATCH: StepWatch | None = None
