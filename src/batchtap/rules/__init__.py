@@ -24,8 +24,9 @@ from batchtap.rules.base import (
     Rule,
     RuleFn,
 )
-from batchtap.rules.builtin import GpuStarved, LayerRatio, NonFinite, Plateau, Spike, StepTimeRegression, Threshold
+from batchtap.rules.builtin import GpuStarved, NonFinite, Plateau, Spike, StepTimeRegression, Threshold
 from batchtap.rules.engine import Agreement, RuleEngine, RuleLike
+from batchtap.rules.layers import LayerRatio
 
 # The training-side tools (Rollback, BatchSizeRule, ActionRunner ...) lived here before
 # batchtap.recovery existed. They are not re-exported: recovery imports the rules, so a re-export,
