@@ -98,7 +98,7 @@ def test_run_page_draws_the_layers_section_in_a_real_browser(db: Path) -> None:
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(server.url.rstrip("/") + "/run/layers-ui")
-            page.wait_for_function("window.bt && window.bt.layersDrawn === true", timeout=60_000)
+            page.wait_for_function("() => window.bt && window.bt.layersDrawn === true", timeout=60_000)
             section = page.locator("#bt-layers")
             assert section.locator("table tr").count() == 1 + 3  # header + the three layers
             assert section.locator("canvas.bt-heatmap").count() == 6  # grad and weight x 3 layers
