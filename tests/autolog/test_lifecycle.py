@@ -43,7 +43,9 @@ def test_enabled_false_undoes_every_patch(sink: ListSink) -> None:
     with autologged(sink):
         during = _patched_objects()
         assert all(during[k] is not before[k] for k in before if not k.endswith("hooks"))
-        assert during["pre hooks"] == before["pre hooks"] + 1
+        # autolog listens through batchtap's one pair of optimizer step hooks: registered now,
+        # unless a metric of an earlier Tap in this process still listens (then already there)
+        assert max(before["pre hooks"], 1) <= during["pre hooks"] <= before["pre hooks"] + 1
     assert _patched_objects() == before
     assert bt.autolog(enabled=False) is None  # twice: nothing left to undo
 

@@ -60,6 +60,13 @@ def layer_groups(model: torch.nn.Module, depth: int = 1) -> dict[str, list[torch
     return groups
 
 
+def _is_module(obj: object) -> bool:
+    try:
+        return isinstance(obj, torch.nn.Module)
+    except ReferenceError:  # a weakref.proxy whose object is gone (the collector still lists it)
+        return False
+
+
 def find_model(params: Sequence[torch.Tensor]) -> torch.nn.Module | None:
     """The module that holds most of ``params`` among the program's root modules (found once by
     walking the garbage collector's objects: for ``bt.autolog``, which sees optimizers, not models).
@@ -77,7 +84,7 @@ def find_model(params: Sequence[torch.Tensor]) -> torch.nn.Module | None:
     wanted = {id(p) for p in params}
     with warnings.catch_warnings():  # isinstance() on a deprecated alias object warns (torch.distributed.reduce_op)
         warnings.simplefilter("ignore")
-        modules = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+        modules = [o for o in gc.get_objects() if _is_module(o)]
     children = {id(c) for m in modules for c in m.children()}
     best: tuple[int, torch.nn.Module] | None = None
     for module in modules:

@@ -6,7 +6,7 @@
 Example:
     >>> import batchtap.store
     >>> batchtap.store.SCHEMA_VERSION
-    2
+    3
 """
 
 from __future__ import annotations
