@@ -105,7 +105,7 @@ def test_show_lists_logged_values_apart_with_their_last_value_and_count(logged: 
     assert section[0].split() == ["name", "at", "step", "last", "min", "max", "values"]
     rows = {line.split()[0]: line.split()[1:] for line in section[1:]}
     assert list(rows) == ["test_acc", "val_acc", "val_loss"]
-    assert rows["test_acc"] == ["29", "0.875", "0.875", "0.875", "1"]
+    assert rows["test_acc"] == ["29", "87.50%", "87.50%", "87.50%", "1"]  # a fraction shown as the console shows it
     last = logged.sparse[2].values["val_loss"]
     assert rows["val_loss"][0] == "29" and float(rows["val_loss"][1]) == pytest.approx(last, rel=1e-3)
     assert rows["val_loss"][-1] == "3"

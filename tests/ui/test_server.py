@@ -404,15 +404,18 @@ def _show_figures(db: Path, run_id: str) -> tuple[str, int, str, str]:
 
 def agree_with_show(db: Path) -> dict[str, Any]:
     """Every run of the store as /api/runs gives it, each checked against `batchtap show`."""
-    from batchtap.cli._common import fmt_value
+    from batchtap._units import format_value
 
     with batchtap.ui.start(db) as srv:
         status, body, _ = get(f"{srv.base}/api/runs")
     assert status == 200
     for ui in body["runs"]:
         # JSON has no NaN: a last value that failed validation is null with its step given
-        last = "nan" if ui["last_value"] is None and ui["last_step"] is not None else fmt_value(ui["last_value"])
-        figures = (ui["status"], ui["steps"], fmt_value(ui["best_value"]), last)
+        main = ui["main"]
+        last = (
+            "nan" if ui["last_value"] is None and ui["last_step"] is not None else format_value(main, ui["last_value"])
+        )
+        figures = (ui["status"], ui["steps"], format_value(main, ui["best_value"]), last)
         assert figures == _show_figures(db, ui["id"]), ui["name"]
     return {r["name"]: r for r in body["runs"]}
 

@@ -6,13 +6,13 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
+from batchtap._units import format_value
 from batchtap.cli._common import (
     CLIError,
     add_db_arguments,
     events_by_kind,
     fit_table,
     fmt_duration,
-    fmt_value,
     open_store,
     short_id,
     wrap,
@@ -122,8 +122,8 @@ def main(args: argparse.Namespace) -> int:
                     run.status.value + ("+spool" if run.id in spools else ""),
                     str(run.steps),
                     main_metric or "-",
-                    fmt_value(None if summary is None else summary.last),
-                    fmt_value(None if summary is None else summary.best),
+                    format_value(main_metric or "", None if summary is None else summary.last),
+                    format_value(main_metric or "", None if summary is None else summary.best),
                     fmt_duration(run.duration),
                     str(anomalies),
                     _started(run.started_at),

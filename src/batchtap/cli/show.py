@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from batchtap._units import format_value
 from batchtap.cli._common import (
     CLIError,
     add_db_arguments,
@@ -129,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
         for m in metrics:
             sm = summaries[m]
             rows.append(
-                ["  " + m, fmt_value(sm.last), fmt_value(sm.min), fmt_value(sm.max), str(sm.count), str(sm.nans)]
+                ["  " + m, *(format_value(m, v) for v in (sm.last, sm.min, sm.max)), str(sm.count), str(sm.nans)]
             )
         out.extend(
             fit_table(
@@ -153,9 +154,9 @@ def main(args: argparse.Namespace) -> int:
                 [
                     "  " + m,
                     str(points[m][-1].step),
-                    fmt_value(values[-1]),
-                    fmt_value(sm.min),
-                    fmt_value(sm.max),
+                    format_value(m, values[-1]),
+                    format_value(m, sm.min),
+                    format_value(m, sm.max),
                     str(len(values)),
                 ]
             )
