@@ -241,27 +241,42 @@ def test_compare_has_smoothing_event_markers_log_and_csv(page: Any, server: Any,
 
 
 # -- the runs table -----------------------------------------------------------------------------
+def _wait_for_rows(page: Any, ids: set[str]) -> None:
+    """Wait until the runs table shows exactly the runs ``ids`` (a server-side query's answer)."""
+    want = ",".join(sorted(ids))
+    page.wait_for_function(
+        "(want) => [...document.querySelectorAll('#runs tbody tr')].map(r => r.dataset.id).sort().join() === want",
+        arg=want,
+    )
+
+
 def test_runs_table_query_filter_and_counts(page: Any, server: Any, runs: Runs) -> None:
     page.goto(server.url)
     page.wait_for_selector(READY)
     assert page.locator("#runs-count").inner_text() == "3 runs"
+    # a query is matched by the server (/api/runs?q=): wait for its answer to reach the table
     page.fill("#filter", "seed>=1 and status=stopped")
-    assert page.locator("#runs tbody tr").count() == 1
-    assert page.locator("#runs tbody tr").first.get_attribute("data-id") == runs.stopped
+    _wait_for_rows(page, {runs.stopped})
     assert page.locator("#runs-count").inner_text() == "1 of 3 runs"
+    page.fill("#filter", "status=stopped or seed>=2")  # the server's language: 'or' too, as in runs --where
+    _wait_for_rows(page, {runs.stopped, runs.hostile})
     page.fill("#filter", "seed<2")
-    assert page.locator("#runs tbody tr").count() == 2
+    _wait_for_rows(page, {runs.anomalies, runs.stopped})
+    assert page.locator("#runs-count").inner_text() == "2 of 3 runs"
     page.fill("#filter", "nosuchkey=1")
+    page.wait_for_function("() => document.getElementById('query-error').textContent !== ''")
     assert page.locator("#runs tbody tr").count() == 0
-    assert "unknown field" in page.locator("#query-error").inner_text()
-    page.fill("#filter", "ui-anom")  # free text
+    assert "no run has 'nosuchkey'" in page.locator("#query-error").inner_text()
+    page.fill("#filter", "ui-anom")  # free text, matched in the page
     assert page.locator("#runs tbody tr").count() == 1
+    assert page.locator("#query-error").inner_text() == ""
     # The compare button counts the selected runs the filter shows.
     page.fill("#filter", "")
     page.check(f"#runs tr[data-id='{runs.anomalies}'] input[type=checkbox]")
     page.check(f"#runs tr[data-id='{runs.stopped}'] input[type=checkbox]")
     assert page.locator("#compare").inner_text() == "compare selected (2)"
     page.fill("#filter", "status=stopped")
+    _wait_for_rows(page, {runs.stopped})
     assert page.locator("#compare").inner_text() == "compare selected (1)"
     assert not page.errors
 

@@ -754,41 +754,20 @@ function sortableTable(columns, rows, { id, sort } = {}) {
 }
 
 // ---- the runs table's query --------------------------------------------------------------------
-// `lr<0.01 and status=finished`: terms joined by "and"; a term is FIELD OP VALUE (OP one of
-// = != < <= > >= ~ (contains)) on a column (id name status steps best last duration anomalies tag
-// notes) or a config key; a term without an operator is text looked for in every column.
-const QUERY_ALIASES = { best: "best_value", last: "last_value", tag: "tags", note: "notes", metric: "main" };
+// `lr<0.01 and status=finished` is matched by the server (`/api/runs?q=`, batchtap/store/runquery.py,
+// the same language as `batchtap runs --where`): the page keeps the ids it names. Text without an
+// operator is looked for in every column, here.
+const QUERY_OPERATOR = /<=|>=|!=|==|=|<|>|~/;
 
-function parseQuery(text, knownKeys) {
-  const terms = text.split(/\s+and\s+|\s*&&\s*/i).map((t) => t.trim()).filter(Boolean);
-  const tests = [];
-  for (const term of terms) {
-    const m = /^([A-Za-z_][\w.\-/]*)\s*(<=|>=|!=|==|=|<|>|~)\s*(.*)$/.exec(term);
-    if (!m) {
-      const needle = term.toLowerCase();
-      tests.push((r) => r._text.includes(needle));
-      continue;
-    }
-    const [, rawKey, op, rawValue] = m;
-    const key = QUERY_ALIASES[rawKey] || rawKey;
-    if (!knownKeys.has(key) && !knownKeys.has(`config.${key}`)) {
-      throw new Error(`unknown field ${JSON.stringify(rawKey)}: expected one of id, name, status, steps, best, last, duration, anomalies, tag, notes or a config key`);
-    }
-    const wanted = rawValue.replace(/^["']|["']$/g, "");
-    const asNumber = wanted !== "" && Number.isFinite(Number(wanted)) ? Number(wanted) : null;
-    tests.push((r) => {
-      let v = r[key] !== undefined ? r[key] : r[`config.${key}`];
-      if (Array.isArray(v)) {
-        const has = v.some((x) => String(x).toLowerCase() === wanted.toLowerCase());
-        return op === "!=" ? !has : op === "~" ? v.some((x) => String(x).toLowerCase().includes(wanted.toLowerCase())) : has;
-      }
-      if (v === null || v === undefined) return op === "!=";
-      if (op === "~") return String(v).toLowerCase().includes(wanted.toLowerCase());
-      const cmp = typeof v === "number" && asNumber !== null ? v - asNumber : String(v).toLowerCase().localeCompare(wanted.toLowerCase());
-      return { "=": cmp === 0, "==": cmp === 0, "!=": cmp !== 0, "<": cmp < 0, "<=": cmp <= 0, ">": cmp > 0, ">=": cmp >= 0 }[op];
-    });
+async function queryKeep(text) {
+  if (!text) return () => true;
+  if (!QUERY_OPERATOR.test(text)) {
+    const needle = text.toLowerCase();
+    return (r) => r._text.includes(needle);
   }
-  return (r) => tests.every((t) => t(r));
+  const body = await api(`/api/runs?q=${encodeURIComponent(text)}`);
+  const ids = new Set(body.runs.map((r) => r.id));
+  return (r) => ids.has(r.id);
 }
 
 // ---- runs table --------------------------------------------------------------------------------
@@ -864,16 +843,23 @@ async function runsView() {
     bt.runsShown = shown.map((r) => r.id);
     if (redrawParallel && parallelBox.childElementCount) drawParallel(parallelBox, visibleSelected.length ? visibleSelected : shown, configKeys, visibleSelected.length > 0).catch(showError);
   };
-  filter.addEventListener("input", () => {
+  let asked = 0; // the latest filter text asked for: an older answer arriving later is dropped
+  const applyFilter = async () => {
+    const mine = ++asked;
+    let next;
+    let error = "";
     try {
-      keep = filter.value.trim() ? parseQuery(filter.value, new Set(Object.keys(table.items[0] || {}).concat(["tags", "notes", "best_value", "last_value", "main", "id", "name", "status", "steps", "duration", "anomalies"]))) : () => true;
-      queryError.textContent = "";
-    } catch (error) {
-      keep = () => false;
-      queryError.textContent = error.message;
+      next = await queryKeep(filter.value.trim());
+    } catch (e) {
+      next = () => false;
+      error = e.message;
     }
+    if (mine !== asked) return;
+    keep = next;
+    queryError.textContent = error;
     update();
-  });
+  };
+  filter.addEventListener("input", () => { applyFilter().catch(showError); });
   compare.addEventListener("click", () => {
     const ids = shown.filter((r) => selected.has(r.id)).map((r) => r.id);
     if (ids.length) location.href = `/compare?runs=${ids.map(encodeURIComponent).join(",")}`;
@@ -885,7 +871,11 @@ async function runsView() {
   });
   build();
   markReady();
-  followRuns(state, () => build(false), () => {
+  followRuns(state, () => {
+    build(false);
+    // a run that arrived or changed may now match a server-side query: ask again
+    if (QUERY_OPERATOR.test(filter.value)) applyFilter().catch(showError);
+  }, () => {
     // durations of running runs move every second, between the server's updates
     for (const node of document.querySelectorAll("#runs tr")) {
       const run = state.runs.get(node.dataset.id);
