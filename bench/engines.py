@@ -8,7 +8,10 @@ running the same loop, timed by the loop itself (``time.perf_counter`` around ea
 iteration: the micro-batches, clipping, the optimizer step and, for the explicit API, the
 ``tap.accumulate``/``tap.step`` calls); the first ``--warmup`` iterations are left out (the ring
 and the short path are built there) and the process's median iteration time is its figure.
-Start-up and the run's end are not in it.
+Start-up and the run's end are not in it. Beside the wall time each process also reports the
+training thread's CPU time per iteration (``time.thread_time``): the loop runs on one thread
+(``OMP_NUM_THREADS=1``), so that is the host work the step costs, and it does not count the time the
+thread was descheduled by other processes on a shared machine; the pipeline's own thread is not in it.
 
 The three processes run in turn, in alternating order (``bare, explicit, run`` then ``run,
 explicit, bare``...), ``--rounds`` times; the table gives each variant's median over rounds and
@@ -79,8 +82,10 @@ def get_lr(it: int) -> float:
     return MIN_LR + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (LR - MIN_LR)
 
 
-def loop(mode: str, iters: int, warmup: int, db: str) -> list[float]:
-    """The training loop; ``mode`` 'bare' (also what ``batchtap run`` runs) or 'explicit'."""
+def loop(mode: str, iters: int, warmup: int, db: str) -> list[tuple[float, float]]:
+    """The training loop; ``mode`` 'bare' (also what ``batchtap run`` runs) or 'explicit'.
+
+    Returns (wall seconds, training-thread CPU seconds) per iteration after ``warmup``."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
     data = torch.randint(0, VOCAB, (200_000,), generator=torch.Generator().manual_seed(1))
@@ -100,7 +105,7 @@ def loop(mode: str, iters: int, warmup: int, db: str) -> list[float]:
             (torch.stack([data[s : s + BLOCK] for s in row]), torch.stack([data[s + 1 : s + 1 + BLOCK] for s in row]))
             for row in starts
         ]
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.thread_time()
         lr = get_lr(it)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -115,7 +120,7 @@ def loop(mode: str, iters: int, warmup: int, db: str) -> list[float]:
         if tap is not None:
             tap.step(grad_norm=norm)
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - began)
+        times.append((time.perf_counter() - began, time.thread_time() - began_cpu))
     if tap is not None:
         tap.finish()
         tap.close()
@@ -127,8 +132,9 @@ def _child(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(times))
 
 
-def _measure(variant: str, args: argparse.Namespace, workdir: Path) -> float:
-    """One fresh process of ``variant``; its median iteration time in seconds."""
+def _measure(variant: str, args: argparse.Namespace, workdir: Path) -> tuple[float, float]:
+    """One fresh process of ``variant``; its median iteration wall time and training-thread CPU
+    time, in seconds."""
     out = workdir / f"{variant}.json"
     db = str(workdir / f"{variant}.db")
     child = [str(Path(__file__).resolve()), "--iters", str(args.iters), "--warmup", str(args.warmup)]
@@ -139,7 +145,8 @@ def _measure(variant: str, args: argparse.Namespace, workdir: Path) -> float:
         command = [sys.executable, *child, "--child", variant]
     env = dict(os.environ, OMP_NUM_THREADS="1", BATCHTAP_DB=db)
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
-    return statistics.median(json.loads(out.read_text()))
+    times = json.loads(out.read_text())
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
 def main() -> None:
@@ -155,23 +162,32 @@ def main() -> None:
         _child(args)
         return
     variants = ["bare", "explicit", "run"]
-    medians: dict[str, list[float]] = {v: [] for v in variants}
+    wall: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             order = variants if r % 2 == 0 else variants[::-1]
             for variant in order:
-                medians[variant].append(_measure(variant, args, Path(tmp)))
-            print(f"round {r + 1}: " + ", ".join(f"{v} {medians[v][-1] * 1e3:.2f} ms" for v in variants), flush=True)
-    m = {v: statistics.median(medians[v]) for v in variants}
+                w, c = _measure(variant, args, Path(tmp))
+                wall[variant].append(w)
+                cpu[variant].append(c)
+            print(
+                f"round {r + 1}: "
+                + ", ".join(f"{v} {wall[v][-1] * 1e3:.2f} ms (cpu {cpu[v][-1] * 1e3:.2f})" for v in variants),
+                flush=True,
+            )
     print(
         f"\nper training iteration (median of {args.rounds} process medians, {args.iters - args.warmup} iterations each)"
     )
-    for v in variants:
-        print(f"  {v:9s} {m[v] * 1e3:8.3f} ms")
-    print(f"  run / explicit  = {m['run'] / m['explicit']:.4f}  (goal <= 1.01)")
-    print(f"  explicit / bare = {m['explicit'] / m['bare']:.4f}  (goal <= 1.03)")
-    print(f"  run / bare      = {m['run'] / m['bare']:.4f}")
-    print(f"  load average: {os.getloadavg()[0]:.2f}")
+    for label, series in (("wall", wall), ("training-thread CPU", cpu)):
+        m = {v: statistics.median(series[v]) for v in variants}
+        print(f"{label}:")
+        for v in variants:
+            print(f"  {v:9s} {m[v] * 1e3:8.3f} ms")
+        print(f"  run / explicit  = {m['run'] / m['explicit']:.4f}  (goal <= 1.01)")
+        print(f"  explicit / bare = {m['explicit'] / m['bare']:.4f}  (goal <= 1.03)")
+        print(f"  run / bare      = {m['run'] / m['bare']:.4f}")
+    print(f"load average: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
