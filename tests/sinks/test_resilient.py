@@ -193,7 +193,7 @@ def test_partial_replay_keeps_only_the_undelivered_tail(tmp_path: Path) -> None:
     first = ResilientSink(flaky, spool_path=spool)
     for s in range(5):
         first.write(make_records("r", [s], ["loss"], random.Random(s)))
-    first._close_spool()  # the process ends without close(): the spool stays as written
+    first._spool.close()  # the process ends without close(): the spool stays as written
     second_inner = FailsOnStep(bad=3)
     second = ResilientSink(second_inner, spool_path=spool, retry_initial=0.0)
     assert second_inner.ops == [("write", [0]), ("write", [1]), ("write", [2])]

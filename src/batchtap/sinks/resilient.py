@@ -11,17 +11,9 @@ successful replay and the spool's deletion, or when a sink stored part of a bloc
 The SQL sinks make that exactly once in effect: they upsert on (run, metric, step, rank) and
 ignore events already stored.
 
-Spool format: one line of the record codec (:mod:`batchtap.records`) per sink call, so that values
-round-trip bit for bit (NaN and infinities as ``"nan"``, ``"inf"``, ``"-inf"``) and a spool or
-quarantine file can also be fed into any sink by hand with :func:`batchtap.sinks.jsonl.replay`::
-
-    {"type":"run_start","run_id":"...","name":"...","status":"running",...}
-    {"type":"write","records":[{"type":"record","run_id":"...","step":7,...,"loss":0.25}],"events":[]}
-    {"type":"run_end","run_id":"...","status":"finished",...}
-
-A line of the spool format before the codec (``{"v": 1, "op": ...}``, batchtap's spool format 1)
-is not read: it is set aside in the quarantine file with a WARNING naming it, and the rest is
-delivered.
+The spool's format and side files are described in :mod:`batchtap.sinks.spool`; a line of the
+spool format before the record codec is set aside in the quarantine file with a WARNING naming it,
+and the rest is delivered.
 
 A sink that hangs is a failing sink: every call into it runs on a helper thread and is given
 ``call_timeout`` seconds; past that the block is spooled and training goes on, and until the hung
@@ -34,129 +26,23 @@ it comes from the spool.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from batchtap.errors import ConfigError, SinkError
-from batchtap.records import Event, EventKind, Record, RunEnd, RunInfo, RunStart, Write, dumps, from_wire
+from batchtap.records import Event, EventKind, Record, RunEnd, RunInfo, RunStart, Write
 from batchtap.sinks.base import Sink, SinkDataError
+from batchtap.sinks.callthread import CallThread, SinkStalled
+from batchtap.sinks.spool import Spool, SpoolEntry, decode_entry, describe, encode_entry
 
 __all__ = ["ResilientSink", "SinkStalled", "SpoolEntry", "encode_entry", "decode_entry"]
 
 _log = logging.getLogger(__name__)
-
-
-# -- spool lines: the record codec's ------------------------------------------------------------
-#: a spooled sink call: the record codec's value of it
-SpoolEntry = Write | RunStart | RunEnd
-
-
-class _OldSpoolLine(ValueError):
-    """A line of spool format 1 (``{"v": 1, "op": ...}``), written before the record codec."""
-
-
-def encode_entry(entry: SpoolEntry) -> str:
-    """One spool line (without the newline) for a sink call: the record codec's line of it
-    (:func:`batchtap.records.dumps`).
-
-    Example:
-        >>> r = Record("r", step=1, epoch=0, batch=1, rank=0, wall_time=2.5, values={"loss": float("nan")})
-        >>> line = encode_entry(Write([r], []))
-        >>> line
-        '{"type":"write","records":[{"type":"record","run_id":"r","step":1,"epoch":0,"batch":1,"rank":0,"wall_time":2.5,"loss":"nan"}],"events":[]}'
-        >>> decode_entry(line).records[0].values["loss"]
-        nan
-    """
-    if not isinstance(entry, (Write, RunStart, RunEnd)):
-        raise ValueError(f"expected a Write, RunStart or RunEnd to spool, got {type(entry).__name__}")
-    return dumps(entry)
-
-
-def decode_entry(line: str) -> SpoolEntry:
-    """Inverse of :func:`encode_entry`.
-
-    Raises:
-        ValueError: the line is not a spool entry this batchtap understands (a line of spool
-            format 1, written before the record codec, among them).
-    """
-    d = json.loads(line)
-    if not isinstance(d, dict):
-        raise ValueError(f"expected a JSON object, got {str(line)[:80]!r}")
-    if "type" not in d and "v" in d:
-        raise _OldSpoolLine(
-            f"it is in spool format {d['v']!r} of an older batchtap (before the record codec), which this "
-            "version does not read"
-        )
-    msg = from_wire(d)
-    if isinstance(msg, (Write, RunStart, RunEnd)):
-        return msg
-    raise ValueError(f"expected a write, run_start or run_end line in a spool, got {d['type']!r}")
-
-
-# -- calls with a deadline ----------------------------------------------------------------------
-class SinkStalled(SinkError):
-    """A call into a sink did not return within its deadline (or an earlier one still has not)."""
-
-
-class _Caller:
-    """Runs a sink's calls on one helper thread so that the caller can stop waiting for a hung one.
-
-    A call that outlives its timeout keeps running on the helper thread (Python cannot abandon
-    it); until it returns, further calls fail at once with :class:`SinkStalled`.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._cv = threading.Condition()
-        self._job: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None
-        self.busy_since: float | None = None  # monotonic start of the call in progress
-        self._thread: threading.Thread | None = None
-
-    def call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
-        box: dict[str, Any] = {"done": threading.Event()}
-        with self._cv:
-            if self.busy_since is not None:
-                raise SinkStalled(
-                    f"sink {self.name} is still inside a call made {time.monotonic() - self.busy_since:.1f} s ago"
-                )
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"batchtap-call-{self.name}", daemon=True)
-                self._thread.start()
-            self.busy_since = time.monotonic()
-            self._job = (fn, args, box)
-            self._cv.notify_all()
-        if not box["done"].wait(timeout):
-            raise SinkStalled(
-                f"sink {self.name} did not return from {getattr(fn, '__name__', 'a call')}() within "
-                f"call_timeout={timeout:g} s (hung: a server that stopped answering, a stuck disk)"
-            )
-        if "error" in box:
-            raise box["error"]
-        return box.get("result")
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                # sync: the sink-call helper thread idles until a call arrives (no device involved)
-                self._cv.wait_for(lambda: self._job is not None)
-                assert self._job is not None
-                fn, args, box = self._job
-                self._job = None
-            try:
-                box["result"] = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                box["error"] = exc
-            with self._cv:
-                self.busy_since = None
-            box["done"].set()
 
 
 def _is_data_error(exc: BaseException) -> bool:
@@ -167,16 +53,6 @@ def _is_data_error(exc: BaseException) -> bool:
     if isinstance(exc, (SinkError, ConfigError, OSError)):
         return False
     return isinstance(exc, (ValueError, TypeError, KeyError, ArithmeticError))
-
-
-def _describe(entry: SpoolEntry) -> str:
-    if isinstance(entry, RunStart):
-        return f"start_run of run {entry.run.id}"
-    if isinstance(entry, RunEnd):
-        return f"end_run of run {entry.run.id}"
-    steps = [r.step for r in entry.records]
-    where = f"steps {min(steps)}..{max(steps)}, " if steps else ""
-    return f"a block ({where}{len(entry.records)} records, {len(entry.events)} events)"
 
 
 # -- the wrapper --------------------------------------------------------------------------------
@@ -232,7 +108,7 @@ class ResilientSink(Sink):
         ([0], False)
     """
 
-    _live = ("_caller", "_lock", "_spool")
+    _live = ("_caller", "_lock")
 
     def __init__(
         self,
@@ -256,26 +132,22 @@ class ResilientSink(Sink):
         if isinstance(max_data_tries, bool) or not isinstance(max_data_tries, int) or max_data_tries < 1:
             raise ConfigError(f"max_data_tries must be an integer >= 1, got {max_data_tries!r}")
         self.sink = sink
-        self.spool_path = Path(spool_path)
         self.name = name or type(sink).__name__
-        self.quarantine_path = self.spool_path.with_name(self.spool_path.name + ".quarantine.jsonl")
-        #: where spool lines that cannot be read (damaged, cut short) are kept, never deleted
-        self.rejected_path = self.spool_path.with_name(self.spool_path.name + ".rejected")
-        #: spool lines kept in ``rejected_path`` since construction
-        self.rejected = 0
+        self._spool = Spool(spool_path, self.name)
+        #: the spool file, and beside it the files for calls set aside and lines that cannot be read
+        self.spool_path = self._spool.path
+        self.quarantine_path = self._spool.quarantine_path
+        self.rejected_path = self._spool.rejected_path
         self.call_timeout = call_timeout
         self.max_data_tries = max_data_tries
-        self._caller = _Caller(self.name)
+        self._caller = CallThread(self.name)
         self._head_tries = 0  # data failures of the spool's first entry so far
-        #: blocks (and run calls) set aside in the quarantine file since construction
-        self.quarantined = 0
         self._initial = float(retry_initial)
         self._max = float(retry_max)
         self._delay = self._initial
         self._clock = clock
         self._lock = threading.RLock()
         self._events: list[Event] = []
-        self._spool: Any = None  # the append handle, open while spooling
         self._down_since: float | None = None
         self._next_retry = 0.0
         self._where: tuple[str, int, int] = ("", 0, 0)  # (run_id, step, rank) of the latest op, for events
@@ -283,16 +155,7 @@ class ResilientSink(Sink):
         self.spooled = 0
         #: spool entries replayed into the sink since construction.
         self.replayed = 0
-        try:
-            # Check the spool's place now: finding it unwritable only when the sink fails is too late.
-            self.spool_path.parent.mkdir(parents=True, exist_ok=True)
-            if not os.access(self.spool_path.parent, os.W_OK | os.X_OK):
-                raise PermissionError(13, "Permission denied", str(self.spool_path.parent))
-        except OSError as exc:
-            raise SinkError(
-                f"cannot use spool {self.spool_path} for sink {self.name}: {exc.strerror or exc}; expected a "
-                "writable directory; fix: choose another spool_path or fix its permissions"
-            ) from exc
+        self._spool.check_place()
         if self.pending:
             # A previous process left blocks behind: deliver them before anything new.
             self._down_since = self._clock()
@@ -302,7 +165,7 @@ class ResilientSink(Sink):
         """In a copy unpickled in another process (the wrapped sink travels with it): a call
         thread and lock of its own, the spool reopened when next appended to; warnings not yet
         taken stay with the original."""
-        self._caller = _Caller(self.name)
+        self._caller = CallThread(self.name)
         self._lock = threading.RLock()
         self._events = []
 
@@ -310,10 +173,17 @@ class ResilientSink(Sink):
     @property
     def pending(self) -> bool:
         """Whether the spool holds blocks not yet delivered."""
-        try:
-            return self.spool_path.stat().st_size > 0
-        except OSError:  # missing, or its directory is gone
-            return False
+        return self._spool.pending
+
+    @property
+    def rejected(self) -> int:
+        """Spool lines kept in ``rejected_path`` (they could not be read) since construction."""
+        return self._spool.rejected
+
+    @property
+    def quarantined(self) -> int:
+        """Blocks (and run calls) set aside in ``quarantine_path`` since construction."""
+        return self._spool.quarantined
 
     def last_step(self, run_id: str) -> int | None:
         """The wrapped sink's last stored step for ``run_id`` (None while it is down)."""
@@ -391,7 +261,7 @@ class ResilientSink(Sink):
                         f"sink {self.name} is still failing at close; its undelivered blocks stay in "
                         f"{self.spool_path} and are replayed when a ResilientSink next opens that spool"
                     )
-            self._close_spool()
+            self._spool.close()
             try:
                 self._call(self.sink.close)
             except Exception as exc:  # noqa: BLE001
@@ -411,40 +281,10 @@ class ResilientSink(Sink):
         else:
             self._call(self.sink.end_run, entry.run)
 
-    def _set_aside(self, line: str, what: str) -> None:
-        """Append a spool line to the quarantine file, to the disk at once."""
-        try:
-            with self.quarantine_path.open("a", encoding="utf-8") as f:
-                f.write(line if line.endswith("\n") else line + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as err:
-            raise SinkError(
-                f"sink {self.name} cannot set aside {what}: its quarantine file {self.quarantine_path} cannot be "
-                f"written ({err.strerror or err}); fix: make the spool's directory writable or free disk space"
-            ) from err
-        self.quarantined += 1
-
-    def _reject(self, line: str, lineno: int) -> None:
-        """Keep an unreadable spool line (as read) in the rejected file, to the disk at once: a
-        damaged line may still be repaired by hand, and it must never vanish with the spool."""
-        try:
-            with self.rejected_path.open("a", encoding="utf-8") as f:
-                f.write(line if line.endswith("\n") else line + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as err:
-            raise SinkError(
-                f"sink {self.name} cannot keep line {lineno} of its spool {self.spool_path}: the file "
-                f"{self.rejected_path} cannot be written ({err.strerror or err}); the spool is left as it is; "
-                "fix: make the spool's directory writable or free disk space"
-            ) from err
-        self.rejected += 1
-
     def _quarantine(self, line: str, entry: SpoolEntry | None, exc: BaseException, *, tries: int) -> None:
         """Set a block the sink refuses for what it holds aside, so it never blocks the others."""
-        what = _describe(entry) if entry else "a spooled block"
-        self._set_aside(line, f"{what} it refused")
+        what = describe(entry) if entry else "a spooled block"
+        self._spool.set_aside(line, f"{what} it refused")
         self._warn(
             f"sink {self.name} refused {what} for what it holds "
             f"({type(exc).__name__}: {exc}) after {tries} {'try' if tries == 1 else 'tries'}; set aside in "
@@ -465,7 +305,8 @@ class ResilientSink(Sink):
             self._note_where(op)
             if self.pending:
                 # Order matters: behind the spooled blocks, never ahead of them.
-                self._append(op)
+                self._spool.append(op)
+                self.spooled += 1
                 if self._clock() >= self._next_retry:
                     self._replay(why="on retry")
                 return
@@ -476,7 +317,8 @@ class ResilientSink(Sink):
                     # it would fail the same way again: never hold the queue up behind it
                     self._quarantine(encode_entry(op), op, exc, tries=1)
                     return
-                self._append(op)
+                self._spool.append(op)
+                self.spooled += 1
                 now = self._clock()
                 self._down_since = now
                 self._delay = self._initial
@@ -486,73 +328,14 @@ class ResilientSink(Sink):
                     f"{self.spool_path} and retrying with backoff (nothing is lost)"
                 )
 
-    def _append(self, op: SpoolEntry) -> None:
-        line = encode_entry(op) + "\n"
-        try:
-            if self._spool is None:
-                self.spool_path.parent.mkdir(parents=True, exist_ok=True)
-                self._spool = self.spool_path.open("a", encoding="utf-8")
-            self._spool.write(line)
-            # To the OS at once: a killed process keeps every spooled block.
-            self._spool.flush()
-        except OSError as exc:
-            raise SinkError(
-                f"sink {self.name} failed and its spool {self.spool_path} cannot be written either "
-                f"({exc.strerror or exc}); this block cannot be kept; fix: make the spool's directory "
-                "writable or free disk space"
-            ) from exc
-        self.spooled += 1
-
-    def _close_spool(self) -> None:
-        if self._spool is not None:
-            try:
-                self._spool.flush()
-                os.fsync(self._spool.fileno())
-            except OSError:
-                pass  # best effort; the lines already reached the OS in _append
-            self._spool.close()
-            self._spool = None
-
-    def _entries(self) -> Iterator[tuple[int, int, str]]:
-        """(line number, byte offset after the line, line) of every spool line."""
-        with self.spool_path.open("rb") as f:
-            n = 0
-            for raw in f:
-                n += 1
-                yield n, f.tell(), raw.decode("utf-8", errors="replace")
-
     def _replay(self, *, why: str) -> None:
         """Deliver the spool in order. On the first failure keep the rest and back off."""
-        self._close_spool()
+        self._spool.close()
         done_offset = 0
         delivered = 0
         try:
-            for lineno, end, line in self._entries():
-                if not line.endswith("\n"):
-                    self._reject(line, lineno)
-                    self._warn(
-                        f"sink {self.name}: spool {self.spool_path} line {lineno} is incomplete (the process "
-                        f"writing it was killed mid-line); kept in {self.rejected_path}, the rest delivered"
-                    )
-                    done_offset = end
-                    continue
-                try:
-                    op = decode_entry(line)
-                except _OldSpoolLine as exc:
-                    self._set_aside(line, f"line {lineno} of its spool")
-                    self._warn(
-                        f"sink {self.name}: spool {self.spool_path} line {lineno} is not delivered: {exc}; set aside "
-                        f"in {self.quarantine_path} and the rest delivered; to deliver it, open that file as the "
-                        "spool_path of a ResilientSink under the batchtap version that wrote it"
-                    )
-                    done_offset = end
-                    continue
-                except (ValueError, KeyError, TypeError) as exc:
-                    self._reject(line, lineno)
-                    self._warn(
-                        f"sink {self.name}: spool {self.spool_path} line {lineno} is damaged ({exc}); kept in "
-                        f"{self.rejected_path}, the rest delivered"
-                    )
+            for end, line, op in self._spool.read(self._warn):
+                if op is None:  # unreadable or of an older format: kept aside by the spool, reported
                     done_offset = end
                     continue
                 try:
@@ -575,7 +358,7 @@ class ResilientSink(Sink):
         except Exception as exc:  # noqa: BLE001 - the sink is still down
             failure = exc
         else:
-            self.spool_path.unlink(missing_ok=True)
+            self._spool.delete()
             down_for = self._clock() - (self._down_since if self._down_since is not None else self._clock())
             self._down_since = None
             self._delay = self._initial
@@ -586,7 +369,7 @@ class ResilientSink(Sink):
             self._events.append(Event(run_id, step, EventKind.WARNING, msg, time.time(), rank=rank))
             return
         if done_offset:
-            self._drop_head(done_offset)
+            self._spool.drop_head(done_offset)
         now = self._clock()
         self._delay = min(max(self._delay * 2, self._initial), self._max) if self._next_retry else self._initial
         self._next_retry = now + self._delay
@@ -597,13 +380,3 @@ class ResilientSink(Sink):
             failure,
             self._delay,
         )
-
-    def _drop_head(self, offset: int) -> None:
-        """Remove the delivered first ``offset`` bytes of the spool (write the rest, then rename)."""
-        tmp = self.spool_path.with_name(self.spool_path.name + ".tmp")
-        with self.spool_path.open("rb") as src, tmp.open("wb") as dst:
-            src.seek(offset)
-            shutil.copyfileobj(src, dst)
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.replace(tmp, self.spool_path)
