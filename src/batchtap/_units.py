@@ -74,6 +74,8 @@ RULES: tuple[tuple[str, str, Kind], ...] = (
     ("suffix", "_temp", "celsius"),
     ("suffix", "_sm_clock", "mhz"),
     ("exact", "throughput", "per_second"),
+    ("suffix", "_per_second", "per_second"),  # tokens_per_second, flops_per_second (metrics/throughput.py)
+    ("exact", "mfu", "fraction"),  # model FLOPs utilisation, stored 0-1
     ("suffix", "loss", "loss"),
 )
 
