@@ -80,11 +80,9 @@ def fit(model: Any, x: Any, y: Any, tap: bt.Tap | None = None, **kwargs: Any) ->
 def tape_truth(
     model: Any, x: Any, ys: Any, losses: Callable[[Any, Any, Any], dict[str, Any]], *, sample_weight: Any = None
 ) -> list[dict[str, float]]:
-    """The same training by a plain GradientTape loop on ``model`` (a twin with the same weights):
-    per batch ``losses(y, y_pred, w)`` (a dict holding ``loss``, the total), the dense gradient norm,
-    and SGD at ``LR`` through a fresh optimizer."""
-    import tensorflow as tf
-
+    """The same training by a plain GradientTape loop (torch backend: ``torch.autograd.grad``) on
+    ``model`` (a twin with the same weights): per batch ``losses(y, y_pred, w)`` (a dict holding
+    ``loss``, the total), the dense gradient norm, and SGD at ``LR`` through a fresh optimizer."""
     optimizer = keras.optimizers.SGD(LR)
     rows = []
     for k in range(BATCHES * EPOCHS):
@@ -92,13 +90,24 @@ def tape_truth(
         xb = x[i : i + BATCH]
         yb = keras.tree.map_structure(lambda a: a[i : i + BATCH], ys)
         wb = None if sample_weight is None else sample_weight[i : i + BATCH]
-        with tf.GradientTape() as tape:
+        if BACKEND == "torch":
+            import torch
+
             y_pred = model(xb, training=True)
             values = losses(yb, y_pred, wb)
-        grads = tape.gradient(values["loss"], model.trainable_variables)
-        dense = [tf.convert_to_tensor(g) for g in grads]
-        norm = float(np.sqrt(sum(float(tf.reduce_sum(tf.square(g))) for g in dense)))
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            grads = list(torch.autograd.grad(values["loss"], [v.value for v in model.trainable_variables]))
+            norm = float(np.sqrt(sum(float((g.double() ** 2).sum()) for g in grads)))
+            optimizer.apply(grads, model.trainable_variables)
+        else:
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                y_pred = model(xb, training=True)
+                values = losses(yb, y_pred, wb)
+            grads = tape.gradient(values["loss"], model.trainable_variables)
+            dense = [tf.convert_to_tensor(g) for g in grads]
+            norm = float(np.sqrt(sum(float(tf.reduce_sum(tf.square(g))) for g in dense)))
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
         rows.append({**{n: float(v) for n, v in values.items()}, "grad_norm": norm, "lr": LR})
     return rows
 

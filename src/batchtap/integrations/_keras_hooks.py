@@ -92,9 +92,12 @@ class Hooks:
             for tracker in loss_trackers(model):
                 self._watch(tracker)
 
-    def _set(self, owner: Any, name: str, value: Any) -> None:
+    def replace(self, owner: Any, name: str, value: Any) -> None:
+        """Set ``owner.name`` on the instance until :meth:`remove` (what else a recorder hooks)."""
         setattr(owner, name, value)
         self._undo.append((owner, name))
+
+    _set = replace
 
     def _watch(self, tracker: Any) -> None:
         original = tracker.update_state

@@ -19,45 +19,15 @@ learns of it at the next flush, where ``model.stop_training`` is set. (Under ``r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
+from batchtap.integrations._keras_heads import compiled_losses, head_pair, like, model_heads, resolve, single
 from batchtap.integrations._keras_hooks import Hooks, optimizer_facts
 from batchtap.integrations._tf_ring import TFCapture, _tf, accuracy_ops
 from batchtap.tap import Tap
 
-__all__ = ["TFRecorder", "compiled_losses", "model_heads"]
-
-
-def model_heads(model: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The model's output (head) names, and the heads that get an accuracy (class scores: last
-    dimension > 1, or not known). Known before tracing for Sequential and functional models; a
-    subclassed model's outputs are known only when traced: it counts as one head."""
-    try:
-        names = tuple(str(n) for n in model.output_names)
-        dims = tuple(t.shape[-1] for t in model.outputs)
-    except (AttributeError, TypeError, ValueError, IndexError):
-        names, dims = (), ()
-    if len(names) != len(dims) or len(set(names)) != len(names):
-        names, dims = (), ()
-    if len(names) <= 1:
-        classes = dims[0] if dims else None
-        return ("output",), ("output",) if classes is None or classes > 1 else ()
-    return names, tuple(n for n, d in zip(names, dims) if d is None or d > 1)
-
-
-def compiled_losses(model: Any) -> list[Any]:
-    """Keras' compiled losses per output, ``(path, loss, loss_weight, name)``: built by the first
-    ``compute_loss`` of the trace (a private attribute of Keras' ``CompileLoss``, read on purpose:
-    it is what Keras itself sums into the total loss)."""
-    compiled = vars(model).get("_compile_loss")
-    return [f for f in (getattr(compiled, "_flat_losses", None) or []) if getattr(f, "loss", None) is not None]
-
-
-def _resolve(path: Sequence[Any], value: Any) -> Any:
-    for key in path:
-        value = value[key]
-    return value
+__all__ = ["TFRecorder"]
 
 
 class TFRecorder:
@@ -124,26 +94,22 @@ class TFRecorder:
         values: dict[str, Any] = {"samples": tf.shape(flat_pred[0])[0]} if flat_pred else {}
         if len(self._heads) <= 1:
             if self._accuracy_heads:
-                counted = accuracy_ops(tf, flat_pred[0] if len(flat_pred) == 1 else None, _single(keras, y))
+                counted = accuracy_ops(tf, flat_pred[0] if len(flat_pred) == 1 else None, single(keras, y))
                 if counted is not None:
                     values["hits/accuracy"], values["kept/accuracy"] = counted
             return values
-        y = _like(keras, y, y_pred, self.model)
+        y = like(keras, y, y_pred, self.model)
         weights = seen.sample_weight
         for path, loss_fn, _weight, name in compiled_losses(self.model):
             head = str(name)
             if head not in self._heads:
                 continue
-            y_t, y_p = _resolve(path, y), _resolve(path, y_pred)
-            w = _resolve(path, weights) if weights is not None and keras.tree.is_nested(weights) else weights
+            y_t, y_p = resolve(path, y), resolve(path, y_pred)
+            w = resolve(path, weights) if weights is not None and keras.tree.is_nested(weights) else weights
             # unweighted by the loss weight, as Keras' own per-output tracker records it
             values[f"loss/{head}"] = tf.cast(loss_fn(y_t, y_p, w), tf.float32)
         for head in self._accuracy_heads:
-            try:
-                y_t, y_p = _resolve((head,), y), _resolve((head,), y_pred)
-            except (KeyError, TypeError, IndexError):
-                index = self._heads.index(head)
-                y_t, y_p = keras.tree.flatten(y)[index], keras.tree.flatten(y_pred)[index]
+            y_t, y_p = head_pair(keras, head, self._heads, y, y_pred)
             counted = accuracy_ops(tf, y_p, y_t)
             if counted is not None:
                 values[f"hits/accuracy/{head}"], values[f"kept/accuracy/{head}"] = counted
@@ -211,26 +177,3 @@ def _keras() -> Any:
     import keras
 
     return keras
-
-
-def _single(keras: Any, y: Any) -> Any:
-    flat = keras.tree.flatten(y) if y is not None else []
-    return flat[0] if len(flat) == 1 else None
-
-
-def _like(keras: Any, y: Any, y_pred: Any, model: Any) -> Any:
-    """``y`` in ``y_pred``'s structure, the way Keras' compiled loss matches them."""
-    try:
-        keras.tree.assert_same_structure(y_pred, y)
-        return y
-    except (ValueError, TypeError):
-        pass
-    if isinstance(y_pred, (list, tuple)) and isinstance(y, dict):
-        names = list(getattr(model, "output_names", []) or [])
-        if set(names) == set(y):
-            return type(y_pred)(y[name] for name in names)
-    if isinstance(y_pred, dict) and isinstance(y, (list, tuple)):
-        names = [n for n in (getattr(model, "output_names", []) or []) if n in y_pred]
-        if len(names) == len(y):
-            return dict(zip(names, y))
-    return keras.tree.pack_sequence_as(y_pred, keras.tree.flatten(y))
