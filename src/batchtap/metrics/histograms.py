@@ -16,6 +16,7 @@ from batchtap.metrics.base import Metric, RowWriter, StepInputs
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, Output, Reduce
 from batchtap.metrics.gradients import _check_scaler, _scale_carried
 from batchtap.metrics.layer_decoders import CAPTURED, NOT_CAPTURED, HistogramsDecoding
+from batchtap.metrics.layer_sharding import MeshParts
 from batchtap.metrics.layers import _LayersHooks, layer_groups
 
 __all__ = ["Histograms", "histogram", "histogram_edges", "HISTOGRAM_PREFIX"]
@@ -37,11 +38,28 @@ def histogram(tensors: Sequence[torch.Tensor], bins: int) -> torch.Tensor:
         >>> histogram([torch.tensor([0.0, 1.0, 1.0, 4.0])], bins=4)
         tensor([0., 4., 1., 2., 0., 1.])
     """
-    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-    low, high = flat.amin(), flat.amax()
-    span = (high - low).clamp_min(torch.finfo(torch.float32).tiny)
-    counts = torch.histc(flat.sub(low).div_(span), bins=bins, min=0.0, max=1.0)
-    return torch.cat([low.reshape(1), high.reshape(1), counts])
+    flat = _flat(tensors)
+    bounds = _bounds(flat)
+    return torch.cat([bounds, _counts(flat, bounds, bins)])
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def _bounds(flat: torch.Tensor) -> torch.Tensor:
+    """``[2]``: min and max; of no element (a rank's empty shard) +inf and -inf, which a max over
+    the ranks ignores (the element count is host metadata: no read)."""
+    if not flat.numel():
+        inf = torch.full((), math.inf, dtype=torch.float32, device=flat.device)
+        return torch.stack([inf, -inf])
+    return torch.stack([flat.amin(), flat.amax()])
+
+
+def _counts(flat: torch.Tensor, bounds: torch.Tensor, bins: int) -> torch.Tensor:
+    """``[bins]`` counts of ``flat`` over ``[bounds[0], bounds[1]]`` (device tensors)."""
+    span = (bounds[1] - bounds[0]).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.histc(flat.sub(bounds[0]).div_(span), bins=bins, min=0.0, max=1.0)
 
 
 def histogram_edges(low: float, high: float, bins: int) -> np.ndarray:
@@ -121,6 +139,8 @@ class Histograms(HistogramsDecoding, Metric):
             for part in ("min", "max", *map(str, range(bins)))
         )
         self._not_captured: tuple[float, ...] = (_NOT_CAPTURED,) + (math.nan,) * width
+        self._mesh = MeshParts(self.parameters)
+        self._mesh.uniform("Histograms")
         self._rows = 0
         self._grads: tuple[torch.Tensor, tuple[float, ...]] | None = None  # [L, bins + 2] at the step
         self._pending_by: int | None = None
@@ -131,7 +151,14 @@ class Histograms(HistogramsDecoding, Metric):
     def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()
         state.update(
-            parameters=[], groups=[], scaler=None, _hooks=None, _grads=None, _row_inputs=None, _row_values=None
+            parameters=[],
+            groups=[],
+            scaler=None,
+            _hooks=None,
+            _mesh=None,
+            _grads=None,
+            _row_inputs=None,
+            _row_values=None,
         )
         return state
 
@@ -151,22 +178,31 @@ class Histograms(HistogramsDecoding, Metric):
         if not grads or (self._pending_by is not None and self._pending_by != id(optimizer)):
             return
         self._pending_by = id(optimizer)
-        device = self.parameters[0].device
-        have = []
-        rows = []
+        local = self._mesh.local
+        present = [[g for g in local([p.grad for p in group]) if g is not None] for group in self.groups]
+        have = tuple(1.0 if g else 0.0 for g in present)
         scale = _scale_carried(self.scaler) if self.scaler is not None else None
         with torch.no_grad():
-            for group in self.groups:
-                present = [p.grad for p in group if p.grad is not None]
-                have.append(1.0 if present else 0.0)
-                if not present:
-                    rows.append(torch.zeros(self.bins + 2, dtype=torch.float32, device=device))
-                    continue
-                row = histogram(present, self.bins).to(device)
-                if scale is not None:  # still scaled: the counts are not, the range is
-                    row[:2].div_(scale.to(device, non_blocking=True))
-                rows.append(row)
-            self._grads = (torch.stack(rows), tuple(have))
+            rows = self._histograms(present)
+            if scale is not None:  # still scaled: the counts are not, the range is
+                rows[:, :2].div_(scale.to(rows.device, non_blocking=True))
+            for i, had in enumerate(have):
+                if not had:
+                    rows[i].zero_()
+            self._grads = (rows, have)
+
+    def _histograms(self, groups: list[list[torch.Tensor]]) -> torch.Tensor:
+        """``[L, 2 + bins]`` per layer: min, max, counts. Sharded (FSDP2) parameters: each rank's
+        shard is counted over the global range (minima and maxima combined over the mesh first),
+        then the counts summed over the mesh: two collectives, on the device."""
+        device = self.parameters[0].device
+        flats = [_flat(g) if g else torch.empty(0, device=device) for g in groups]
+        bounds = torch.stack([_bounds(f).to(device) for f in flats])  # [L, 2]
+        if self._mesh.sharded:  # the global min is minus the max of the negated minima
+            bounds = self._mesh.combine(torch.stack([-bounds[:, 0], bounds[:, 1]], dim=1), "max")
+            bounds = torch.stack([-bounds[:, 0], bounds[:, 1]], dim=1)
+        counts = torch.stack([_counts(f, b.to(f.device), self.bins).to(device) for f, b in zip(flats, bounds)])
+        return torch.cat([bounds, self._mesh.combine(counts, "sum")], dim=1)
 
     def _row(self, inputs: StepInputs) -> tuple[torch.Tensor | None, tuple[float, ...]]:
         if inputs is self._row_inputs and self._row_values is not None:
@@ -179,7 +215,7 @@ class Histograms(HistogramsDecoding, Metric):
             values: tuple[torch.Tensor | None, tuple[float, ...]] = (None, self._not_captured)
         else:
             with torch.no_grad():
-                weights = torch.stack([histogram(g, self.bins).to(grads[0].device) for g in self.groups])
+                weights = self._histograms([self._mesh.local(g) for g in self.groups])  # type: ignore[misc]
                 values = (torch.cat([weights, grads[0]]).reshape(-1), (_CAPTURED, *grads[1]))
         self._row_values = values
         return values

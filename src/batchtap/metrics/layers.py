@@ -22,6 +22,7 @@ from batchtap.metrics.domain import NONNEGATIVE, Output, Reduce
 from batchtap.metrics.functional import _foreach_norm_fp32
 from batchtap.metrics.gradients import _check_scaler, _scale_carried
 from batchtap.metrics.layer_decoders import CAPTURED, NOT_CAPTURED, LayersDecoding
+from batchtap.metrics.layer_sharding import MeshParts
 from batchtap.metrics.optimizer_hooks import ParameterStepListener
 
 __all__ = ["Layers", "layer_groups", "find_model"]
@@ -187,6 +188,7 @@ class Layers(LayersDecoding, Metric):
         self._outputs: tuple[Output, ...] = ()
         self._not_captured: tuple[float, ...] = (_NOT_CAPTURED,)
         self._hooks: _LayersHooks | None = None
+        self._mesh = MeshParts([])
         if model is None:
             layer_groups(torch.nn.Module(), depth)  # checks depth now
         else:
@@ -236,6 +238,7 @@ class Layers(LayersDecoding, Metric):
             Output(f"{kind}/{name}", NONNEGATIVE, Reduce.MAX) for kind in KINDS for name in self.names
         )
         self._not_captured = (_NOT_CAPTURED,) + (math.nan,) * width
+        self._mesh = MeshParts(self.parameters)
         self._hooks = _LayersHooks(self)
 
     def __getstate__(self) -> dict[str, object]:
@@ -245,6 +248,7 @@ class Layers(LayersDecoding, Metric):
             parameters=[],
             scaler=None,
             _hooks=None,
+            _mesh=None,
             _pending=None,
             _weights_before=None,
             _grads_before=None,
@@ -276,7 +280,7 @@ class Layers(LayersDecoding, Metric):
         if self._pending_by is not None and self._pending_by != id(optimizer):
             return  # a second optimizer of the model in the same step: the first one's take holds
         self._pending_by = id(optimizer)
-        params = [p.detach() for p in self.parameters]
+        params = self._local_weights()
         with torch.no_grad():
             if weights:
                 if self._snapshot is None:
@@ -292,10 +296,14 @@ class Layers(LayersDecoding, Metric):
             self._pending = (before, have, self._scale)
             self._weights_before = self._grads_before = self._scale = None
 
+    def _local_weights(self) -> list[torch.Tensor]:
+        """The parameters, detached; of ``DTensor`` parameters (FSDP2) this rank's shard."""
+        return self._mesh.local([p.detach() for p in self.parameters])  # type: ignore[return-value]
+
     def _grad_norms(self) -> tuple[torch.Tensor, tuple[float, ...]]:
         """``[P]`` gradient norms (0 for a parameter without a gradient) and, per layer, 1.0 when
         any of its parameters had a gradient (host metadata)."""
-        grads = [p.grad for p in self.parameters]
+        grads = self._mesh.local([p.grad for p in self.parameters])
         have = [0.0] * len(self.names)
         for owner, grad in zip(self.owners, grads):
             if grad is not None:
@@ -330,7 +338,7 @@ class Layers(LayersDecoding, Metric):
 
     def _finish(self, before: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """``[3, L]``: per layer the gradient norm, the weight norm now, the update ratio (device ops)."""
-        params = [p.detach() for p in self.parameters]
+        params = self._local_weights()
         snapshot = self._snapshot
         assert snapshot is not None
         after = _norms(params)
@@ -343,7 +351,8 @@ class Layers(LayersDecoding, Metric):
             onehot = torch.zeros(len(self.owners), len(self.names), dtype=torch.float32, device=device)
             onehot[torch.arange(len(self.owners)), torch.tensor(self.owners)] = 1.0
             self._onehot = onehot
-        norms = (squares.to(onehot.dtype) @ onehot).sqrt_()  # [4, L]: grad, weight before, weight after, moved
+        # [4, L]: sharded parameters' squares are summed over the device mesh too (one collective)
+        norms = self._mesh.sum_per_layer(squares.to(onehot.dtype), onehot).sqrt_()  # grad, w before, w after, moved
         out = torch.empty(3, len(self.names), dtype=torch.float32, device=device)
         if scale is not None:  # the gradients were still scaled: divide on the device, never read the scale
             torch.div(norms[0], scale.to(device, non_blocking=True), out=out[0])
