@@ -66,7 +66,7 @@ def _cell(frontend: str) -> Callable[[str, Path], Any]:
 
 
 def _entries() -> tuple[list[Any], list[Any], dict[tuple[str, str], Any]]:
-    from tests.conformance.registry import NA, SCENARIOS, XFAIL, FrontEnd, Scenario
+    from tests.conformance.registry import NA, SCENARIOS, FrontEnd, Scenario
 
     frontends = [
         FrontEnd("keras-tf", _cell("keras-tf"), "BatchtapCallback, Keras 3 fit() on TensorFlow"),
@@ -90,9 +90,6 @@ def _entries() -> tuple[list[Any], list[Any], dict[tuple[str, str], Any]]:
     for name in ("explicit", "autolog", "run", "lightning", "hf", "accelerate"):
         marks[("keras-two-outputs", name)] = NA("a Keras model's scenario")
     marks[("keras-two-outputs", "tfcapture")] = NA("TFCapture is handed one loss and one output by the loop")
-    marks[("keras-two-outputs", "keras-torch")] = XFAIL(
-        "the torch backend records the total loss only for several outputs (per-output values: TensorFlow)"
-    )
     return frontends, scenarios, marks
 
 
