@@ -11,7 +11,7 @@ Needs ``pip install 'batchtap[lightning]'`` (the unified ``lightning`` package).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from batchtap.metrics.inputs import RESERVED_NAMES
 from batchtap.tap import Tap
 
 _pl: Any = require("lightning.pytorch", extra="lightning", purpose="batchtap.integrations.lightning")
+_fetchers: Any = require("lightning.pytorch.loops.fetchers", extra="lightning", purpose="BatchtapCallback")
 
 __all__ = ["BatchtapCallback"]
 
@@ -94,6 +95,48 @@ def _run_config(trainer: Any, pl_module: Any) -> dict[str, Any]:
     return config
 
 
+class _Fetches:
+    """The fetches of one epoch from Lightning's training fetcher, as an iterator ``tap.watch`` can time.
+
+    Each ``next`` is the fetcher's own ``__next__`` (what Lightning's profiler times as
+    ``train_dataloader_next``): the loop's wait for its batch, not its hooks or validation.
+    """
+
+    def __init__(self, fetcher: Any) -> None:
+        self.fetcher = fetcher
+        # the batches left in this epoch (a resumed epoch starts part-way), None when unknown
+        self.length = None if fetcher.length is None else max(int(fetcher.length) - int(fetcher.fetched), 0)
+
+    def __iter__(self) -> _Fetches:
+        return self
+
+    def __next__(self) -> Any:
+        return _fetchers._PrefetchDataFetcher.__next__(self.fetcher)
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("the epoch's length is unknown")  # what len() of an iterable dataset raises
+        return self.length
+
+
+class _WatchedFetcher(_fetchers._PrefetchDataFetcher):  # type: ignore[misc]
+    """Lightning's training fetcher with each epoch's fetches going through ``tap.watch``.
+
+    The fit loop makes the fetcher before any callback hook that could wrap its iterator, and makes
+    each epoch's iterator after ``on_train_epoch_start``; so the callback gives the fetcher this
+    class (``__next__`` only) for the fit and takes it back at its end.
+    """
+
+    _batchtap_watch: Callable[[_Fetches], Iterator[Any]]
+    _batchtap_watched: Iterator[Any] | None
+
+    def __next__(self) -> Any:
+        watched = self._batchtap_watched
+        if watched is None:
+            watched = self._batchtap_watched = self._batchtap_watch(_Fetches(self))
+        return next(watched)
+
+
 def _second_item(batch: Any) -> Any:
     return batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
 
@@ -116,6 +159,11 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
       clipping sees), unless the Tap already has a :class:`~batchtap.metrics.GradNorm`.
     * ``lr`` (``lr_opt{i}`` for further optimizers): the first param group's learning rate,
       read on the host, unless the Tap already has a :class:`~batchtap.metrics.LearningRate`.
+    * ``data_time``: the wait for each batch, timed around the fit loop's fetch as
+      :meth:`Tap.watch` times a loader (which also numbers the steps and starts each step's clock
+      when its batch arrives, so ``step_time`` leaves the wait out); summed over the micro-batches
+      of an optimizer step. Not for a ``training_step`` that takes ``dataloader_iter`` (it fetches
+      by itself), nor for a loader without a length when the Tap samples (``sample_every > 1``).
     * ``self.log(...)`` values as sparse values (:meth:`Tap.log`), no sync added: values logged
       ``on_step`` at each optimizer step (the last micro-batch's, as Lightning's own loggers get
       them), ``on_epoch`` values at the end of each training epoch, validation values at the end
@@ -167,6 +215,7 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         self._own_lr = True
         self._lr: dict[str, float] = {}  # learning rates read before this optimizer step
         self._logged: dict[str, torch.Tensor] = {}  # the self.log tensor last stored per name
+        self._fetcher: Any = None  # the fit loop's training fetcher while its fetches are watched
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         # The optimizers exist from here on (configure_optimizers ran in strategy.setup).
@@ -182,6 +231,42 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._global_step = trainer.global_step  # restored from a checkpoint after on_fit_start
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        # After the loop made (or remade, reload_dataloaders_every_n_epochs) this epoch's fetcher
+        # and before its first fetch.
+        self._unwatch()  # the last epoch's watch stays suspended after its last batch: end it
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        if (
+            self.tap is None
+            or not self._running
+            or type(fetcher) not in (_fetchers._PrefetchDataFetcher, _WatchedFetcher)
+        ):
+            return  # a training_step taking dataloader_iter fetches by itself
+        fetcher.__class__ = _WatchedFetcher
+        fetcher._batchtap_watched = None
+        epoch = trainer.current_epoch
+        fetcher._batchtap_watch = lambda fetches: self._watch(fetches, epoch)
+        self._fetcher = fetcher
+
+    def _watch(self, fetches: _Fetches, epoch: int) -> Iterator[Any]:
+        tap = self.tap
+        if tap is None or not self._running or (fetches.length is None and tap.sample_every > 1):
+            return fetches  # without a length, sampling would fetch one batch ahead of the loop
+        return tap.watch(fetches, epoch=epoch)
+
+    def _unwatch(self, *, restore: bool = False) -> None:
+        fetcher = self._fetcher
+        if fetcher is None:
+            return
+        watched, fetcher._batchtap_watched = fetcher._batchtap_watched, None
+        close = getattr(watched, "close", None)
+        if close is not None:
+            close()
+        if restore:
+            fetcher.__class__ = _fetchers._PrefetchDataFetcher
+            del fetcher._batchtap_watched, fetcher._batchtap_watch
+            self._fetcher = None
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if not self._running:
@@ -276,6 +361,7 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         }
 
     def _end(self, exc: BaseException | None) -> None:
+        self._unwatch(restore=True)
         tap = self.tap
         if self._running and tap is not None:
             self._running = False
