@@ -112,7 +112,8 @@ class Layers(LayersDecoding, Metric):
 
     * ``grad_norm/<path>``: L2 norm of the module's gradients as the optimizer step used them
       (before the step, so after any clipping the loop did; under AMP with ``scaler=`` the
-      *unscaled* gradients; under DDP the all-reduced, so global, gradients);
+      *unscaled* gradients; under DDP the all-reduced, so global, gradients; under FSDP2
+      the shards' squares summed over the mesh, so global too);
     * ``weight_norm/<path>``: L2 norm of the module's parameters after the step;
     * ``update_ratio/<path>``: ``‖w_after − w_before‖ / ‖w_before‖`` — near 0 for a layer that
       stopped learning, large for one that is blowing up (1e-3 is a common healthy scale for Adam).
