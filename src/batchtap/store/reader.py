@@ -20,12 +20,12 @@ import math
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from types import TracebackType
 from typing import Any
 
 from batchtap.records import Event, EventKind, Record, RunStatus
 from batchtap.store.connect import ConnectionPool, connect_postgres, connect_sqlite
 from batchtap.store.errors import MetricNotFound, RunNotFound, StoreError
+from batchtap.store.handle import ReadHandle
 from batchtap.store.rows import (
     RUN_SELECT,
     MetricSummary,
@@ -47,8 +47,11 @@ _NAN = float("nan")
 _UNDONE = re.compile(r"\bundone steps (\d+)\.\.(\d+)")
 
 
-class Store:
+class Store(ReadHandle):
     """A read handle on a batchtap store; make one with :func:`open`. Use it as a context manager.
+
+    The connections, :meth:`query` and the life cycle come from :class:`~batchtap.store.handle.ReadHandle`;
+    this class holds the queries.
 
     Example:
         >>> import tempfile, os, batchtap.store
@@ -65,45 +68,7 @@ class Store:
         [Point(step=0, value=0.5, wall_time=1.0, epoch=0, batch=0)]
     """
 
-    def __init__(self, pool: ConnectionPool, dialect: Dialect, where: str) -> None:
-        self._pool = pool
-        self._d = dialect
-        #: the store's location, safe to print (no password).
-        self.where = where
-
-    # -- life cycle -------------------------------------------------------------------------
-    @property
-    def dialect(self) -> Dialect:
-        """The store's SQL dialect (:data:`~batchtap.store.schema.SQLITE` or ``POSTGRES``)."""
-        return self._d
-
-    @property
-    def open_connections(self) -> int:
-        """Connections open now (bounded; idle ones close after a few seconds)."""
-        return self._pool.open_count
-
-    def close(self) -> None:
-        """Close the connections (one in use by another thread closes when its call ends)."""
-        self._pool.close()
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    # -- queries ----------------------------------------------------------------------------
-    def _all(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        with self._pool.connection() as conn:
-            return list(conn.execute(self._d.q(sql), params).fetchall())
-
-    def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        """Rows of one read-only statement (``?`` placeholders, values only as ``params``): the
-        decimation queries of the browser view. The connection refuses writes."""
-        return self._all(sql, tuple(params))
-
+    # -- runs -------------------------------------------------------------------------------
     def runs(self) -> list[RunRow]:
         """Every run, oldest first, with its status, step count and timings."""
         rows = self._all(RUN_SELECT.format(where="") + " ORDER BY r.started_at, r.id")
@@ -502,13 +467,11 @@ class Store:
             RunNotFound: no such run (``run_id`` is resolved as :meth:`run` does).
         """
         run_id = self._id(run_id)
-        with self._pool.connection() as conn:
-            cur = conn.execute(
-                self._d.q("SELECT metric, step, rank, value FROM metrics WHERE run_id = ? ORDER BY metric, step, rank"),
-                (run_id,),
-            )
-            for metric, step, rank, value in cur:
-                yield metric, int(step), int(rank), _NAN if value is None else float(value)
+        rows = self._stream(
+            "SELECT metric, step, rank, value FROM metrics WHERE run_id = ? ORDER BY metric, step, rank", (run_id,)
+        )
+        for metric, step, rank, value in rows:
+            yield metric, int(step), int(rank), _NAN if value is None else float(value)
 
     def events(self, run_id: str | RunRow) -> list[Event]:
         """Events of a run in step order.
