@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import batchtap as bt
 from tests.conformance.compare import Outcome
-from tests.conformance.loops import BATCH, EPOCHS, MAX_NORM, OPTIONS, VOCAB, Options, _data, _model
+from tests.conformance.loops import BATCH, EPOCHS, MAX_NORM, OPTIONS, VOCAB, Options, _data, _full, _model
 
 __all__ = ["RUNNERS"]
 
@@ -77,6 +77,7 @@ def run_lightning(scenario: str, workdir: Path, *, autolog: bool = False) -> Out
             self.net = _model(opts)
             self.micro: list[tuple[int, float, int, int]] = []
             self.truth: list[dict[str, float]] = []
+            self.engine: list[torch.nn.Module] = []  # a list: a module attribute would become a submodule
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             x, y = batch
@@ -87,9 +88,14 @@ def run_lightning(scenario: str, workdir: Path, *, autolog: bool = False) -> Out
             self.micro.append((batch_idx, loss.item(), *_counts(out, y, ignore)))
             return {"loss": loss, "logits": out}
 
+        def configure_model(self) -> None:  # ModelParallelStrategy (FSDP2): the user shards here
+            if opts.dist == "fsdp2":
+                _shard(self.net, self.device_mesh["data_parallel"])
+
         def on_before_optimizer_step(self, optimizer: Any) -> None:  # before Lightning clips
             grads = [p.grad for p in self.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads).item()
+            norm = _full(torch.nn.utils.get_total_norm(grads)).item()  # DDP: all-reduced grads; FSDP2: a DTensor
+            self.engine[:] = [self.trainer.strategy.model]  # what trained (fit's teardown unwraps DDP)
             lr = float(optimizer.param_groups[0]["lr"])
             self.truth.append(_step_truth(self.current_epoch, self.micro, lr, norm))
             self.micro = []
@@ -109,7 +115,8 @@ def run_lightning(scenario: str, workdir: Path, *, autolog: bool = False) -> Out
     trainer = pl.Trainer(
         max_epochs=EPOCHS,
         accelerator="cpu",
-        devices=1,
+        devices=opts.world if opts.dist != "none" else 1,  # under torchrun: its ranks, no process started here
+        strategy=_lightning_strategy(opts),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -125,8 +132,40 @@ def run_lightning(scenario: str, workdir: Path, *, autolog: bool = False) -> Out
             bt.autolog(enabled=False)
         else:
             tap.close()
+    _assert_engine(opts, module.engine[0] if opts.dist == "ddp" else module.net)
     # the callback sees no loader fetch (no data_time); autolog watches Lightning's DataLoader iterations
     return Outcome(module.truth, None, workdir / "store.db", data_time=autolog, step_time=True)
+
+
+def _lightning_strategy(opts: Options) -> Any:
+    if opts.dist == "ddp":
+        return "ddp"
+    if opts.dist == "fsdp2":  # Lightning's FSDP2 strategy: fully_shard in configure_model
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=opts.world, tensor_parallel_size=1)
+    return "auto"
+
+
+def _assert_engine(opts: Options, model: torch.nn.Module, context: str = "") -> None:
+    """The framework ran the scenario's engine: a DDP wrapper, or FSDP2's sharded (DTensor) parameters."""
+    if opts.dist == "ddp":
+        assert isinstance(model, torch.nn.parallel.DistributedDataParallel), (
+            f"not DDP: {type(model).__name__} {context}"
+        )
+    elif opts.dist == "fsdp2":
+        kinds = {type(p).__name__ for p in model.parameters()}
+        wrapper = type(model).__name__
+        assert kinds == {"DTensor"}, f"FSDP2 expected every parameter a DTensor, got {kinds} in a {wrapper} {context}"
+
+
+def _shard(net: torch.nn.Module, mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in net:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
 
 
 # ---------------------------------------------------------------------------------------- HF Trainer
@@ -141,6 +180,7 @@ def run_hf(scenario: str, workdir: Path) -> Outcome:
     opts = OPTIONS[scenario]
     lm = opts.pad is not None  # a causal LM on -100-padded labels (the Trainer's token-normalised path)
     accum = opts.accum
+    world = opts.world if opts.dist != "none" else 1  # under torchrun each rank trains on n / world samples
     # an odd number of micro-batches per epoch under accumulation: each epoch ends with a one-micro-batch step
     n = BATCH * (2 * accum + 1 if accum > 1 else 4)
     model = _gpt2() if lm else _bert()
@@ -172,12 +212,14 @@ def run_hf(scenario: str, workdir: Path) -> Outcome:
         max_grad_norm=MAX_NORM if opts.clip == "get_total_norm" else 1.0,
         learning_rate=0.01,
         num_train_epochs=EPOCHS,
+        **({"fsdp": "full_shard", "fsdp_config": {"version": 2}} if opts.dist == "fsdp2" else {}),
     )
     tap = _tap(workdir / "store.db", opts)
     trainer = Trainer(model=model, args=args, train_dataset=_Data(n, lm=lm), tap=tap)
     if scenario == "divided-accum":
         trainer.model_accepts_loss_kwargs = False  # the Trainer divides each micro-batch's loss by the count
-    steps_per_epoch = math.ceil(n / BATCH / accum)
+    micro_per_epoch = math.ceil(n / world / BATCH)
+    steps_per_epoch = math.ceil(micro_per_epoch / accum)
     clip = trainer.accelerator.clip_grad_norm_
 
     def clip_with_truth(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
@@ -195,7 +237,7 @@ def run_hf(scenario: str, workdir: Path) -> Outcome:
             row = _step_truth(epoch, step, lr, norm)
             if opts.backward == "undivided":  # the Trainer adds the model's per-micro-batch means undivided
                 row["loss"] = sum(m[1] for m in step)
-        row["batch"] = step[-1][0] - epoch * (n // BATCH)
+        row["batch"] = step[-1][0] - epoch * micro_per_epoch
         truth.append(row)
         return clip(parameters, max_norm, norm_type)
 
@@ -203,6 +245,9 @@ def run_hf(scenario: str, workdir: Path) -> Outcome:
     del tf
     trainer.train()
     tap.close()
+    _assert_engine(
+        opts, trainer.model_wrapped, f"the Trainer's Accelerate made a {trainer.accelerator.distributed_type}"
+    )
     return Outcome(truth, None, workdir / "store.db", data_time=False, step_time=True)
 
 
@@ -218,13 +263,17 @@ def run_accelerate(scenario: str, workdir: Path) -> Outcome:
     ignore = opts.pad if opts.pad is not None else -100
     tap = _tap(workdir / "store.db", opts)
     tracker = BatchtapTracker(tap, run_name=scenario)
-    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=opts.accum, log_with=tracker)
+    fsdp = accelerate.utils.FullyShardedDataParallelPlugin(fsdp_version=2) if opts.dist == "fsdp2" else None
+    accelerator = accelerate.Accelerator(
+        cpu=True, gradient_accumulation_steps=opts.accum, log_with=tracker, fsdp_plugin=fsdp
+    )  # fmt: skip
     torch.manual_seed(0)
     model = _model(opts)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     loader = DataLoader(_data(opts, 0), batch_size=BATCH)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    _assert_engine(opts, model, f"Accelerate made a {accelerator.distributed_type}")
     truth: list[dict[str, float]] = []
     micro: list[tuple[int, float, int, int]] = []
     run_tap = tracker.tap  # starts the run
