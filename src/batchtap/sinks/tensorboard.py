@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from batchtap.errors import SinkError
 from batchtap.records import ALL_RANKS, Event, Record, RunInfo
 from batchtap.sinks.base import Sink, require
 
 __all__ = ["TensorBoard"]
+
+# the names of batchtap.metrics.Histograms' values: hist/<kind>/<layer>/<min|max|i> (the metric's
+# module is not imported: sinks never load torch)
+_HIST = "hist/"
+_HIST_KINDS = ("weight", "grad")
 
 
 class TensorBoard(Sink):
@@ -26,6 +34,13 @@ class TensorBoard(Sink):
     * A sparse record (``Tap.log()``: evaluation, epoch-level values) has its values as scalars
       named as logged, without the prefix (``val_loss``, what ``add_scalar("val_loss", ...)``
       writes), at the step and wall time it names; rank ``k >= 1``: ``<name>/rank<k>``.
+    * The per-layer histograms of :class:`~batchtap.metrics.Histograms` (values
+      ``hist/<weight|grad>/<layer>/min``, ``.../max``, ``.../<i>``) become one TensorBoard
+      histogram each, ``<prefix>/hist/<kind>/<layer>`` at the record's step (the Histograms and
+      Distributions dashboards), not ``bins + 2`` scalars: bucket ``i`` spans the ``i``-th of the
+      equal bins between the stored min and max, with the stored count. ``sum`` and
+      ``sum_squares``, which batchtap does not keep, are those of the bin centres (the
+      dashboards draw from the buckets).
     * Events become text under ``events/<kind>`` (``events/anomaly``, ``events/action``,
       ``events/warning``) at their step; the run's config and final status under ``run/...``.
     * TensorBoard stores scalars as float32; NaN stays NaN.
@@ -53,6 +68,7 @@ class TensorBoard(Sink):
         summary_mod = require("torch.utils.tensorboard.summary", extra="tensorboard", purpose="bt.sinks.TensorBoard")
         proto = require("tensorboard.compat.proto.summary_pb2", extra="tensorboard", purpose="bt.sinks.TensorBoard")
         self._Summary: Any = proto.Summary
+        self._Histogram: Any = proto.HistogramProto
         self._text: Any = summary_mod.text
         self.log_dir = os.fspath(log_dir)
         self.prefix = prefix.rstrip("/")
@@ -105,9 +121,14 @@ class TensorBoard(Sink):
         try:
             for r in records:
                 if r.values:
+                    scalars, histograms = _split_histograms(r.values)
                     values = [
                         value(tag=self._tag(name, r.rank, r.sparse), simple_value=float(v))
-                        for name, v in r.values.items()
+                        for name, v in scalars.items()
+                    ]
+                    values += [
+                        value(tag=self._tag(name, r.rank, r.sparse), histo=self._histogram(*parts))
+                        for name, parts in histograms.items()
                     ]
                     add_summary(summary(value=values), global_step=r.step, walltime=r.wall_time)
             for e in events:
@@ -116,6 +137,22 @@ class TensorBoard(Sink):
             writer.flush()
         except OSError as exc:
             raise SinkError(f"cannot write TensorBoard logs to {self.log_dir}: {exc.strerror or exc}") from exc
+
+    def _histogram(self, low: float, high: float, counts: list[float]) -> Any:
+        """A ``HistogramProto`` of equal bins over ``[low, high]``: ``bucket_limit[i]`` is bucket
+        ``i``'s right edge (TensorBoard takes ``min`` as the first bucket's left edge)."""
+        edges = np.linspace(low, high, len(counts) + 1)
+        centres = (edges[:-1] + edges[1:]) / 2
+        weights = np.asarray(counts, dtype=np.float64)
+        return self._Histogram(
+            min=low,
+            max=high,
+            num=float(weights.sum()),
+            sum=float((weights * centres).sum()),
+            sum_squares=float((weights * centres * centres).sum()),
+            bucket_limit=edges[1:].tolist(),
+            bucket=weights.tolist(),
+        )
 
     def end_run(self, run: RunInfo) -> None:
         """Record the run's final status and stop reason as text (``run/status``)."""
@@ -136,6 +173,33 @@ class TensorBoard(Sink):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _split_histograms(
+    values: Mapping[str, float],
+) -> tuple[dict[str, float], dict[str, tuple[float, float, list[float]]]]:
+    """A record's values as (scalars, histograms): ``hist/<kind>/<layer>/{min,max,0..n-1}``, all
+    parts present and finite, become ``{"hist/<kind>/<layer>": (min, max, counts)}``; anything
+    else (a partial or non-finite set, another name) stays a scalar."""
+    if not any(name.startswith(_HIST) for name in values):
+        return dict(values), {}
+    parts: dict[str, dict[str, float]] = {}
+    scalars: dict[str, float] = {}
+    for name, v in values.items():
+        head, _, part = name.rpartition("/")
+        if name.startswith(_HIST) and head.count("/") >= 2 and head.split("/")[1] in _HIST_KINDS:
+            parts.setdefault(head, {})[part] = v
+        else:
+            scalars[name] = v
+    histograms: dict[str, tuple[float, float, list[float]]] = {}
+    for head, found in parts.items():
+        bins = len(found) - 2
+        keys = ("min", "max", *map(str, range(bins)))
+        if bins >= 1 and all(k in found for k in keys) and all(math.isfinite(found[k]) for k in keys):
+            histograms[head] = (found["min"], found["max"], [found[str(i)] for i in range(bins)])
+        else:
+            scalars.update({f"{head}/{k}": v for k, v in found.items()})
+    return scalars, histograms
 
 
 def _unwritable(log_dir: str, exc: OSError) -> SinkError:
