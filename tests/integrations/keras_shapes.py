@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # tests.integrations, for a pipeline process
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 
 import keras  # noqa: E402
@@ -121,7 +122,7 @@ def batch_accuracy(y: Any, y_pred: Any) -> float:
 # ---------------------------------------------------------------------- cases
 
 
-def two_heads(kind: str) -> dict[str, Any]:
+def two_heads(kind: str, tap: bt.Tap | None = None) -> dict[str, Any]:
     """A classifier head and a regression head, loss weights 1 and 0.5, as a dict or a list."""
     x, y = data()
     target_b = (x[:, :1] * 2.0).astype("float32")
@@ -148,7 +149,7 @@ def two_heads(kind: str) -> dict[str, Any]:
         loss_weights=weights,
         metrics=[["accuracy"], ["mae"]] if kind == "list" else {"head_a": "accuracy", "head_b": "mae"},
     )
-    sink = fit(model, x, ys)
+    sink = fit(model, x, ys, tap)
 
     def losses(yb: Any, pred: Any, w: Any) -> dict[str, Any]:
         pa, pb = (pred["head_a"], pred["head_b"]) if kind == "dict" else pred
@@ -371,6 +372,35 @@ def overrun() -> dict[str, Any]:
     return {**sink.result(), "taken": taken, "capacity": cap.capacity}
 
 
+def process_pipeline() -> dict[str, Any]:
+    """The dict two-output fit with ``bt.Tap(pipeline="process")``: the values stored (SQLite,
+    written by the pipeline process) and which frameworks that process had loaded at each call."""
+    import sqlite3
+    import tempfile
+
+    from tests.integrations.keras_modules_sink import FrameworksSink, notes
+
+    folder = tempfile.mkdtemp(prefix="batchtap-keras-")
+    db, path = os.path.join(folder, "store.db"), os.path.join(folder, "modules.jsonl")
+    tap = bt.Tap(
+        sinks=[bt.sinks.SQLite(db), FrameworksSink(path)], flush_every=5, flush_seconds=1e6, pipeline="process"
+    )
+    case = two_heads("dict", tap)
+    rows: dict[int, dict[str, Any]] = {}
+    with sqlite3.connect(db) as conn:
+        for metric, step, epoch, batch, value in conn.execute("SELECT metric, step, epoch, batch, value FROM metrics"):
+            rows.setdefault(step, {"step": step, "epoch": epoch, "batch": batch})[metric] = value
+        status, reason = conn.execute("SELECT status, stop_reason FROM runs").fetchone()
+    return {
+        "rows": [rows[k] for k in sorted(rows)],
+        "truth": case["truth"],
+        "status": status,
+        "reason": reason,
+        "notes": notes(path),
+        "pid": os.getpid(),
+    }
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "dict": lambda: two_heads("dict"),
     "list": lambda: two_heads("list"),
@@ -384,6 +414,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "any_tap": any_tap,
     "tf_capture": tf_capture,
     "overrun": overrun,
+    "process_pipeline": process_pipeline,
 }
 
 

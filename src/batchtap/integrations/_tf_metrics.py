@@ -7,7 +7,9 @@ event for one outside it), reduced over ranks as its output says, seen by the ru
 did not have is marked absent by a presence column, never by NaN, so a NaN that a step did produce
 (a NaN gradient norm) stays a NaN and is reported.
 
-This module imports no TensorFlow (a pipeline process unpickles these metrics without it).
+This module imports no TensorFlow; a pipeline process does not even import it: these metrics decode
+there as twins of their torch-free decoding classes (``_tf_decoding.py``), so a TensorFlow run's
+pipeline process loads neither torch nor TensorFlow.
 """
 
 from __future__ import annotations
@@ -15,28 +17,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import numpy as np
-
+from batchtap.integrations._tf_decoding import TFAccuracyDecoding, TFValueDecoding
 from batchtap.metrics import Accuracy, GradNorm, LearningRate, Loss, StepTime, Throughput
-from batchtap.metrics.base import BlockTiming, Metric, StepTiming
+from batchtap.metrics.base import Metric
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, UNIT_INTERVAL, Domain, Output, Reduce
 
 __all__ = ["TFAccuracy", "TFValue", "TFPlan", "plan_for"]
 
 
-class TFAccuracy(Metric):
+class TFAccuracy(TFAccuracyDecoding, Metric):
     """Top-1 accuracy from two ring columns: hits and counted targets of the step.
 
     Absent where nothing was counted; a mean weighted by the counted targets across ranks (as
-    :class:`~batchtap.metrics.Accuracy`).
-
-    Example:
-        >>> import numpy as np
-        >>> m = TFAccuracy("accuracy")
-        >>> raw = np.array([[3.0, 4.0], [0.0, 0.0]])
-        >>> values, present = m.finalize_block(raw, None)
-        >>> float(values[0, 0]), bool(present[1, 0])
-        (0.75, False)
+    :class:`~batchtap.metrics.Accuracy`). Decoded by :class:`TFAccuracyDecoding` (torch-free).
     """
 
     device_width = 2
@@ -47,34 +40,10 @@ class TFAccuracy(Metric):
     def outputs(self) -> tuple[Output, ...]:
         return (Output(self.name, UNIT_INTERVAL, Reduce.MEAN, unit="%", weight="metric", higher_is_better=True),)
 
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        hits, kept = raw[0], raw[1]
-        return (hits / kept if kept > 0 else None,)
 
-    def finalize_block(self, raw: np.ndarray, timing: BlockTiming | None) -> tuple[np.ndarray, np.ndarray]:
-        kept = raw[:, 1:2]
-        present = kept > 0
-        with np.errstate(invalid="ignore", divide="ignore"):
-            values = np.where(present, raw[:, 0:1] / np.where(present, kept, 1.0), np.nan)
-        return values, present
-
-    def weight(self, raw: Sequence[float]) -> float | None:
-        return raw[1]
-
-    def weight_block(self, raw: np.ndarray) -> np.ndarray | None:
-        return raw[:, 1].astype(np.float64)
-
-
-class TFValue(Metric):
-    """One value and its presence flag (two ring columns): absent where the flag is 0.
-
-    Example:
-        >>> import numpy as np
-        >>> m = TFValue("grad_norm", NONNEGATIVE, Reduce.MAX)
-        >>> values, present = m.finalize_block(np.array([[np.nan, 1.0], [0.0, 0.0]]), None)
-        >>> bool(np.isnan(values[0, 0])), present[:, 0].tolist()
-        (True, [True, False])
-    """
+class TFValue(TFValueDecoding, Metric):
+    """One value and its presence flag (two ring columns): absent where the flag is 0. Decoded by
+    :class:`TFValueDecoding` (torch-free)."""
 
     device_width = 2
 
@@ -85,12 +54,6 @@ class TFValue(Metric):
 
     def outputs(self) -> tuple[Output, ...]:
         return (Output(self.name, self.domain, self.reduce),)
-
-    def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
-        return (raw[0] if raw[1] > 0 else None,)
-
-    def finalize_block(self, raw: np.ndarray, timing: BlockTiming | None) -> tuple[np.ndarray, np.ndarray]:
-        return raw[:, 0:1].copy(), raw[:, 1:2] > 0
 
 
 #: a Tap's metrics that the TensorFlow step measures itself (by a TensorFlow equivalent)

@@ -1,0 +1,104 @@
+"""Keras 3 ``fit()`` with BatchtapCallback on the torch backend as on TensorFlow: per-output values,
+the stop at a NaN gradient's own step, and a pipeline process that loads neither torch nor TensorFlow.
+
+keras.io-style scripts (a functional two-output model, ``model.fit``) from
+tests/integrations/keras_shapes.py, run in a subprocess per backend (Keras picks its backend once
+per process). Each stored per-batch value is held to a twin model trained by a plain loop in the
+same process (``torch.autograd.grad`` on the torch backend, ``GradientTape`` on TensorFlow) with
+Keras' own loss functions and a Keras accuracy metric reset every batch. The TensorFlow side of the
+first two lives in test_keras.py (its ``shapes`` fixture runs every case there).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.timeout(900),  # a subprocess trains several fits; slow on a loaded machine
+    pytest.mark.keras,
+    pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="needs batchtap[keras] (keras)"),
+]
+
+SHAPES = Path(__file__).with_name("keras_shapes.py")
+
+
+def _shapes(backend: str, out: Path, cases: tuple[str, ...]) -> dict[str, Any]:
+    if backend == "tensorflow" and importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("needs batchtap[keras] (tensorflow-cpu)")
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, str(SHAPES), str(out), *cases], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    assert result["backend"] == backend
+    return result
+
+
+@pytest.fixture(scope="module")
+def torch_shapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("torch-shapes") / "shapes.json"
+    return _shapes("torch", out, ("dict", "list", "nan_grad", "process_pipeline"))
+
+
+@pytest.fixture(scope="module")
+def tf_pipeline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("tf-pipeline") / "shapes.json"
+    return _shapes("tensorflow", out, ("process_pipeline",))
+
+
+def _equal_to_truth(case: dict[str, Any], names: tuple[str, ...]) -> None:
+    rows, truth = case["rows"], case["truth"]
+    assert [r["step"] for r in rows] == list(range(len(truth)))
+    for row in rows:
+        for name in names:
+            expected = truth[row["step"]][name]
+            assert name in row, (row["step"], name)
+            assert row[name] == pytest.approx(expected, rel=2e-5, abs=1e-6), (row["step"], name)
+    assert case["status"] == "finished", case["reason"]
+
+
+@pytest.mark.parametrize("kind", ["dict", "list"])
+def test_torch_backend_two_output_models_store_every_head_exact(torch_shapes: dict[str, Any], kind: str) -> None:
+    case = torch_shapes[kind]
+    _equal_to_truth(case, ("loss", "loss/head_a", "loss/head_b", "accuracy/head_a", "grad_norm", "lr"))
+    # no pooled accuracy over both heads, none for the regression head
+    assert "accuracy" not in case["metrics"] and "accuracy/head_b" not in case["metrics"]
+    for row in case["rows"][1:]:  # 16 samples a step, not one per head
+        assert row["throughput"] * row["step_time"] == pytest.approx(16, rel=1e-6)
+
+
+def test_torch_backend_nan_gradient_with_a_finite_loss_stops_at_its_step(torch_shapes: dict[str, Any]) -> None:
+    case = torch_shapes["nan_grad"]
+    assert case["status"] == "stopped" and "gradient norm" in case["reason"] and "step 3" in case["reason"]
+    assert [r["step"] for r in case["rows"]] == [0, 1, 2, 3]  # nothing after the NaN step
+    assert all(math.isfinite(r["loss"]) for r in case["rows"])  # the loss was finite: the norm said it
+    anomalies = [e for e in case["events"] if e["kind"] == "anomaly"]
+    assert [(e["step"], e["metric"]) for e in anomalies] == [(3, "grad_norm")]
+    stops = [e for e in case["events"] if e["kind"] == "action"]
+    assert [(e["step"], e["metric"]) for e in stops] == [(3, "grad_norm")]
+    assert case["iterations"] == 4  # Keras ran no step after it (as on TensorFlow)
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_the_pipeline_process_loads_neither_torch_nor_tensorflow(backend: str, request: pytest.FixtureRequest) -> None:
+    """``bt.Tap(pipeline="process")`` under ``fit()``: the TensorFlow ring's metrics (and the torch
+    backend's, extras included) decode in that process as torch-free twins, and the values it stores
+    are the same exact ones."""
+    result = request.getfixturevalue("torch_shapes" if backend == "torch" else "tf_pipeline")
+    case = result["process_pipeline"]
+    _equal_to_truth(case, ("loss", "loss/head_a", "loss/head_b", "accuracy/head_a", "grad_norm", "lr"))
+    seen = case["notes"]
+    assert [n["call"] for n in seen][0] == "start_run" and [n["call"] for n in seen][-1] == "end_run"
+    assert sum(n["call"] == "write" for n in seen) >= 2
+    assert all(n["pid"] != case["pid"] for n in seen), "the sink ran in the training process"
+    assert not any(n["torch"] or n["tensorflow"] for n in seen), f"the pipeline process loaded a framework: {seen}"
