@@ -261,14 +261,15 @@ def run_accelerate(scenario: str, workdir: Path) -> Outcome:
 
     opts = OPTIONS[scenario]
     ignore = opts.pad if opts.pad is not None else -100
-    tap = _tap(workdir / "store.db", opts)
+    torch.manual_seed(0)
+    model = _model(opts)
+    # the Tap's own GradNorm where the loop clips nothing (its parameters are the prepared model's)
+    tap = _tap(workdir / "store.db", opts, model=model if opts.clip == "none" else None)
     tracker = BatchtapTracker(tap, run_name=scenario)
     fsdp = accelerate.utils.FullyShardedDataParallelPlugin(fsdp_version=2) if opts.dist == "fsdp2" else None
     accelerator = accelerate.Accelerator(
         cpu=True, gradient_accumulation_steps=opts.accum, log_with=tracker, fsdp_plugin=fsdp
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = _model(opts)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     loader = DataLoader(_data(opts, 0), batch_size=BATCH)
@@ -278,6 +279,9 @@ def run_accelerate(scenario: str, workdir: Path) -> Outcome:
     micro: list[tuple[int, float, int, int]] = []
     run_tap = tracker.tap  # starts the run
     for epoch in range(EPOCHS):
+        if opts.backward == "token":
+            truth += _accelerate_token_epoch(accelerator, model, optimizer, scheduler, run_tap, loader, epoch)
+            continue
         for index, (x, y) in enumerate(run_tap.watch(loader, epoch=epoch)):
             with accelerator.accumulate(model):
                 out = model(x)
@@ -308,10 +312,51 @@ def run_accelerate(scenario: str, workdir: Path) -> Outcome:
     tracker.finish()
     accelerator.end_training()
     tap.close()
-    if opts.clip == "none":
-        for row in truth:
-            del row["grad_norm"]  # nothing computes it: the Tap was given no model and the loop no norm
     return Outcome(truth, None, workdir / "store.db", data_time=True, step_time=True)
+
+
+def _accelerate_token_epoch(
+    accelerator: Any, model: Any, optimizer: Any, scheduler: Any, run_tap: bt.Tap, loader: Any, epoch: int
+) -> list[dict]:
+    """One epoch of a token-normalised Accelerate loop, written as Accelerate's guide to accumulation
+    over samples of variable size writes it (and the HF ``no_trainer`` scripts follow): the step's
+    micro-batches loaded first, ``num_items_in_batch`` = their kept tokens summed over the processes (a
+    host number), each micro-batch's ``CE(reduction="sum")`` multiplied by ``gradient_accumulation_steps
+    x num_processes`` (``accelerator.backward`` divides by the first, DDP averages over the second) and
+    divided by it. The step's loss: sum CE / N. batchtap is given each micro-batch's token mean,
+    weighted by its kept tokens."""
+    import contextlib
+
+    accum = accelerator.gradient_accumulation_steps
+    truth: list[dict] = []
+    step: list[tuple[int, Any]] = []
+    for index, batch in enumerate(run_tap.watch(loader, epoch=epoch)):
+        step.append((index, batch))
+        if len(step) < accum:
+            continue
+        n_items = sum((y != -100).sum() for _, (_, y) in step)
+        n_items = accelerator.gather(n_items).sum().item()
+        micro: list[tuple[int, float, int, int]] = []
+        for i, (index, (x, y)) in enumerate(step):
+            syncs = i == len(step) - 1 or accelerator.num_processes == 1
+            with contextlib.nullcontext() if syncs else accelerator.no_sync(model):
+                out = model(x)
+                summed = F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1), reduction="sum")
+                accelerator.backward(summed * accum * accelerator.num_processes / n_items)
+            correct, kept = _counts(out, y, -100)
+            run_tap.accumulate(loss=summed.detach() / kept, outputs=out, targets=y, batch_size=kept)
+            micro.append((index, summed.item(), correct, kept))
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm_truth = torch.nn.utils.get_total_norm(grads).item()
+        lr = float(optimizer.param_groups[0]["lr"])  # the rate this step uses
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        run_tap.step(extra={"lr": lr})
+        loss = sum(m[1] for m in micro) / sum(m[3] for m in micro)  # this rank's sum CE / N
+        truth.append(_step_truth(epoch, micro, lr, norm_truth) | {"loss": loss})
+        step = []
+    return truth
 
 
 def run_lightning_autolog(scenario: str, workdir: Path) -> Outcome:

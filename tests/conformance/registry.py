@@ -165,9 +165,6 @@ MARKS: dict[tuple[str, str], NA | XFAIL] = {
     ),
     # Accelerate: accelerator.backward divides by gradient_accumulation_steps
     ("undivided-accum", "accelerate"): NA("accelerator.backward always divides by gradient_accumulation_steps"),
-    ("token-normalised-accum", "accelerate"): NA(
-        "not built yet: a token-normalised Accelerate loop (accelerator.backward divides it again by the step count)"
-    ),
     ("fsdp2-2-ranks", "accelerate"): NA(
         "Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)) under torchrun trains DDP, "
         "not FSDP2: its state stays DistributedType.MULTI_CPU (accelerate picks FSDP for GPU-family types only) and "
