@@ -188,6 +188,7 @@ class EventKind(str, enum.Enum):
     ANOMALY = "anomaly"  #: a value outside its metric's domain (NaN, inf, accuracy > 1, ...)
     ACTION = "action"  #: something a rule did (stop, rollback, batch-size change, ...)
     WARNING = "warning"  #: the library itself had to degrade (a sink failed, the queue blocked, ...)
+    INFO = "info"  #: a note: a choice or assumption the library made (how it read a loop), not a degradation
     SKIP = "skip"  #: the optimizer skipped the step (AMP GradScaler found inf/NaN gradients): expected, not an anomaly
 
 
@@ -198,7 +199,7 @@ class Event:
     Attributes:
         run_id: id of the run.
         step: global step the event refers to.
-        kind: anomaly, action or warning.
+        kind: anomaly, action, warning, info or skip.
         message: human-readable explanation, naming what was expected and what arrived.
         wall_time: ``time.time()`` of the step (or of the event when it has no step of its own).
         metric: the metric concerned, if any.

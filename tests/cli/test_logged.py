@@ -109,7 +109,7 @@ def test_show_lists_logged_values_apart_with_their_last_value_and_count(logged: 
     last = logged.sparse[2].values["val_loss"]
     assert rows["val_loss"][0] == "29" and float(rows["val_loss"][1]) == pytest.approx(last, rel=1e-3)
     assert rows["val_loss"][-1] == "3"
-    assert "events: 0 anomalies, 0 actions, 0 warnings, 2 skipped steps" in out
+    assert "events: 0 anomalies, 0 actions, 0 warnings, 0 notes, 2 skipped steps" in out
     assert sum(line.split()[1:2] == ["skip"] for line in out.splitlines()) == 2
 
 
@@ -257,7 +257,7 @@ def test_tail_live_table_shows_the_latest_logged_values_and_skips(logged: Logged
     assert re.search(
         r"logged  val_acc \S+ \(step 29\)  val_loss \S+ \(step 29\)  test_acc 0\.875 \(step 29\)", screen
     ), screen
-    assert "anomalies 0  actions 0  warnings 0  skipped steps 2" in screen
+    assert "anomalies 0  actions 0  warnings 0  notes 0  skipped steps 2" in screen
 
 
 def test_tail_shows_logged_values_as_a_training_process_logs_them(

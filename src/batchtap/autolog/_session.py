@@ -33,6 +33,10 @@ __all__ = ["Session"]
 
 log = logging.getLogger("batchtap")
 
+#: What ``say`` reports as a note (``info``): how autolog read the loop (accumulation, several
+#: losses, an assumed loss, no accuracy), a choice, not something it failed to record.
+NOTES = frozenset({"accumulation", "normalised", "several-losses", "losses-assumed", "assumed", "loss-only", "twice"})
+
 
 class Session:
     """One ``bt.autolog()``: builds the Tap, installs the patches, starts and ends the run.
@@ -84,7 +88,7 @@ class Session:
         self.ended = False
         self.broken = False
         self._said: set[str] = set()
-        self._waiting: list[str] = []  # said before the run started
+        self._waiting: list[tuple[str, bool]] = []  # (message, a note?) said before the run started
         self._failure: tuple[RunStatus, str] | None = None  # an uncaught exception seen at exit
         self._excepthook: Any = None
         self._exit_code: object = None  # what sys.exit() was last called with
@@ -117,8 +121,8 @@ class Session:
         self.started = True
         self.tap.start(name=self.name, config=self.config)
         waiting, self._waiting = self._waiting, []
-        for message in waiting:
-            self.tap.warn(message)
+        for message, info in waiting:
+            self.tap.warn(message, info=info)
 
     def end(self, status: RunStatus | str = RunStatus.FINISHED, reason: str | None = None) -> None:
         """Close the last row, end the run with ``status``, undo every patch, close the Tap."""
@@ -176,16 +180,19 @@ class Session:
             log.debug("batchtap autolog error", exc_info=True)
 
     def say(self, key: str, message: str) -> None:
-        """Report ``message`` once per run: a warning event with the run, and the log."""
+        """Report ``message`` once per run: a warning event with the run, and the log; a note
+        (:data:`NOTES`: how autolog read the loop) as an ``info`` event, printed once by the console."""
         if key in self._said:
             return
         self._said.add(key)
         message = f"autolog: {message}"
+        info = key in NOTES
         if self.started and self.tap.run_info is not None:
-            self.tap.warn(message)
+            self.tap.warn(message, info=info)
         else:
-            log.warning("batchtap: %s", message)
-            self._waiting.append(message)
+            if not info:  # a note waits for the run's console line
+                log.warning("batchtap: %s", message)
+            self._waiting.append((message, info))
 
     # ------------------------------------------------------------------ what the patches report
 

@@ -43,7 +43,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description="Show one run: status, config, environment, each metric's last / min / max (on the kept "
         "trajectory: steps a rollback undid are left out), the "
         "values logged with tap.log() (evaluation, epoch-level: last value, its step, count), and the "
-        "anomalies, actions, warnings and skipped steps with their steps. RUN is an id, a unique id "
+        "anomalies, actions, warnings, notes and skipped steps with their steps. RUN is an id, a unique id "
         "prefix, or a name (the latest run of that name).",
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -172,7 +172,8 @@ def main(args: argparse.Namespace) -> int:
     out.extend(
         wrap(
             f"events: {counts[EventKind.ANOMALY]} anomalies, {counts[EventKind.ACTION]} actions, "
-            f"{counts[EventKind.WARNING]} warnings, {counts[EventKind.SKIP]} skipped steps",
+            f"{counts[EventKind.WARNING]} warnings, {counts[EventKind.INFO]} notes, "
+            f"{counts[EventKind.SKIP]} skipped steps",
             indent="  ",
         )
     )

@@ -251,7 +251,7 @@ def _logged_line(r: Record) -> str:
 def _counts_line(counts: Mapping[str, int]) -> str:
     return (
         f"anomalies {counts.get('anomaly', 0)}  actions {counts.get('action', 0)}  "
-        f"warnings {counts.get('warning', 0)}  skipped steps {counts.get('skip', 0)}"
+        f"warnings {counts.get('warning', 0)}  notes {counts.get('info', 0)}  skipped steps {counts.get('skip', 0)}"
     )
 
 

@@ -230,7 +230,8 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
         if unstored:
             self.tap.warn(
                 f"compiled metrics not stored per batch: {', '.join(unstored)} (Keras' logs hold running means "
-                "over the epoch; batchtap stores loss, accuracy, lr and grad_norm per batch, val_* per epoch)"
+                "over the epoch; batchtap stores loss, accuracy, lr and grad_norm per batch, val_* per epoch)",
+                info=True,  # a choice of what is stored, not a degradation
             )
         if getattr(self._recorder, "no_loss", False):
             self.tap.warn(_NO_LOSS)

@@ -145,6 +145,7 @@ class AccuracyDecoding(MetricDecoder):
     warnings, and out-of-range class indices to input errors."""
 
     decode_state: ClassVar[tuple[str, ...]] = ("topk", "ignore_index", "class_dim", "_counts")
+    notice_kind: ClassVar[str] = "info"  # a layout it guessed, targets it read as one-hot: assumptions
     topk: tuple[int, ...]
     ignore_index: int | None
     class_dim: int | None

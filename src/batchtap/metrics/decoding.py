@@ -147,6 +147,8 @@ class MetricDecoder:
 
     #: attributes a torch-free twin copies from the metric (see the class docstring)
     decode_state: ClassVar[tuple[str, ...]] = ()
+    #: the event kind of :meth:`warning`'s message: "warning" (a value not measured), "info" (an assumption)
+    notice_kind: ClassVar[str] = "warning"
 
     def finalize(self, raw: Sequence[float], timing: StepTiming) -> Sequence[float | None]:
         """One row's raw columns (device then host) to its reported values.

@@ -38,6 +38,7 @@ EVENT_COUNTERS = {
     EventKind.ACTION: "batchtap/actions",
     EventKind.SKIP: "batchtap/skipped_steps",
     EventKind.WARNING: "batchtap/warnings",
+    EventKind.INFO: "batchtap/notes",
 }
 
 __all__ = ["Sink", "SinkDataError", "EVENT_COUNTERS", "require", "feed"]

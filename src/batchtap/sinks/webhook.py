@@ -44,7 +44,7 @@ from batchtap.sinks.base import Sink
 __all__ = ["Webhook", "redact_url", "WEBHOOK_EVENTS"]
 
 #: what a webhook can post: event kinds, and the statuses a run can end with
-WEBHOOK_EVENTS = ("anomaly", "action", "warning", "skip", "stopped", "finished", "failed", "killed")
+WEBHOOK_EVENTS = ("anomaly", "action", "warning", "info", "skip", "stopped", "finished", "failed", "killed")
 _DEFAULT_EVENTS = ("anomaly", "action", "stopped", "finished", "failed", "killed")
 
 
@@ -102,7 +102,7 @@ class Webhook(Sink):
     Args:
         url: an ``http://`` or ``https://`` URL taking a JSON POST (e.g. a Slack incoming webhook).
         events: what to post, among :data:`WEBHOOK_EVENTS`: the event kinds ``"anomaly"``,
-            ``"action"`` (what a rule did), ``"warning"``, ``"skip"``, and the run's end as
+            ``"action"`` (what a rule did), ``"warning"``, ``"info"`` (a note), ``"skip"``, and the run's end as
             ``"stopped"`` (a stop rule, Ctrl-C), ``"finished"``, ``"failed"``, ``"killed"``.
             Default: anomalies, actions and every end.
         timeout: seconds one post may take.

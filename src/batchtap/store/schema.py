@@ -14,7 +14,7 @@ Tables (schema version 2):
   (``batch`` -1); this table only says which names they are, so that step counts leave them out and
   readers can show them apart. A name is sparse or per-step for a whole run (the Tap refuses a
   clash), so one row per name is enough and the hot per-step path writes nothing here.
-* ``events`` — anomalies, actions, warnings and skipped steps: run, step, rank, kind, metric, raw
+* ``events`` — anomalies, actions, warnings, notes (``info``) and skipped steps: run, step, rank, kind, metric, raw
   value (as text by the record codec's rule, :func:`float_to_text`, so NaN and inf survive), message,
   wall time. An
   ``event_key`` (a hash of the event's fields) makes re-inserting the same event a no-op.

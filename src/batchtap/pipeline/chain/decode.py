@@ -171,7 +171,7 @@ class Decoder:
                         event = Event(
                             self.run_id,
                             steps[i],
-                            EventKind.WARNING,
+                            EventKind(getattr(metric, "notice_kind", "warning")),
                             f"step {steps[i]}: {warning}",
                             walls[i],
                             rank=self.rank,
