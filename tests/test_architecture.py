@@ -458,7 +458,13 @@ def test_the_pipeline_process_side_loads_no_torch() -> None:
         _module_name(p)
         for p in [*(SRC / "pipeline" / "chain").glob("*.py"), *(SRC / "pipeline" / "transport").glob("*.py")]
         if p.stem not in ("link", "process", "thread", "make", "host")  # the training process's side
-    ) + ["batchtap.metrics.decoding", "batchtap.metrics.decoders", "batchtap.metrics.timing", "batchtap.metrics"]
+    ) + [
+        "batchtap.metrics.decoding",
+        "batchtap.metrics.decoders",
+        "batchtap.metrics.sampling",
+        "batchtap.metrics.timing",
+        "batchtap.metrics",
+    ]
     code = (
         "import importlib, sys\n"
         f"for name in {modules!r}:\n"
