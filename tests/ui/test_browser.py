@@ -70,11 +70,12 @@ def test_run_page_draws_every_metric_with_its_points_and_the_anomaly_markers(
     assert page.locator("#run-name").inner_text().startswith("ui-anomalies")
     own_requests_only(page, server.base)
     assert not page.errors
-    # The run, its events and every line were asked for once, by early.js (before BokehJS ran),
+    # The run, its events, its epochs and every line were asked for once, by early.js (before BokehJS ran),
     # and each of those responses was taken by the page (none asked for again, none left over).
     # (layers.js reads the run's layers and histograms once the page is drawn: not counted here)
     api = [u for u in page.requests if "/api/" in u and not u.endswith(("/layers", "/histograms"))]
-    assert len(api) == len(set(api)) == len(names) + 2, api
+    assert len(api) == len(set(api)) == len(names) + 3, api
+    assert sum(u.endswith("/epochs") for u in api) == 1
     assert page.evaluate("() => window.btEarly.responses.size") == 0
 
 

@@ -12,6 +12,7 @@ Routes:
   name, here and below. The fields are listed in :mod:`batchtap.ui.data`.
 * ``/api/runs/{id}/series?metric=&rank=&start=&end=&width=`` — one line, decimated to ``width``.
 * ``/api/runs/{id}/events``, ``/api/runs/{id}/ranks?metric=`` — events; the per-rank spread.
+* ``/api/runs/{id}/epochs`` — the epochs' step spans (the x axis by epoch).
 * ``/api/runs/{id}/live?after=&events=`` — server-sent events while the run is running.
 * ``/api/runs/{id}/layers?top=``, ``/api/runs/{id}/histograms?kind=`` — per-layer values grouped by
   layer, and the stored histograms (:mod:`batchtap.ui.layers`; drawn by ``static/layers.js``).
@@ -159,6 +160,9 @@ def make_app(
     def events(request: Request) -> Response:
         return _json({"events": store.events(run_id(request))})
 
+    def epochs(request: Request) -> Response:
+        return _json({"epochs": store.epochs(request.path_params["run_id"])})
+
     def ranks(request: Request) -> Response:
         metric = request.query_params.get("metric") or "step_time"
         return _json(store.rank_spread(run_id(request), metric, width=_int_or(request, "width", 1000)))
@@ -182,6 +186,7 @@ def make_app(
         Route("/api/runs/{run_id:str}/series", series),
         Route("/api/runs/{run_id:str}/events", events),
         Route("/api/runs/{run_id:str}/ranks", ranks),
+        Route("/api/runs/{run_id:str}/epochs", epochs),
         Route("/api/runs/{run_id:str}/live", live),
         *layer_routes(store, run_id, _HEADERS),  # per-layer values and histograms (ui/layers.py)
         Mount("/static", StaticFiles(packages=[("batchtap.ui", "static")]), name="static"),

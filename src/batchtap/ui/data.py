@@ -43,6 +43,8 @@ JSON endpoints (for the page's scripts; every value that JSON cannot carry, NaN 
   latest run of it); ``404 {"error"}`` when none matches, naming the closest.
 * ``GET /api/runs/{id}/series?metric=&rank=&start=&end=&width=`` — one line (see :meth:`ReadOnlyStore.series`).
 * ``GET /api/runs/{id}/events``, ``/ranks?metric=``, ``/live?after=&events=`` — as before.
+* ``GET /api/runs/{id}/epochs`` -> ``{"epochs": [[epoch, first_step, last_step], ...]}`` in step
+  order, from the main metric's rows (the x axis by epoch; see :meth:`ReadOnlyStore.epochs`).
 """
 
 from __future__ import annotations
@@ -285,6 +287,29 @@ class ReadOnlyStore:
             (run_id, metric, first[0]),
         )
         return [int(r[0]) for r in rows]
+
+    def epochs(self, ref: str) -> list[list[int]]:
+        """A run's epochs as ``[[epoch, first step, last step], ...]`` in step order, from the rows
+        of its main metric at its first rank; ``[]`` without values (or no such run).
+
+        One aggregate over that line's primary-key range (about 0.3 s for a million steps on a
+        loaded machine): a separate request, so that a run page's other reads never wait for it.
+        A window over the key order (an epoch starts where the stored epoch changes) reads the
+        same rows but costs about five times as much in SQLite."""
+        try:
+            row = self.reader.run(ref)
+        except RunNotFound:
+            return []
+        metric = self.reader.main_metric(row)
+        rank = None if metric is None else self._first_rank(row.id, metric)
+        if rank is None:
+            return []
+        rows = self._all(
+            "SELECT epoch, MIN(step), MAX(step) FROM metrics WHERE run_id = ? AND metric = ? AND rank = ?"
+            " GROUP BY epoch ORDER BY MIN(step)",
+            (row.id, metric, rank),
+        )
+        return [[int(e), int(first), int(last)] for e, first, last in rows]
 
     # -- series ----------------------------------------------------------------------------
     def series(

@@ -31,7 +31,9 @@ def _clean(v: Any) -> float | None:
 def layers_payload(store: ReadOnlyStore, run_id: str, top: int = 8) -> dict[str, Any]:
     """Each layer's latest ``grad_norm/``, ``weight_norm/`` and ``update_ratio/`` value (the lowest
     rank's rows: the reduced ones in a process group), layers ordered by their gradient norm,
-    largest first; ``top`` names the ones charts show by default."""
+    largest first; ``top`` names the first ``top`` of them (the table's default rows); ``order``
+    gives, per kind, the layers by their latest value of that kind, largest first (the order of the
+    lines of that kind's chart, whose first few are shown by default)."""
     names = [
         str(r[0])
         for r in store.reader.query(
@@ -52,7 +54,20 @@ def layers_payload(store: ReadOnlyStore, run_id: str, top: int = 8) -> dict[str,
             entry[kind] = _clean(row[0][1])
             entry["step"] = max(int(row[0][0]), entry.get("step", -1))
     ordered = sorted(layers.values(), key=lambda e: -(e.get("grad_norm") or 0.0))
-    return {"kinds": list(LAYER_KINDS), "layers": ordered, "top": [e["layer"] for e in ordered[:top]]}
+    # Per kind, every layer with a value, the largest latest value first: a family's chart shows
+    # the first ``top`` lines by default (the layer whose gradients explode is at the top).
+    by_kind = {
+        kind: [
+            e["layer"] for e in sorted((e for e in layers.values() if e.get(kind) is not None), key=lambda e: -e[kind])
+        ]
+        for kind in LAYER_KINDS
+    }
+    return {
+        "kinds": list(LAYER_KINDS),
+        "layers": ordered,
+        "top": [e["layer"] for e in ordered[:top]],
+        "order": {kind: names for kind, names in by_kind.items() if names},
+    }
 
 
 def histograms_payload(store: ReadOnlyStore, run_id: str, kind: str | None = None) -> dict[str, Any]:

@@ -96,6 +96,24 @@ function csvCell(value) {
   return /[",\n\r]/.test(text) ? `"${text.replace(/"/g, '""')}"` : text;
 }
 
+// ---- choices kept between pages (x axis, smoothing, all layers): the browser's localStorage -------
+const PREFS_KEY = "batchtap.prefs";
+function pref(name, fallback) {
+  try {
+    const all = JSON.parse(localStorage.getItem(PREFS_KEY) || "{}");
+    return Object.prototype.hasOwnProperty.call(all, name) ? all[name] : fallback;
+  } catch (e) {
+    return fallback; // storage off (a private window): the defaults
+  }
+}
+function setPref(name, value) {
+  try {
+    const all = JSON.parse(localStorage.getItem(PREFS_KEY) || "{}");
+    all[name] = value;
+    localStorage.setItem(PREFS_KEY, JSON.stringify(all));
+  } catch (e) { /* not kept: the choice still holds on this page */ }
+}
+
 // ---- units: the console's table (batchtap/_units.py), sent in the page --------------------------
 const UNITS = (() => {
   const node = document.getElementById("bt-units");
@@ -183,7 +201,10 @@ function displayUnit(name, values) {
     }
     case "bytes": return max >= 10 * UNITS.gib ? { scale: 1 / UNITS.gib, suffix: "GiB" } : { scale: 1 / UNITS.mib, suffix: "MiB" };
     case "percent": return { scale: 1, suffix: "%" };
-    case "per_second": return { scale: 1, suffix: "/s" };
+    case "per_second":
+      // a FLOP rate in TFLOP/s (GFLOP/s below 1e12: a CPU), tokens as tokens/s
+      if (name === "flops_per_second") return max >= 1e12 ? { scale: 1e-12, suffix: "TFLOP/s" } : { scale: 1e-9, suffix: "GFLOP/s" };
+      return { scale: 1, suffix: name === "tokens_per_second" ? "tokens/s" : "/s" };
     case "ratio": return { scale: 1, suffix: "x" };
     case "watts": return { scale: 1, suffix: "W" };
     case "celsius": return { scale: 1, suffix: "C" };
@@ -249,20 +270,32 @@ function smoothing() {
 }
 
 function smoothingControl(onChange) {
-  const input = el("input", { type: "range", id: "smoothing", min: "0", max: "0.99", step: "0.01", value: "0.6" });
-  const shown = el("span", { text: "0.60" });
-  input.addEventListener("input", () => { shown.textContent = Number(input.value).toFixed(2); onChange(); });
+  const kept = Number(pref("smoothing", 0.6));
+  const start = Number.isFinite(kept) && kept >= 0 && kept <= 0.99 ? kept : 0.6;
+  const input = el("input", { type: "range", id: "smoothing", min: "0", max: "0.99", step: "0.01", value: String(start) });
+  const shown = el("span", { text: start.toFixed(2) });
+  input.addEventListener("input", () => { shown.textContent = Number(input.value).toFixed(2); setPref("smoothing", Number(input.value)); onChange(); });
   return el("label", {}, "smoothing ", input, " ", shown);
 }
 
+// The x axis: step, wall time or epoch; the choice is kept for the next page. `allowEpochs` is
+// called once the runs' epochs have arrived (/api/runs/{id}/epochs): epoch is offered when every
+// run shown has them, and a kept "epoch" is taken then.
 function xControl(onChange, { epochs }) {
+  const epochOption = el("option", { value: "epoch", text: "x: epoch" });
   const select = el("select", { id: "xaxis", "aria-label": "x axis" },
     el("option", { value: "step", text: "x: step" }),
     el("option", { value: "wall", text: "x: wall time (s since start)" }),
-    el("option", { value: "epoch", text: "x: epoch", disabled: epochs ? undefined : "disabled" }),
+    epochOption,
   );
-  if (!epochs) select.title = "epoch needs the runs' epoch boundaries from the server (not sent by this store reader)";
-  select.addEventListener("change", () => onChange(select.value));
+  select.allowEpochs = (ok) => {
+    epochOption.disabled = !ok;
+    select.title = ok ? "" : "no epoch stored for every run shown";
+    const kept = pref("x", "step");
+    select.value = ["step", "wall", "epoch"].includes(kept) && (kept !== "epoch" || ok) ? kept : "step";
+  };
+  select.allowEpochs(epochs);
+  select.addEventListener("change", () => { setPref("x", select.value); onChange(select.value); });
   return select;
 }
 
@@ -312,33 +345,42 @@ function tipTable(rows) {
 // every step chart (a rule's stop or rollback concerns the whole run). A rollback's bookkeeping
 // (the decisions about the abandoned trajectory it ignored, the batches it skipped) is in the
 // story's details in the events table, not drawn.
+// Notes (`info`: an accumulation noticed, an assumption made) are no degradation: they are listed in
+// the events table, not drawn.
 function eventsFor(events, metric, sparse) {
   return events.filter((e) => {
     if (e.kind === "anomaly") return e.metric === metric;
-    if (sparse) return false;
+    if (sparse || e.kind === "info") return false;
     return !(e.kind === "action" && (/^ignored .* a rollback abandoned/.test(e.message) || /^rollback \d+: skipped batches/.test(e.message)));
   });
 }
 
 // One chart: for each line (a run's metric) its raw line and smoothed line; event markers, action
-// spans, outliers marked at the edge; log / linear y; CSV and PNG of what it shows.
+// spans, outliers marked at the edge; log / linear y; CSV and PNG of what it shows. A family of
+// lines (per-layer values: `top`) shows its first `top` lines until "all" is pressed; the hidden
+// ones are not even read.
 class Chart {
-  constructor({ metric, title, lines, xRange, sparse = false, width = 800, xMode = "step", legend = false }) {
+  constructor({ metric, title, lines, xRange, sparse = false, width = 800, xMode = "step", legend = false, log = false, top = null, all = false, yLabel = null }) {
     this.metric = metric; this.sparse = sparse; this.pixels = width; this.xMode = xMode;
-    this.title = title; this.log = false; this.unit = null; this.loaded = null;
+    this.title = title; this.log = log; this.unit = null; this.loaded = null; this.yLabel = yLabel || metric;
+    this.top = top !== null && lines.length > top ? top : null;
+    this.multiRun = new Set(lines.map((l) => l.runId)).size > 1;
     this.plot = Bokeh.Plotting.figure({
       height: 240, sizing_mode: "stretch_width", tools: "xpan,xwheel_zoom,box_zoom,reset",
       x_axis_label: X_LABELS[xMode], toolbar_location: "above", output_backend: "canvas",
-      x_range: xRange, y_range: new Bokeh.Range1d({ start: 0, end: 1 }),
+      x_range: xRange, y_range: new Bokeh.Range1d({ start: log ? 0.1 : 0, end: 1 }), y_axis_type: log ? "log" : "linear",
     });
     this.plot.toolbar.autohide = true;
     this.lines = lines.map((spec, i) => {
       const color = spec.color || COLORS[i % COLORS.length];
       const source = new Bokeh.ColumnDataSource({ data: { x: [], step: [], lo: [], hi: [], stored: [], value: [], mean: [], wall: [], smooth: [] } });
-      const raw = this.plot.line({ field: "x" }, { field: "value" }, { source, line_color: color, line_alpha: sparse ? 0.8 : 0.3 });
-      const smooth = this.plot.line({ field: "x" }, { field: "smooth" }, { source, line_color: color, line_width: 2 });
+      const dash = spec.dash || "solid";
+      const raw = this.plot.line({ field: "x" }, { field: "value" }, { source, line_color: color, line_alpha: sparse ? 0.8 : 0.3, line_dash: dash });
+      const smooth = this.plot.line({ field: "x" }, { field: "smooth" }, { source, line_color: color, line_width: 2, line_dash: dash });
       if (sparse) this.plot.scatter({ field: "x" }, { field: "value" }, { source, size: 6, fill_color: color, line_color: color });
-      const line = { ...spec, name: spec.metric, color, source, raw, smooth, mode: "raw", lastStep: -Infinity, events: [] };
+      const hidden = this.top !== null && !all && i >= this.top;
+      raw.visible = smooth.visible = !hidden;
+      const line = { ...spec, name: spec.metric, color, source, raw, smooth, mode: "raw", lastStep: -Infinity, events: [], hidden };
       this.plot.add_tools(new Bokeh.HoverTool({ renderers: [raw, smooth], mode: "mouse", tooltips: (ds, vars) => this.tip(line, vars.index) }));
       return line;
     });
@@ -347,7 +389,7 @@ class Chart {
       source: this.events, size: 12, marker: { field: "marker" }, line_color: { field: "color" }, fill_color: { field: "color" }, fill_alpha: 0.6, line_width: 2,
     });
     this.plot.add_tools(new Bokeh.HoverTool({ renderers: [marks], tooltips: (ds, vars) => this.eventTip(vars.index) }));
-    this.outliers = new Bokeh.ColumnDataSource({ data: { x: [], y: [], step: [], stored: [], run: [], marker: [] } });
+    this.outliers = new Bokeh.ColumnDataSource({ data: { x: [], y: [], step: [], stored: [], run: [], marker: [], metric: [] } });
     const out = this.plot.scatter({ field: "x" }, { field: "y" }, {
       source: this.outliers, size: 11, marker: { field: "marker" }, fill_color: OUTLIER_COLOR, line_color: "#ffffff", line_width: 1,
     });
@@ -359,22 +401,47 @@ class Chart {
   // The chart's box: its title, a legend and its controls as HTML above the plot (never over the data).
   frame(legend) {
     this.logBox = el("input", { type: "checkbox", class: "log-toggle", "aria-label": "log scale" });
+    this.logBox.checked = this.log;
     this.logBox.addEventListener("change", () => this.setLog(this.logBox.checked));
     this.plotNode = el("div", { class: "plot" });
     this.note = el("div", { class: "clip-note" });
     this.titleNode = el("h3", { text: this.title });
-    const keys = legend ? el("ul", { class: "legend" }, ...this.lines.map((l) => el("li", {}, el("span", { class: "swatch", style: `background:${l.color}` }), l.label))) : null;
+    for (const l of this.lines) l.key = el("li", { style: l.hidden ? "display:none" : undefined }, el("span", { class: "swatch", style: `background:${l.color}` }), l.label);
+    const keys = legend ? el("ul", { class: "legend" }, ...this.lines.map((l) => l.key)) : null;
+    this.allButton = this.top === null ? null : el("button", {
+      type: "button", class: "all-lines", text: this.lines.some((l) => l.hidden) ? `all ${this.lines.length}` : `top ${this.top}`, title: `every line, not only the top ${this.top}`,
+      onclick: () => this.showAll(this.lines.some((l) => l.hidden)).catch(showError),
+    });
     return el("div", { class: "chart", "data-metric": this.metric },
       el("div", { class: "chart-head" }, this.titleNode,
-        el("span", { class: "chart-tools" },
+        el("span", { class: "chart-tools" }, this.allButton,
           el("label", { title: "logarithmic y axis" }, this.logBox, " log"),
           el("button", { type: "button", class: "csv", text: "CSV", title: "the points shown, as CSV", onclick: () => this.csv() }),
           el("button", { type: "button", class: "png", text: "PNG", title: "the chart as a PNG image", onclick: () => this.png().catch(showError) }))),
       keys, this.plotNode, this.note);
   }
 
+  // The lines drawn now (a family's hidden lines are neither read nor counted in the y range).
+  shown() {
+    return this.lines.filter((l) => !l.hidden);
+  }
+
+  // Every line of a family (`on`), or its first `top` again; the choice is kept for the next page.
+  async showAll(on, keep = true) {
+    if (this.top === null) return;
+    if (keep) setPref("allLines", on);
+    this.lines.forEach((l, i) => {
+      l.hidden = !on && i >= this.top;
+      l.raw.visible = l.smooth.visible = !l.hidden;
+      l.key.style.display = l.hidden ? "none" : "";
+    });
+    this.allButton.textContent = on ? `top ${this.top}` : `all ${this.lines.length}`;
+    await this.load(...(this.loaded || [null, null]));
+  }
+
   async load(start = null, end = null) {
-    const all = await Promise.all(this.lines.map((line) => {
+    const lines = this.shown();
+    const all = await Promise.all(lines.map((line) => {
       const params = new URLSearchParams({ metric: line.metric, width: String(this.pixels) });
       if (start !== null) params.set("start", String(Math.floor(start)));
       if (end !== null) params.set("end", String(Math.ceil(end)));
@@ -384,9 +451,9 @@ class Chart {
       const values = all.flatMap((s) => s.value.filter((v) => v !== null));
       this.unit = displayUnit(this.metric, values);
       const unitText = this.unit.suffix ? ` (${this.unit.suffix})` : "";
-      this.plot.yaxis.axis_label = `${this.metric}${unitText}`; // canvas text
+      this.plot.yaxis.axis_label = `${this.yLabel}${unitText}`; // canvas text
     }
-    all.forEach((series, i) => this.replace(this.lines[i], series));
+    all.forEach((series, i) => this.replace(lines[i], series));
     this.loaded = start === null ? null : [start, end];
     this.fitY();
   }
@@ -453,7 +520,7 @@ class Chart {
 
   // The y range: the bulk of every line's values, outliers marked at the edge (see robustRange).
   fitY() {
-    const values = this.lines.flatMap((l) => Array.from(l.source.data.value));
+    const values = this.shown().flatMap((l) => Array.from(l.source.data.value));
     const finite = values.filter(Number.isFinite).sort((a, b) => a - b);
     const cut = finite.length ? robustBounds(finite) : null;
     const changed = !this.cut || !cut || cut.lo !== this.cut.lo || cut.hi !== this.cut.hi;
@@ -463,15 +530,15 @@ class Chart {
     const y = this.plot.y_range;
     if (range) y.setv({ start: range.start, end: range.end, reset_start: range.start, reset_end: range.end });
     this.range = range;
-    const out = { x: [], y: [], step: [], stored: [], run: [], marker: [] };
+    const out = { x: [], y: [], step: [], stored: [], run: [], marker: [], metric: [] };
     if (range) {
-      for (const line of this.lines) {
+      for (const line of this.shown()) {
         const d = line.source.data;
         for (let i = 0; i < d.value.length; i++) {
           const v = d.value[i];
           if (!Number.isFinite(v) || (this.log && v <= 0)) continue;
           if (v > range.end || v < range.start) {
-            out.x.push(d.x[i]); out.step.push(d.step[i]); out.stored.push(d.stored[i]); out.run.push(line.label);
+            out.x.push(d.x[i]); out.step.push(d.step[i]); out.stored.push(d.stored[i]); out.run.push(line.label); out.metric.push(line.metric);
             out.y.push(v > range.end ? range.end : range.start);
             out.marker.push(v > range.end ? "triangle" : "inverted_triangle");
           }
@@ -481,7 +548,8 @@ class Chart {
     this.outliers.data = out;
     if (out.step.length) {
       const worst = out.stored.reduce((a, b) => (Math.abs(b) > Math.abs(a) ? b : a));
-      this.note.textContent = `${out.step.length} point${out.step.length === 1 ? "" : "s"} outside the y range, marked ▲ at the edge (largest ${fmtUnit(this.metric, worst)}); box-zoom to see them`;
+      const named = out.metric[out.stored.indexOf(worst)] || this.metric;
+      this.note.textContent = `${out.step.length} point${out.step.length === 1 ? "" : "s"} outside the y range, marked ▲ at the edge (largest ${fmtUnit(named, worst)}); box-zoom to see them`;
     } else {
       this.note.textContent = "";
     }
@@ -499,7 +567,14 @@ class Chart {
   }
 
   setEvents(eventsByRun) {
-    for (const line of this.lines) line.events = eventsFor(eventsByRun[line.runId] || [], line.metric, this.sparse);
+    // A run's actions, skips and warnings are drawn once per chart: on its first line (the other
+    // lines of the same run, step_time's data_time or a family's layers, get their anomalies only).
+    const seen = new Set();
+    for (const line of this.lines) {
+      const own = eventsFor(eventsByRun[line.runId] || [], line.metric, this.sparse);
+      line.events = seen.has(line.runId) ? own.filter((e) => e.kind === "anomaly") : own;
+      seen.add(line.runId);
+    }
     if (this.spans.length) this.plot.center = this.plot.center.filter((a) => !this.spans.includes(a));
     this.spans = [];
     if (this.xMode === "step") {
@@ -517,7 +592,7 @@ class Chart {
 
   placeEvents() {
     const out = { x: [], y: [], step: [], kind: [], message: [], marker: [], color: [], run: [] };
-    for (const line of this.lines) {
+    for (const line of this.shown()) {
       const d = line.source.data;
       for (const e of line.events) {
         let y = nearestValue(d, e.step);
@@ -536,7 +611,7 @@ class Chart {
     if (i === undefined || i === null || i < 0 || i >= d.step.length) return null;
     const step = d.lo[i] === d.hi[i] ? String(d.step[i]) : `${d.lo[i]}–${d.hi[i]}`;
     const rows = [["metric", line.metric]];
-    if (this.lines.length > 1) rows.push(["run", line.label]);
+    if (this.multiRun) rows.push(["run", line.label]);
     rows.push(["step", step], [line.mode === "minmax" ? "min/max" : "value", fmtUnit(line.metric, d.stored[i])]);
     if (!this.sparse && Number.isFinite(d.smooth[i])) rows.push(["smoothed", fmtUnit(line.metric, d.smooth[i] / this.unit.scale)]);
     rows.push(["wall time", fmtTime(d.wall[i])]);
@@ -547,7 +622,7 @@ class Chart {
     const d = this.events.data;
     if (i === undefined || i === null || i >= d.step.length) return null;
     const rows = [["event", `${d.kind[i]} at step ${d.step[i]}`]];
-    if (this.lines.length > 1) rows.push(["run", d.run[i]]);
+    if (this.multiRun) rows.push(["run", d.run[i]]);
     rows.push(["message", d.message[i]]);
     return tipTable(rows);
   }
@@ -555,9 +630,9 @@ class Chart {
   outlierTip(i) {
     const d = this.outliers.data;
     if (i === undefined || i === null || i >= d.step.length) return null;
-    const rows = [["metric", this.metric]];
-    if (this.lines.length > 1) rows.push(["run", d.run[i]]);
-    rows.push(["step", String(d.step[i])], ["value (outside the y range)", fmtUnit(this.metric, d.stored[i])]);
+    const rows = [["metric", d.metric[i] || this.metric]];
+    if (this.multiRun) rows.push(["run", d.run[i]]);
+    rows.push(["step", String(d.step[i])], ["value (outside the y range)", fmtUnit(d.metric[i] || this.metric, d.stored[i])]);
     return tipTable(rows);
   }
 
@@ -565,7 +640,7 @@ class Chart {
   csv() {
     const header = ["run", "run_id", "metric", "step", "first_step", "last_step", "wall_time", "value", "smoothed"];
     const rows = [header.join(",")];
-    for (const line of this.lines) {
+    for (const line of this.shown()) {
       const d = line.source.data;
       for (let i = 0; i < d.step.length; i++) {
         const smooth = Number.isFinite(d.smooth[i]) ? d.smooth[i] / this.unit.scale : null;
@@ -590,7 +665,7 @@ class Chart {
   onRange(x0, x1) {
     if (this.sparse) return;
     const s0 = this.stepAt(x0), s1 = this.stepAt(x1);
-    const decimated = this.lines.some((l) => l.mode === "minmax");
+    const decimated = this.shown().some((l) => l.mode === "minmax");
     const outside = this.loaded && (s0 < this.loaded[0] || s1 > this.loaded[1]);
     if (!decimated && !outside) return;
     clearTimeout(this.timer);
@@ -690,6 +765,11 @@ function showEvents(box, events) {
   if (!events.length) { box.replaceChildren(el("p", { class: "muted", text: "no events" })); return; }
   const rows = stories(events);
   bt.stories = rows;
+  // Which kinds are listed: a box per kind present, with its count (kept across live updates).
+  const hidden = (bt.hiddenKinds = bt.hiddenKinds || new Set());
+  const counts = new Map();
+  for (const r of rows) counts.set(r.kind, (counts.get(r.kind) || 0) + 1);
+  const kinds = [...counts.keys()].sort();
   const columns = [
     { key: "step", label: "step", num: true, render: (e) => String(e.step) },
     { key: "rank", label: "rank", num: true, render: (e) => (e.rank < 0 ? "all" : String(e.rank ?? "")) },
@@ -705,7 +785,16 @@ function showEvents(box, events) {
       },
     },
   ];
-  box.replaceChildren(el("div", { class: "tablewrap" }, sortableTable(columns, rows.slice(), { id: "events-table" })));
+  const table = sortableTable(columns, rows.slice(), { id: "events-table" });
+  table.keep = (r) => !hidden.has(r.kind);
+  table.filter();
+  const filters = el("div", { class: "toolbar kinds", id: "event-kinds" }, "show ", ...kinds.map((kind) => {
+    const box = el("input", { type: "checkbox", value: kind });
+    box.checked = !hidden.has(kind);
+    box.addEventListener("change", () => { if (box.checked) hidden.delete(kind); else hidden.add(kind); table.filter(); });
+    return el("label", { class: `kind kind-${kind}` }, box, ` ${kind === "info" ? "info (notes)" : kind} (${counts.get(kind)})`);
+  }));
+  box.replaceChildren(filters, el("div", { class: "tablewrap" }, table));
 }
 
 // A sortable table: columns [{key, label, num, render?}], rows of objects.
@@ -721,7 +810,7 @@ function sortableTable(columns, rows, { id, sort } = {}) {
     return td;
   }
   function draw(list) {
-    tbody.replaceChildren(...list.map((row) => el("tr", { "data-id": row.id || "" }, ...columns.map((c) => cell(c, row)))));
+    tbody.replaceChildren(...list.map((row) => el("tr", { "data-id": row.id || "", "data-kind": typeof row.kind === "string" ? row.kind : null }, ...columns.map((c) => cell(c, row)))));
   }
   function order() {
     if (sortKey === null) return;
@@ -1006,6 +1095,60 @@ function gradient(t) {
 }
 
 // ---- run page ----------------------------------------------------------------------------------
+// Throughput a trainer quotes (metrics/throughput.py), drawn right after the step time.
+const THROUGHPUT_TITLES = { mfu: "MFU (model FLOPs utilisation)", flops_per_second: "FLOP/s", tokens_per_second: "tokens/s" };
+// Per-layer values (bt.metrics.Layers): one chart per kind, a line per layer.
+const LAYER_FAMILY = /^(grad_norm|weight_norm|update_ratio)\/(.+)$/;
+const LAYER_TOP = 5;
+
+// The charts' order: the stored order, with the throughput charts moved right after step_time
+// (after the main metric when there is no step time) and the per-layer values left out (drawn
+// as families, below).
+function chartOrder(metrics, main) {
+  const order = metrics.filter((m) => !(m in THROUGHPUT_TITLES) && !LAYER_FAMILY.test(m));
+  const throughput = Object.keys(THROUGHPUT_TITLES).filter((m) => metrics.includes(m));
+  let at = order.indexOf("step_time");
+  if (at < 0) at = order.indexOf(main);
+  order.splice(at + 1, 0, ...throughput);
+  return order;
+}
+
+// [kind, [layer, ...]] per family with values, the layers by their latest value, largest first
+// (the server's order, /api/runs/{id}/layers), the others after them in stored order.
+function layerFamilies(metrics, layers) {
+  const families = new Map();
+  for (const m of metrics) {
+    const found = LAYER_FAMILY.exec(m);
+    if (!found) continue;
+    if (!families.has(found[1])) families.set(found[1], []);
+    families.get(found[1]).push(found[2]);
+  }
+  const order = (layers && layers.order) || {};
+  return [...families].map(([kind, names]) => {
+    const ranked = (order[kind] || []).filter((n) => names.includes(n));
+    return [kind, [...ranked, ...names.filter((n) => !ranked.includes(n))]];
+  });
+}
+
+// The step time and the throughput beside it, as a trainer quotes them: each one's median over the
+// points read (the stored values, or each bucket's min and max on a long run), in the chart's unit.
+function throughputFacts(charts) {
+  const parts = [];
+  for (const metric of ["step_time", ...Object.keys(THROUGHPUT_TITLES)]) {
+    const chart = charts[metric];
+    const line = chart && chart.lines.find((l) => l.metric === metric);
+    if (!line) continue;
+    const values = Array.from(line.source.data.stored).filter(Number.isFinite).sort((a, b) => a - b);
+    if (!values.length) continue;
+    const median = values[Math.floor((values.length - 1) / 2)];
+    const unit = displayUnit(metric, values);
+    const shown = median * unit.scale;
+    const text = metric === "tokens_per_second" ? Math.round(shown).toLocaleString("en-US") : number(shown, metric === "step_time" ? 2 : undefined);
+    parts.push(el("span", { "data-metric": metric }, `${metric === "step_time" ? "step" : THROUGHPUT_TITLES[metric].split(" ")[0]} `, el("b", { text: `${text} ${unit.suffix}`.trim() })));
+  }
+  return parts.length > 1 ? el("span", { id: "throughput", title: "medians over the points shown" }, "median ", ...parts) : null;
+}
+
 async function runView(runId) {
   const run = await api(`/api/runs/${encodeURIComponent(runId)}`);
   document.title = `batchtap: ${run.name}`;
@@ -1027,7 +1170,10 @@ async function runView(runId) {
   const ranksBox = el("div", { id: "ranks" });
   const xSelect = xControl((mode) => {
     for (const chart of Object.values(bt.charts)) chart.setX(mode);
-  }, { epochs: Array.isArray(run.epochs) && run.epochs.length > 0 });
+  }, { epochs: false });
+  const epochsPromise = api(`/api/runs/${encodeURIComponent(runId)}/epochs`).catch(() => ({ epochs: [] }));
+  const layersPromise = run.metrics.some((m) => LAYER_FAMILY.test(m))
+    ? api(`/api/runs/${encodeURIComponent(runId)}/layers`).catch(() => null) : Promise.resolve(null);
   setMain(
     el("h1", { id: "run-name", text: run.name }, " ", status),
     facts, notes,
@@ -1040,21 +1186,35 @@ async function runView(runId) {
   );
 
   if (window.btEarly) await window.btEarly.ready; // early.js has asked for the lines by now
+  run.epochs = (await epochsPromise).epochs || [];
+  xSelect.allowEpochs(run.epochs.length > 0);
+  const xMode = xSelect.value;
   const xRange = new Bokeh.DataRange1d();
-  const stepMetrics = run.metrics.filter((m) => !run.sparse.includes(m));
   const columns = chartColumns();
   // The width early.js asked the lines for (its reads are then used), else the box's own.
   const width = (window.btEarly && window.btEarly.width) || Math.max(200, Math.floor(chartsBox.clientWidth / columns) - 40);
   const line = (metric, label) => ({ runId: run.id, run, metric, label: label || metric });
-  for (const metric of stepMetrics) {
+  const stepMetrics = run.metrics.filter((m) => !run.sparse.includes(m));
+  for (const metric of chartOrder(stepMetrics, run.main)) {
     if (metric === "data_time" && stepMetrics.includes("step_time")) continue; // drawn with step_time
     const withData = metric === "step_time" && stepMetrics.includes("data_time");
     const lines = withData ? [line("step_time", "compute (step_time)"), line("data_time", "data wait (data_time)")] : [line(metric)];
-    bt.charts[metric] = new Chart({ metric, title: withData ? "time per step: compute and data wait" : metric, lines, xRange, width, legend: withData });
+    const title = withData ? "time per step: compute and data wait" : THROUGHPUT_TITLES[metric] || metric;
+    bt.charts[metric] = new Chart({ metric, title, lines, xRange, width, legend: withData, xMode });
+  }
+  const layers = await layersPromise;
+  for (const [kind, names] of layerFamilies(stepMetrics, layers)) {
+    const lines = names.map((layer) => line(`${kind}/${layer}`, layer));
+    const top = Math.min(LAYER_TOP, lines.length);
+    bt.charts[`${kind}/*`] = new Chart({
+      metric: `${kind}/*`, yLabel: kind, lines, xRange, width, legend: true, xMode, log: true, top: lines.length > top ? top : null, all: Boolean(pref("allLines", false)),
+      title: lines.length > top ? `${kind} per layer: top ${top} of ${lines.length} by latest value` : `${kind} per layer`,
+    });
   }
   for (const metric of run.sparse) {
-    bt.charts[metric] = new Chart({ metric, title: `${metric} (tap.log)`, lines: [line(metric)], xRange, sparse: true, width });
+    bt.charts[metric] = new Chart({ metric, title: `${metric} (tap.log)`, lines: [line(metric)], xRange, sparse: true, width, xMode });
   }
+
   const eventsPromise = api(`/api/runs/${encodeURIComponent(runId)}/events`);
   await Promise.all(Object.values(bt.charts).map((chart) => chart.load()));
   const { events } = await eventsPromise;
@@ -1062,6 +1222,8 @@ async function runView(runId) {
   const undone = Array.isArray(run.rolled_back) ? run.rolled_back : [];
   for (const chart of Object.values(bt.charts)) if (!chart.sparse) chart.shade(undone);
   await drawCharts(Object.values(bt.charts), chartsBox);
+  const throughput = throughputFacts(bt.charts);
+  if (throughput) facts.append(throughput);
   for (const chart of Object.values(bt.charts)) chart.fullSpan = Math.max(1, run.last_step ?? 1);
   xRange.connect(xRange.change, () => {
     for (const chart of Object.values(bt.charts)) if (!chart.sparse) chart.onRange(xRange.start, xRange.end);
@@ -1161,7 +1323,10 @@ function setStatus(status, reason) {
 // ---- compare -----------------------------------------------------------------------------------
 async function compareView(ids) {
   const runs = await Promise.all(ids.map((id) => api(`/api/runs/${encodeURIComponent(id)}`)));
-  const eventsByRun = Object.fromEntries(await Promise.all(runs.map(async (r) => [r.id, (await api(`/api/runs/${encodeURIComponent(r.id)}/events`)).events])));
+  const [eventsByRun] = await Promise.all([
+    Promise.all(runs.map(async (r) => [r.id, (await api(`/api/runs/${encodeURIComponent(r.id)}/events`)).events])).then(Object.fromEntries),
+    Promise.all(runs.map(async (r) => { r.epochs = (await api(`/api/runs/${encodeURIComponent(r.id)}/epochs`).catch(() => ({}))).epochs || []; })),
+  ]);
   document.title = `batchtap: compare ${runs.length} runs`;
   const colorOf = (r) => COLORS[runs.indexOf(r) % COLORS.length];
   const labelOf = (r) => `${r.name} (${shortId(r)})`;
@@ -1169,14 +1334,21 @@ async function compareView(ids) {
   const legend = el("ul", { id: "compare-runs", class: "legend" }, ...runs.map((r) => el("li", {},
     el("span", { class: "swatch", style: `background:${colorOf(r)}` }),
     el("a", { href: `/run/${encodeURIComponent(r.id)}`, text: r.name }), ` (${shortId(r)}, `, statusBadge(r.status), ")")));
-  const epochs = runs.every((r) => Array.isArray(r.epochs) && r.epochs.length);
+  const epochs = runs.every((r) => r.epochs.length > 0);
   const align = xControl(() => draw().catch(showError), { epochs });
   align.id = "align";
-  const metrics = [...new Set(runs.flatMap((r) => r.metrics))];
+  const all = [...new Set(runs.flatMap((r) => r.metrics))];
+  const metrics = all.filter((m) => !LAYER_FAMILY.test(m));
+  // Per-layer values: one chart per kind, a line per layer and run (colour: the layer; the first
+  // run solid, the others dashed), the first run's top 5 layers by latest value drawn.
+  const withLayers = runs.filter((r) => r.metrics.some((m) => LAYER_FAMILY.test(m)));
+  const layerOrder = withLayers.length ? await api(`/api/runs/${encodeURIComponent(withLayers[0].id)}/layers`).catch(() => null) : null;
+  const families = layerFamilies(all, layerOrder);
   setMain(el("h1", { text: `compare ${runs.length} run${runs.length === 1 ? "" : "s"}` }), legend,
     el("div", { class: "toolbar" }, smoothingControl(() => Object.values(bt.charts).forEach((c) => c.resmooth())), align,
       el("span", { class: "muted", text: "events of every run marked; y: bulk of the values, log per chart" })), box);
   const draw = async () => {
+    bt.ready = false; // drawn again (another x axis): ready once the new charts are
     box.replaceChildren();
     bt.charts = {};
     const xMode = align.value;
@@ -1187,6 +1359,19 @@ async function compareView(ids) {
       const sparse = have.every((r) => r.sparse.includes(metric));
       const lines = have.map((r) => ({ runId: r.id, run: r, metric, label: labelOf(r), color: colorOf(r) }));
       bt.charts[metric] = new Chart({ metric, title: metric, lines, xRange, width, xMode, sparse });
+    }
+    for (const [kind, names] of families) {
+      const lines = names.flatMap((layer, i) => runs.filter((r) => r.metrics.includes(`${kind}/${layer}`)).map((r) => ({
+        runId: r.id, run: r, metric: `${kind}/${layer}`, label: `${layer} · ${labelOf(r)}`,
+        color: COLORS[i % COLORS.length], dash: runs.indexOf(r) > 0 ? "dashed" : undefined, layer,
+      })));
+      const shownLayers = new Set(names.slice(0, LAYER_TOP));
+      const top = lines.filter((l) => shownLayers.has(l.layer)).length;
+      bt.charts[`${kind}/*`] = new Chart({
+        metric: `${kind}/*`, yLabel: kind, lines, xRange, width, xMode, legend: true, log: true,
+        top: lines.length > top ? top : null, all: Boolean(pref("allLines", false)),
+        title: names.length > LAYER_TOP ? `${kind} per layer: top ${LAYER_TOP} of ${names.length}` : `${kind} per layer`,
+      });
     }
     await Promise.all(Object.values(bt.charts).map((c) => c.load()));
     for (const chart of Object.values(bt.charts)) chart.setEvents(eventsByRun);

@@ -29,11 +29,14 @@
     return response;
   };
   get(`/api/runs/${id}/events`);
+  get(`/api/runs/${id}/epochs`);
   early.ready = get(`/api/runs/${id}`)
     .then((response) => (response.ok ? response.clone().json() : null))
     .then((run) => {
       if (!run) return;
       for (const metric of run.metrics || []) {
+        // per-layer values: app.js reads the few lines each family shows by default, not all
+        if (/^(grad_norm|weight_norm|update_ratio)\//.test(metric)) continue;
         get(`/api/runs/${id}/series?${new URLSearchParams({ metric, width: String(early.width) })}`);
       }
     })

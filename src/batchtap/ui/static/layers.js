@@ -1,9 +1,10 @@
 // batchtap ui: a run page's per-layer section (bt.metrics.Layers and bt.metrics.Histograms).
 //
-// Runs after app.js has drawn the run page (window.bt.ready), reads /api/runs/{id}/layers and
+// The per-layer curves are charts of app.js (one per kind, a line per layer). This script runs
+// after app.js has drawn the run page (window.bt.ready), reads /api/runs/{id}/layers and
 // /api/runs/{id}/histograms, and adds below the charts: a table of each layer's latest gradient
 // norm, weight norm and update ratio (the top layers by gradient norm; "all" shows every one), and
-// one heatmap per layer and kind: a column per captured step, a row per bin (the bins span that
+// small multiples of one heatmap per layer and kind: a column per captured step, a row per bin (the bins span that
 // step's own [min, max], shown in the column's tooltip), darker = more values (log scale).
 // Every name from the store goes into the page as text (textContent), as in app.js.
 "use strict";
@@ -54,7 +55,7 @@
     canvas.height = Math.max(1, bins);
     canvas.className = "bt-heatmap";
     canvas.style.width = "100%";
-    canvas.style.height = "120px";
+    canvas.style.height = "90px";
     canvas.style.imageRendering = "pixelated";
     const ctx = canvas.getContext("2d");
     const image = ctx.createImageData(canvas.width, canvas.height);
@@ -104,8 +105,16 @@
       }
       section.append(holder);
     }
-    for (const h of histograms.histograms) section.append(heatmap(h));
-    document.getElementById("main").append(section);
+    if (histograms.histograms.length) {
+      // small multiples: one heatmap per kind and layer, layers in their model order (0, 2, 10)
+      const natural = (a, b) => a.kind.localeCompare(b.kind) || a.layer.localeCompare(b.layer, undefined, { numeric: true });
+      const grid = node("div", null, "bt-heatmaps");
+      for (const h of histograms.histograms.slice().sort(natural)) grid.append(heatmap(h));
+      section.append(node("h3", "histograms (a column per captured step, a row per bin of that step's [min, max])"), grid);
+    }
+    const ranks = document.getElementById("ranks"); // right below the charts, above the events
+    if (ranks) ranks.after(section);
+    else document.getElementById("main").append(section);
     window.bt.layersDrawn = true;
   }
 
