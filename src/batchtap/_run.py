@@ -16,6 +16,7 @@ except where a ``# sync:`` label says otherwise); nothing here calls back into t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -50,9 +51,10 @@ from batchtap.pipeline.transport.host import PipelineHost
 from batchtap.records import Event, EventKind, RunInfo
 from batchtap.recovery.actions import ActionRunner
 
-__all__ = ["ActiveRun", "HandedRows", "RunSettings", "resume_point", "run_labels"]
+__all__ = ["ActiveRun", "HandedRows", "RunSettings", "report", "resume_point", "run_labels"]
 
 T = TypeVar("T")
+log = logging.getLogger("batchtap")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -547,6 +549,19 @@ class ActiveRun:
             self.flush(empty_ok=self.agreement is not None)
             self.info.metrics = self.capture.layout.names
         self.short = None
+
+
+def report(run: ActiveRun | None, message: str, *, info: bool = False) -> None:
+    """Store ``message`` as an event of the open run (none: only logged). A warning (the library
+    degraded) is also logged as one; a note (``info``: a choice or assumption it made) only at
+    DEBUG, so the console sink's line is the one place it is printed, once."""
+    if info:
+        log.debug("batchtap: %s", message)
+    else:
+        log.warning("batchtap: %s", message)
+    if run is not None:
+        kind = EventKind.INFO if info else EventKind.WARNING
+        run.send([Event(run.info.id, max(run.step - 1, 0), kind, message, time.time(), rank=run.rank)])
 
 
 def resume_point(pipeline: PipelineHost, run_id: str) -> tuple[int, str | None]:

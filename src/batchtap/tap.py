@@ -45,7 +45,7 @@ from batchtap._config import to_json_config
 from batchtap._defaults import checked_metrics, checked_sinks, default_sinks
 from batchtap._exit import AT_EXIT, Terminated, catch_sigterm, sigterm_received
 from batchtap._names import check_storable
-from batchtap._run import ActiveRun, HandedRows, RunSettings, resume_point, run_labels
+from batchtap._run import ActiveRun, HandedRows, RunSettings, report, resume_point, run_labels
 from batchtap.capture.eager import eager, eager_entry, in_eager_code
 from batchtap.errors import ConfigError, InputError, RunStateError
 from batchtap.metrics.base import Metric
@@ -676,13 +676,11 @@ class Tap:
         stop). For capture back-ends. Returns the run's step of ``rows``' offset 0."""
         return _open(self._run, "hand_over()").hand_over(metrics, rows)
 
-    def warn(self, message: str) -> None:
+    def warn(self, message: str, *, info: bool = False) -> None:
         """Store a warning event with the open run (and log it): what a tool driving this Tap
-        (``bt.autolog``) could not see or had to assume. No-op outside a run."""
-        log.warning("batchtap: %s", message)
-        run = self._run
-        if run is not None:
-            run.send([Event(run.info.id, max(run.step - 1, 0), EventKind.WARNING, message, time.time(), rank=run.rank)])
+        (``bt.autolog``) could not see. ``info=True``: a note instead (kind ``info``, a choice or
+        assumption it made), printed once by the console sink. Outside a run: only logged."""
+        report(self._run, message, info=info)
 
 
 # ---------------------------------------------------------------------- helpers
