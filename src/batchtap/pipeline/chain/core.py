@@ -158,17 +158,31 @@ class PipelineCore:
         self.control.count_anomalies({})
 
     def _block(self, message: BlockRows) -> None:
-        """Run a block through its chain, post what the training side needs, dispatch the rest."""
-        chain = self.chains[message.chain]
-        processed = chain.process(message.data)
-        if processed.input_errors:
-            self.control.fail(InputError(processed.input_errors[0]))
-        if processed.verdict is not None:
-            self.control.post(processed.verdict)
-        counts = chain.anomaly_counts
-        if counts != self._counts:
-            self._counts = counts
-            self.control.count_anomalies(counts)
+        """Run a block through its chain, post what the training side needs, dispatch the rest.
+
+        The block is reported judged (with its input error) before it is dispatched: a slow sink
+        delays the judging of a later block only once its queue is full. A block that fails to go
+        through is reported judged too (its failure is raised instead), so the training thread
+        never waits for it."""
+        judged = False
+        try:
+            chain = self.chains[message.chain]
+            processed = chain.process(message.data)
+            error = InputError(processed.input_errors[0]) if processed.input_errors else None
+            if processed.verdict is not None:
+                self.control.post(processed.verdict)
+            counts = chain.anomaly_counts
+            if counts != self._counts:
+                self._counts = counts
+                self.control.count_anomalies(counts)
+            judged = True
+            if message.index is not None:
+                self.control.judged(message.chain, message.index, error)
+            elif error is not None:
+                self.control.fail(error)
+        finally:
+            if not judged and message.index is not None:
+                self.control.judged(message.chain, message.index)
         if chain.writes:
             # the log() records of the block's steps go in the same write: no reader sees the rows without them
             records = [*processed.records, *message.logged] if message.logged else processed.records

@@ -77,11 +77,17 @@ class OpenChain:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockRows:
-    """A block's rows read back, with the ``log()`` records of its steps (stored in one write)."""
+    """A block's rows read back, with the ``log()`` records of its steps (stored in one write).
+
+    ``index`` is the block's number in its chain as the training side handed it over
+    (:meth:`~batchtap.pipeline.chain.control.Control.hand_block`): the core reports the block judged
+    under it, with the input error its values revealed. None: a block no one numbered (a direct
+    hand-over in a test), whose input error fails the control at once."""
 
     chain: int
     data: BlockData
     logged: tuple[Record, ...] = ()
+    index: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

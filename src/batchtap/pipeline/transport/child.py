@@ -37,6 +37,7 @@ from batchtap.pipeline.transport.crossing import (
     Counted,
     Envelope,
     Failed,
+    Judged,
     Meeting,
     Posted,
     Published,
@@ -85,6 +86,12 @@ class _PipeControl(Control):
             self._send(Failed(error))
         except Exception:  # an exception that does not pickle: its text does
             self._send(Failed(RuntimeError(f"batchtap pipeline failed: {error!r}")))
+
+    def judged(self, chain: int, index: int, error: BaseException | None = None) -> None:
+        try:
+            self._send(Judged(chain, index, error))
+        except Exception:  # an error that does not pickle: its text does (an InputError pickles)
+            self._send(Judged(chain, index, RuntimeError(f"batchtap pipeline failed: {error!r}")))
 
 
 def main(conn: Any, config: bytes, parent_pid: int, main_path: str | None) -> None:

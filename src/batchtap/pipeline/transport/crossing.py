@@ -5,7 +5,7 @@ request, the key its answer comes back under). A block's rows do not travel in t
 are written into the run's shared-memory segment (:mod:`batchtap.pipeline.transport.shm`) and a
 :class:`Published` names the slot. The pipeline process answers with :class:`Ack`,
 :class:`Reply` and what its :class:`~batchtap.pipeline.chain.control.Control` is told
-(:class:`Posted`, :class:`Failed`, :class:`Counted`).
+(:class:`Posted`, :class:`Failed`, :class:`Judged`, :class:`Counted`).
 
 Objects that belong to the training side (modules, optimizers, tensors, GradScalers) are never
 copied into the pipeline process: they travel as references (pickle persistent ids) and come back
@@ -40,6 +40,7 @@ __all__ = [
     "Envelope",
     "Failed",
     "HomeRef",
+    "Judged",
     "Meeting",
     "Posted",
     "Published",
@@ -62,6 +63,7 @@ class Published:
     chain: int
     seq: int
     logged: tuple[Record, ...] = ()
+    index: int | None = None  # the block's number in its chain (BlockRows.index)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,7 +99,7 @@ class Envelope:
 
 def rows_of(message: Published, data: Any) -> BlockRows:
     """The hand-over a published block stands for, once its rows were read from the segment."""
-    return BlockRows(message.chain, data, message.logged)
+    return BlockRows(message.chain, data, message.logged, message.index)
 
 
 # ---------------------------------------------------------------------- back to the training process
@@ -127,9 +129,19 @@ class Posted:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Failed:
-    """A pipeline failure or a value-revealed input error (``Control.fail``)."""
+    """A pipeline failure (``Control.fail``)."""
 
     error: BaseException
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Judged:
+    """Block ``index`` of ``chain`` was judged; ``error``: the input error its values revealed
+    (``Control.judged``)."""
+
+    chain: int
+    index: int
+    error: BaseException | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,7 +151,7 @@ class Counted:
     counts: dict[str, int]
 
 
-Answer = Ack | Reply | Posted | Failed | Counted
+Answer = Ack | Reply | Posted | Failed | Judged | Counted
 
 
 # ---------------------------------------------------------------------- pickling across the boundary

@@ -16,11 +16,13 @@ same :class:`~batchtap.pipeline.chain.control.Control`.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from batchtap.pipeline.chain.messages import (
     Barrier,
+    BlockRows,
     EpochStart,
     Events,
     FinishRun,
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from batchtap.capture.flush import Block
     from batchtap.capture.logged import Logged
     from batchtap.metrics.layout import Layout
+    from batchtap.pipeline.chain.control import Control
     from batchtap.pipeline.chain.stages import ReduceSpec
     from batchtap.sinks.base import Sink
 
@@ -59,6 +62,7 @@ class PipelineHost(abc.ABC):
 
     gate: DeviceGate  # paused around CUDA graph captures: no device queries meanwhile
     sinks: list[Sink]
+    control: Control  # where the pipeline's verdicts, errors and judged blocks go
 
     # ------------------------------------------------------------------ what each host implements
 
@@ -71,9 +75,12 @@ class PipelineHost(abc.ABC):
         """Hand ``request`` over and wait for its answer (None when none came in time)."""
 
     @abc.abstractmethod
-    def submit(self, block: Block, chain: int, logged: Sequence[Logged] = ()) -> None:
+    def submit(self, block: Block, chain: int, logged: Sequence[Logged] = (), *, index: int | None = None) -> None:
         """Hand over a flushed block, with the ``log()`` values logged during its steps (stored
-        together with its rows), once its copy completed."""
+        together with its rows), once its copy completed.
+
+        ``index``: the block's number in its chain when another host numbered it already (a
+        failover); None numbers it here (:meth:`number_block`)."""
 
     @abc.abstractmethod
     def logged(self, logged: Logged, *, run_id: str, rank: int, writes: bool) -> None:
@@ -89,6 +96,20 @@ class PipelineHost(abc.ABC):
 
     def at_exit(self, timeout: float) -> None:
         """Interpreter exit with the Tap still open (daemon threads need nothing)."""
+
+    # ------------------------------------------------------------------ numbering blocks
+
+    def number_block(self, chain: int) -> int:
+        """The next block's index in ``chain``. Every earlier block of it was judged first, so an
+        input error their values revealed is raised by the next ``step()`` (see
+        :meth:`~batchtap.pipeline.chain.control.Control.hand_block`)."""
+        return self.control.hand_block(chain, wait=not self.gate.paused)
+
+    def numbered(self, message: Handover) -> Handover:
+        """``message``, a block given its index if it has none yet (a direct hand-over of rows)."""
+        if isinstance(message, BlockRows) and message.index is None:
+            return dataclasses.replace(message, index=self.number_block(message.chain))
+        return message
 
     # ------------------------------------------------------------------ the Tap's calls, as messages
 
@@ -128,7 +149,10 @@ class PipelineHost(abc.ABC):
         Returns False when ``timeout`` seconds passed first (the pipeline is stuck or gone).
         """
         # sync: run start/end, explicit flush — the caller asked for everything captured so far.
-        return self.ask(Barrier(), timeout) is True
+        passed = self.ask(Barrier(), timeout) is True
+        if passed:  # every block handed over was judged: an input error it revealed is due now
+            self.control.release_held()
+        return passed
 
     def flush_sinks(self, timeout: float | None = None) -> bool:
         # sync: run start/end, explicit flush — the sinks store what they were handed (bounded).

@@ -51,6 +51,7 @@ from batchtap.pipeline.transport.crossing import (
     Crossing,
     Envelope,
     Failed,
+    Judged,
     Meeting,
     Posted,
     Published,
@@ -116,6 +117,7 @@ class _Block(_Out):
     block: Block
     chain: _Chain
     logged: tuple[Logged, ...]
+    index: int
 
     def ready(self, gate: DeviceGate) -> Crossing | None:
         # Never waits: it runs under the sending lock, which the training thread also takes.
@@ -127,10 +129,10 @@ class _Block(_Out):
         if data is None:
             return None
         records = tuple(item.record(opening.run_id, opening.rank) for item in self.logged)
-        return Published(opening.chain, segment.publish(data), records)
+        return Published(opening.chain, segment.publish(data), records, self.index)
 
     def hand_to(self, host: PipelineHost, answer: Callable[[Request, int | None], None]) -> None:
-        host.submit(self.block, self.chain.opening.open.chain, self.logged)
+        host.submit(self.block, self.chain.opening.open.chain, self.logged, index=self.index)
 
 
 @dataclasses.dataclass(slots=True)
@@ -236,10 +238,12 @@ class ProcessLink(PipelineHost):
     # ------------------------------------------------------------------ the host calls
 
     def send(self, message: Handover) -> None:
-        self._queue(_Message(message))
+        self._queue(_Message(self.numbered(message)))
 
-    def submit(self, block: Block, chain: int, logged: Sequence[Logged] = ()) -> None:
-        self._queue(_Block(block, self._chains[chain], tuple(logged)))
+    def submit(self, block: Block, chain: int, logged: Sequence[Logged] = (), *, index: int | None = None) -> None:
+        if index is None:
+            index = self.number_block(chain)
+        self._queue(_Block(block, self._chains[chain], tuple(logged), index))
 
     def logged(self, logged: Logged, *, run_id: str, rank: int, writes: bool) -> None:
         self._queue(_Logged(logged, run_id, rank, writes))
@@ -399,6 +403,8 @@ class ProcessLink(PipelineHost):
                 self.control.post(answer.verdict)
             elif isinstance(answer, Failed):
                 self.control.fail(answer.error)
+            elif isinstance(answer, Judged):
+                self.control.judged(answer.chain, answer.index, answer.error)
             elif isinstance(answer, Counted):
                 self.control.count_anomalies(answer.counts)
         if not self._closing:

@@ -96,8 +96,8 @@ class ProcessPipeline(PipelineHost):
     def ask(self, request: Request, timeout: float | None) -> Any:
         return self.current.ask(request, timeout)
 
-    def submit(self, block: Block, chain: int, logged: Sequence[Logged] = ()) -> None:
-        self.current.submit(block, chain, logged)
+    def submit(self, block: Block, chain: int, logged: Sequence[Logged] = (), *, index: int | None = None) -> None:
+        self.current.submit(block, chain, logged, index=index)
 
     def logged(self, logged: Logged, *, run_id: str, rank: int, writes: bool) -> None:
         self.current.logged(logged, run_id=run_id, rank=rank, writes=writes)

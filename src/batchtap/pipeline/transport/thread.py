@@ -46,6 +46,7 @@ class _Unread:
     block: Block
     chain: int
     logged: tuple[Logged, ...]
+    index: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,6 +86,7 @@ class ThreadPipeline(PipelineHost):
         gate: DeviceGate | None = None,
     ) -> None:
         self.core = PipelineCore(sinks, control, settings)
+        self.control = control
         self.sinks = self.core.sinks
         self.gate = gate or DeviceGate()  # the training thread pauses it around CUDA graph captures
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -95,13 +97,15 @@ class ThreadPipeline(PipelineHost):
     # ------------------------------------------------------------------ training thread
 
     def send(self, message: Handover) -> None:
-        self._queue.put(message)
+        self._queue.put(self.numbered(message))
 
     def open(self, message: OpenChain, *, max_rows: int) -> None:
         self._queue.put(message)
 
-    def submit(self, block: Block, chain: int, logged: Sequence[Logged] = ()) -> None:
-        self._queue.put(_Unread(block, chain, tuple(logged)))
+    def submit(self, block: Block, chain: int, logged: Sequence[Logged] = (), *, index: int | None = None) -> None:
+        if index is None:
+            index = self.number_block(chain)
+        self._queue.put(_Unread(block, chain, tuple(logged), index))
 
     def logged(self, logged: Logged, *, run_id: str, rank: int, writes: bool) -> None:
         self._queue.put(_UnreadLogged(logged, run_id, rank, writes))
@@ -152,7 +156,7 @@ class ThreadPipeline(PipelineHost):
                 wait_until(logged.done, self.gate)
             chain = self.core.chains[item.chain]  # opened: its OpenChain was queued before
             records = tuple(logged.record(chain.run_id, chain.rank) for logged in item.logged)
-            self.core.handle(BlockRows(item.chain, data, records))
+            self.core.handle(BlockRows(item.chain, data, records, item.index))
         elif isinstance(item, _UnreadLogged):
             wait_until(item.logged.done, self.gate)
             self.core.handle(LoggedValues(item.logged.record(item.run_id, item.rank), item.writes))
