@@ -62,6 +62,7 @@ _FOUNDATION = {
     "_validate",
     "_units",
     "_stale",
+    "_lazy",
 } & TOP_MODULES
 _ASSEMBLY = {"tap", "_run", "_defaults"}
 TOP_FORBIDDEN = {

@@ -9,8 +9,9 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from batchtap._lazy import lazy_exports
 
 # Errors and records are plain Python and cheap: imported now.
 from batchtap.errors import (
@@ -50,20 +51,7 @@ _LAZY = {
 _SUBMODULES = frozenset({"metrics", "recovery", "rules", "sinks", "ui"})
 
 
-def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f"batchtap.{name}")
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'batchtap' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
-
+__getattr__, __dir__ = lazy_exports("batchtap", _LAZY, globals(), modules=_SUBMODULES)
 
 __version__ = "0.1.0"
 

@@ -10,8 +10,9 @@ Example:
 # (decoding, domain, the timing metrics) without loading torch through the others.
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from batchtap._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from batchtap.metrics import functional
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
 
 #: public name -> the module of this package that defines it
 _WHERE = {
-    "functional": "functional",
     "Accuracy": "accuracy",
     "Combine": "base",
     "Metric": "base",
@@ -89,15 +89,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'batchtap.metrics' has no attribute {name!r}")
-    loaded = importlib.import_module(f"batchtap.metrics.{module}")
-    value = loaded if module == name else getattr(loaded, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports("batchtap.metrics", _WHERE, globals(), modules=("functional",))

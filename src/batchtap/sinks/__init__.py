@@ -9,8 +9,9 @@ Example:
 # what each imports: the PostgreSQL sink loads the store's readers), before it answers a run's start.
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from batchtap._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from batchtap.sinks.base import Sink
@@ -55,14 +56,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'batchtap.sinks' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"batchtap.sinks.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports("batchtap.sinks", _WHERE, globals())
