@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable
 
 import torch
@@ -102,6 +103,8 @@ class Rows:
         self._scaler = False
         self._shape: tuple[bool, bool] | None = None  # (loss, outputs) of the run's first hand-over
         self._ignore_index: int | None = None
+        self._sizes: list[float] = []  # samples of the row's accumulation micro-batches
+        self._trainer_noted = False  # the HF Trainer's mean of means was said
 
     # ------------------------------------------------------------------ what arrives
 
@@ -137,6 +140,7 @@ class Rows:
         self.pending.clear()
         self._kind = None
         self._handed_weight, self._handed_sum, self._handed_total = 0.0, None, None
+        self._sizes = []
         return len(self.optimizers) <= 1 and self._accumulated > 0  # one optimizer: handed over at backward
 
     def _several(self, first: MicroBatch, second: MicroBatch) -> str:
@@ -232,6 +236,7 @@ class Rows:
         accumulated, self._accumulated = self._accumulated, 0
         others, self._other_losses = self._other_losses, {}
         self._handed_weight, self._handed_sum, self._handed_total = 0.0, None, None
+        sizes, self._sizes = self._sizes, []
         if not row:
             return
         facts = self.facts
@@ -258,16 +263,35 @@ class Rows:
             if not accumulated and not self._fits(None, "step"):
                 return
             self.tap.step()
+            if len(set(sizes)) > 1 and not self._trainer_noted:
+                self._note_mean_of_means(sizes)
         self.rows += 1
+
+    def _note_mean_of_means(self, sizes: list[float]) -> None:
+        """Say why the HF Trainer's logged loss is not the stored one, at its first step whose
+        micro-batches (each divided by their count: the accumulation kind) differ in size."""
+        if not _in_hf_trainer():
+            return
+        self._trainer_noted = True
+        shown = ", ".join(f"{s:g}" for s in sizes)
+        self.say(
+            "trainer-mean-of-means",
+            "the HF Trainer's logged loss differs from the stored one wherever a step's micro-batches differ in "
+            f"size (here {shown} samples): the Trainer divides each micro-batch's mean loss by their count and "
+            f"adds them (a mean of means), batchtap stores the mean over the step's {sum(sizes):g} samples "
+            '(docs/autolog.md, "The step\'s loss"); with equal micro-batches the two agree',
+        )
 
     def _accumulate(self, micro: MicroBatch, *, summed: bool = False, last: bool = False) -> None:
         if not self._fits(micro, "accumulate"):
             return
         outputs, targets = self._classification(micro)
         loss = micro.loss
+        samples = samples_of(None, outputs, targets)  # the Tap's weight of this micro-batch (shape metadata)
         if summed:
-            samples = samples_of(None, outputs, targets)  # the Tap's weight of this micro-batch
             loss = self._normalised(loss, samples if math.isfinite(samples) else 1.0, last)
+        elif math.isfinite(samples):
+            self._sizes.append(samples)
         self.tap.accumulate(loss, outputs=outputs, targets=targets)
         self._accumulated += 1
 
@@ -321,6 +345,19 @@ class Rows:
             )
             return False
         return True
+
+
+def _in_hf_trainer() -> bool:
+    """Whether a ``transformers.Trainer`` training loop is on the stack (looked for only when
+    ``transformers.trainer`` was imported, and only at a step of unequal micro-batches)."""
+    module = sys.modules.get("transformers.trainer")
+    path = getattr(module, "__file__", None)
+    frame = sys._getframe(1) if path else None
+    while frame is not None:
+        if frame.f_code.co_filename == path:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _same(first: tuple[float | None, ...], second: tuple[float | None, ...]) -> bool:

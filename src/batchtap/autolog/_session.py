@@ -35,7 +35,18 @@ log = logging.getLogger("batchtap")
 
 #: What ``say`` reports as a note (``info``): how autolog read the loop (accumulation, several
 #: losses, an assumed loss, no accuracy), a choice, not something it failed to record.
-NOTES = frozenset({"accumulation", "normalised", "several-losses", "losses-assumed", "assumed", "loss-only", "twice"})
+NOTES = frozenset(
+    {
+        "accumulation",
+        "normalised",
+        "several-losses",
+        "losses-assumed",
+        "assumed",
+        "loss-only",
+        "twice",
+        "trainer-mean-of-means",
+    }
+)
 
 
 class Session:
