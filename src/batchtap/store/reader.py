@@ -53,19 +53,33 @@ class Store(ReadHandle):
     The connections, :meth:`query` and the life cycle come from :class:`~batchtap.store.handle.ReadHandle`;
     this class holds the queries.
 
-    Example:
+    Example (a run of three steps and one value logged with ``Tap.log()``):
         >>> import tempfile, os, batchtap.store
         >>> from batchtap.sinks.sqlite import SQLite
         >>> from batchtap.records import Record, RunInfo
         >>> path = os.path.join(tempfile.mkdtemp(), "bt.db")
         >>> sink = SQLite(path)
         >>> sink.start_run(RunInfo("a1b2", "demo", {}, started_at=0.0))
-        >>> sink.write([Record("a1b2", step=0, epoch=0, batch=0, rank=0, wall_time=1.0, values={"loss": 0.5})])
+        >>> sink.write([Record("a1b2", step=s, epoch=0, batch=s, rank=0, wall_time=1.0 + s,
+        ...                    values={"loss": v}) for s, v in enumerate([0.9, 0.5, 0.7])])
+        >>> sink.write([Record("a1b2", step=2, epoch=0, batch=-1, rank=0, wall_time=3.5,
+        ...                    values={"val_acc": 0.75}, sparse=True)])
         >>> sink.close()
         >>> with batchtap.store.open(path) as st:
         ...     run = st.run("demo")
-        ...     st.series(run.id, "loss")
-        [Point(step=0, value=0.5, wall_time=1.0, epoch=0, batch=0)]
+        ...     first = st.series(run.id, "loss")[0]
+        ...     s = st.summary("demo", "loss")
+        ...     frame = st.frame("demo")
+        >>> first
+        Point(step=0, value=0.9, wall_time=1.0, epoch=0, batch=0)
+        >>> s.last, s.min, s.best, s.count
+        (0.7, 0.5, 0.5, 3)
+        >>> print(frame)  # doctest: +NORMALIZE_WHITESPACE
+              loss  val_acc
+        step
+        0      0.9      NaN
+        1      0.5      NaN
+        2      0.7     0.75
     """
 
     # -- runs -------------------------------------------------------------------------------
@@ -195,25 +209,11 @@ class Store(ReadHandle):
             RunNotFound: no such run.
             MetricNotFound: the run has no metric of that name.
 
-        Example:
-            >>> import tempfile, os, batchtap.store
-            >>> from batchtap.sinks.sqlite import SQLite
-            >>> from batchtap.records import Record, RunInfo
-            >>> path = os.path.join(tempfile.mkdtemp(), "bt.db")
-            >>> sink = SQLite(path)
-            >>> sink.start_run(RunInfo("a1b2", "demo", {}, started_at=0.0))
-            >>> sink.write([Record("a1b2", step=s, epoch=0, batch=s, rank=0, wall_time=1.0 + s,
-            ...                    values={"loss": v}) for s, v in enumerate([0.9, 0.5, 0.7])])
-            >>> sink.close()
-            >>> with batchtap.store.open(path) as st:
-            ...     s = st.summary("demo", "loss")
-            >>> s.last, s.min, s.best, s.count
-            (0.7, 0.5, 0.5, 3)
+        Example: see :class:`Store`.
         """
         run_id = self._id(run)
         if rank is None:
-            found = self._all("SELECT MIN(rank) FROM metrics WHERE run_id = ? AND metric = ?", (run_id, metric))
-            rank = None if not found or found[0][0] is None else int(found[0][0])
+            rank = self._default_rank(run_id, metric)
         higher = best_is_max(metric)
         if rank is None:
             self._check_metric(run_id, metric)
@@ -367,11 +367,10 @@ class Store(ReadHandle):
         """
         run_id = self._id(run_id)
         if rank is None:
-            found = self._all("SELECT MIN(rank) FROM metrics WHERE run_id = ? AND metric = ?", (run_id, metric))
-            if not found or found[0][0] is None:
+            rank = self._default_rank(run_id, metric)
+            if rank is None:
                 self._check_metric(run_id, metric)
                 return []
-            rank = int(found[0][0])
         rows = self._all(
             "SELECT step, value, wall_time, epoch, batch FROM metrics"
             " WHERE run_id = ? AND metric = ? AND rank = ? ORDER BY step",
@@ -380,6 +379,12 @@ class Store(ReadHandle):
         if not rows:
             self._check_metric(run_id, metric)
         return [Point(int(s), _NAN if v is None else float(v), float(w), int(e), int(b)) for s, v, w, e, b in rows]
+
+    def _default_rank(self, run_id: str, metric: str) -> int | None:
+        """The rank a metric is read at when none is asked for: the reduced rows (rank -1) when
+        stored, else the lowest rank; None when the run stored no value of it."""
+        found = self._all("SELECT MIN(rank) FROM metrics WHERE run_id = ? AND metric = ?", (run_id, metric))
+        return None if not found or found[0][0] is None else int(found[0][0])
 
     def _check_metric(self, run_id: str, metric: str) -> None:
         """Raise :class:`MetricNotFound` unless the run stored or declared ``metric``."""
@@ -436,25 +441,7 @@ class Store(ReadHandle):
             StoreError: a name in ``metrics`` has no values in the run (the message lists those it has).
             ImportError: pandas is missing.
 
-        Example:
-            >>> import tempfile, os, batchtap.store
-            >>> from batchtap.sinks.sqlite import SQLite
-            >>> from batchtap.records import Record, RunInfo
-            >>> path = os.path.join(tempfile.mkdtemp(), "bt.db")
-            >>> sink = SQLite(path)
-            >>> sink.start_run(RunInfo("a1b2", "demo", {}, started_at=0.0))
-            >>> sink.write([Record("a1b2", step=s, epoch=0, batch=s, rank=0, wall_time=1.0 + s,
-            ...                    values={"loss": 1.0 / (s + 1)}) for s in range(3)])
-            >>> sink.write([Record("a1b2", step=2, epoch=0, batch=-1, rank=0, wall_time=3.5,
-            ...                    values={"val_acc": 0.75}, sparse=True)])
-            >>> sink.close()
-            >>> with batchtap.store.open(path) as st:
-            ...     print(st.frame("demo"))  # doctest: +NORMALIZE_WHITESPACE
-                      loss  val_acc
-            step
-            0     1.000000      NaN
-            1     0.500000      NaN
-            2     0.333333     0.75
+        Example: see :class:`Store`.
         """
         from batchtap.store.frame import run_frame
 
