@@ -64,11 +64,12 @@ _FOUNDATION = {
     "_stale",
     "_lazy",
 } & TOP_MODULES
-_ASSEMBLY = {"tap", "_run", "_defaults"}
+_ASSEMBLY = {"tap", "_run", "_defaults", "_resume"}
 TOP_FORBIDDEN = {
     **{name: (PACKAGES - {"store"} if name == "_env" else set(PACKAGES)) | _ASSEMBLY for name in _FOUNDATION},
     "_defaults": (_ABOVE_TAP & PACKAGES) | {"tap", "_run"},
     "_run": (_ABOVE_TAP & PACKAGES) | {"tap"},
+    "_resume": (_ABOVE_TAP & PACKAGES) | {"tap", "_run"},
     "tap": _ABOVE_TAP & PACKAGES,
     # `python -m batchtap`: the command line and nothing else
     **({"__main__": set(PACKAGES - {"cli"}) | _ASSEMBLY} if "__main__" in TOP_MODULES else {}),

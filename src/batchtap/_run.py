@@ -27,6 +27,7 @@ import torch
 
 from batchtap._names import check_storable
 from batchtap._owner import ThreadOwner
+from batchtap._resume import resume_point  # re-exported: tap.py imports the run's helpers from here
 from batchtap.capture.accumulate import MicroBatches
 from batchtap.capture.flush import BlockData
 from batchtap.capture.loader import timed_batches
@@ -562,19 +563,6 @@ def report(run: ActiveRun | None, message: str, *, info: bool = False) -> None:
     if run is not None:
         kind = EventKind.INFO if info else EventKind.WARNING
         run.send([Event(run.info.id, max(run.step - 1, 0), kind, message, time.time(), rank=run.rank)])
-
-
-def resume_point(pipeline: PipelineHost, run_id: str) -> tuple[int, str | None]:
-    """The first step of a resumed run (one after the last step any sink has stored) and the name
-    the run was stored under; asks the sinks through the pipeline (a wait, at run start only)."""
-    stored, names = pipeline.stored_position(run_id)
-    if not stored and not names:
-        raise ConfigError(
-            f"cannot resume run {run_id!r}: no sink holds that run; resume needs a sink that can tell "
-            "(bt.sinks.SQLite or bt.sinks.Postgres) holding it; fix: check the id (batchtap runs) and the store"
-        )
-    # a run stored before its first flush (killed early) has no step yet: it resumes at step 0
-    return (max(stored) + 1 if stored else 0), (names[0] if names else None)
 
 
 def run_labels(tags: Sequence[str], notes: str | None) -> dict[str, Any]:

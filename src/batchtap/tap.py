@@ -236,9 +236,9 @@ class Tap:
             config: settings stored with the run: a mapping, an ``argparse.Namespace`` or a
                 dataclass; paths, enums, dtypes and devices are stored as text, anything else that
                 JSON cannot hold as its ``repr`` (with a warning).
-            resume: id of an earlier run to continue: the run keeps that id and its step count
-                continues after the last step a sink (SQLite, PostgreSQL) has stored, so a restart
-                after a crash neither duplicates nor skips keys.
+            resume: id, or unique id prefix (``batchtap runs``' short id), of an earlier run to continue:
+                it keeps its id and its steps continue after the last one a sink (SQLite, PostgreSQL)
+                has stored, so a restart after a crash neither duplicates nor skips keys.
             tags: labels for the run (``"sweep-3"``, ``"baseline"``): shown and filtered on in
                 ``batchtap runs`` and the browser view; ``batchtap tag`` changes them later.
             notes: a free-text note stored with the run.
@@ -305,7 +305,7 @@ class Tap:
             raise ConfigError(str(exc)) from None
         config_json = _env.scrub_secrets(config_json)  # passwords and tokens are never stored
         started = time.time()
-        first_step, stored_name = resume_point(self._pipeline, resume) if resume is not None else (0, None)
+        resume, first_step, stored_name = resume_point(self._pipeline, resume, self.sinks)
         info = RunInfo(
             id=resume or uuid.uuid4().hex,
             name=name or stored_name or time.strftime("run-%Y%m%d-%H%M%S", time.localtime(started)),
