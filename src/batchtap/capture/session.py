@@ -18,6 +18,7 @@ It knows nothing of the pipeline, the rules or the sinks.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -53,6 +54,7 @@ __all__ = [
     "accumulate_micro_batch",
     "choose_metrics",
     "compute_values",
+    "loader_wait",
     "set_grad_enabled",
 ]
 
@@ -360,6 +362,19 @@ def choose_metrics(metrics: Sequence[Metric], inputs: StepInputs, *, micro: bool
     are left out."""
     chosen = [m for m in metrics if m.per_micro_batch == micro]
     return [m for m in chosen if m.applies(inputs)] if auto else chosen
+
+
+def loader_wait(given: object, watched: float) -> float:
+    """One micro-batch's loader wait: the seconds a caller timed itself (``accumulate(data_time=)``,
+    e.g. an integration around its own fetch), else the watched loader's (NaN: none measured)."""
+    if given is None:
+        return watched
+    if type(given) not in (int, float) or not (math.isfinite(given) and given >= 0):  # type: ignore[operator]
+        raise InputError(
+            f"data_time= must be the seconds the loop waited for this micro-batch's data, a finite number >= 0; got "
+            f"{given!r}; pass the difference of two time.perf_counter() readings taken around the fetch, or leave it out"
+        )
+    return float(given)  # type: ignore[arg-type]
 
 
 def accumulate_micro_batch(
