@@ -38,6 +38,7 @@ from batchtap.capture.session import (
     accumulate_micro_batch,
     check_device_context,
     choose_metrics,
+    loader_wait,
 )
 from batchtap.capture.short import ShortPaths, ShortStep
 from batchtap.errors import ConfigError, DistributedError, InputError
@@ -292,6 +293,7 @@ class ActiveRun:
         targets: torch.Tensor | None,
         batch_size: int | None,
         tokens: int | None,
+        data_time: float | None = None,
     ) -> None:
         """See ``Tap.accumulate``."""
         self.owner.check("accumulate()")
@@ -312,7 +314,7 @@ class ActiveRun:
             micro,
             dataclasses.replace(inputs, device=micro.device),
             tokens=tokens,
-            data_time=self.data_time if self.watching else math.nan,
+            data_time=loader_wait(data_time, self.data_time if self.watching else math.nan),
             capture=capture,
         )
 
