@@ -517,13 +517,15 @@ class Tap:
         targets: torch.Tensor | None = None,
         batch_size: int | None = None,
         tokens: int | None = None,
+        data_time: float | None = None,
     ) -> None:
         """Add one micro-batch to the optimizer step that the next :meth:`step` call closes.
 
         Sums stay on the device (no host read). The step's record then holds the sample-weighted
         mean of the micro-batch losses, accuracy over every counted target of every micro-batch,
         ``step_time`` from the first micro-batch's start to ``step()``, throughput over all of the
-        step's samples (or ``tokens``), and the summed loader wait.
+        step's samples (or ``tokens``), and the summed loader wait: the watched loader's, or
+        ``data_time`` (seconds on a host clock) from a caller that times its own fetches.
 
         Pass the *unscaled* loss: nanoGPT-style loops divide it by the number of micro-batches
         for ``backward()``; give batchtap the loss before that division.
@@ -538,7 +540,7 @@ class Tap:
             >>> tap.steps_recorded
             1
         """
-        _open(self._run, "accumulate()").accumulate(loss, outputs, targets, batch_size, tokens)
+        _open(self._run, "accumulate()").accumulate(loss, outputs, targets, batch_size, tokens, data_time)
 
     @eager
     def log(
