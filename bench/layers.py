@@ -8,13 +8,21 @@ same repetition, and the median of those ratios is reported (slow drift of a sha
     .venv/bin/python bench/layers.py                   # the BENCHMARKS.md figures (quiet machine)
     .venv/bin/python bench/layers.py --quick           # a smoke run
     .venv/bin/python bench/layers.py --device cuda     # the GPU cell (bench/gpu_check.sh)
+    .venv/bin/python bench/layers.py --profile         # counts, not times: ops and Python calls per step
+
+``--profile`` counts what each variant adds to the part of the step it touches (``opt.step()`` and
+``tap.step()``), separately on steps that capture and steps that do not: aten ops dispatched
+(a ``TorchDispatchMode``; on a GPU each is at least one kernel launch) and Python function calls
+(``cProfile``). Counts do not depend on the machine's load, so they can be taken anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import math
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -23,6 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import batchtap as bt  # noqa: E402
@@ -102,6 +111,62 @@ def _run(make: Callable[[nn.Module], list], args: argparse.Namespace, batches: l
     return statistics.median(chunks)
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched while entered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _profile(make: Callable[[nn.Module], list], args: argparse.Namespace, batches: list) -> dict[str, tuple]:
+    """Per step of ``opt.step(); tap.step()``: (aten ops, Python calls), the median over the steps
+    that capture (every 10th from 0) and over those that do not, after the warm-up."""
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.block, args.layers, args.d, args.heads)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    tap = bt.Tap(make(model), [], flush_every=50)
+    counts: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+    with tap, tap.run(name="bench-layers-profile"):
+        for step, (x, y) in enumerate(batches):
+            logits = model(x)
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            ops, calls = _OpCount(), cProfile.Profile()
+            with ops:
+                calls.enable()
+                opt.step()
+                tap.step(loss=loss, targets=y)
+                calls.disable()
+            if step >= args.warmup:
+                counts[step % 10 == 0].append((ops.ops, pstats.Stats(calls).total_calls))  # type: ignore[attr-defined]
+    return {
+        kind: (statistics.median(o for o, _ in counts[captured]), statistics.median(c for _, c in counts[captured]))
+        for kind, captured in (("captured", True), ("other", False))
+    }
+
+
+def _print_profile(args: argparse.Namespace, batches: list, variants: dict) -> None:
+    base = _profile(variants["tap"], args, batches)
+    print(
+        f"per step of opt.step() + tap.step(), {args.layers} blocks, after {args.warmup} warm-up steps; added over 'tap'"
+    )
+    print(f"{'variant':<10} {'steps':<9} {'aten ops':>9} {'added':>6} {'py calls':>9} {'added':>6}")
+    for name, make in variants.items():
+        got = base if name == "tap" else _profile(make, args, batches)
+        for kind in ("captured", "other"):
+            ops, calls = got[kind]
+            print(
+                f"{name:<10} {kind:<9} {ops:>9.0f} {ops - base[kind][0]:>6.0f} {calls:>9.0f} {calls - base[kind][1]:>6.0f}"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -116,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=65)
     p.add_argument("--quick", action="store_true", help="a smoke run: a tiny model, 1 rep of 20 steps")
     p.add_argument("--only", default="", help="comma-separated variants (default: all)")
+    p.add_argument("--profile", action="store_true", help="count ops and Python calls per step (CPU), no timing")
     args = p.parse_args(argv)
     if args.quick:
         args.reps, args.steps, args.warmup, args.layers, args.d, args.block, args.batch = 1, 20, 10, 2, 32, 16, 4
@@ -133,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = _variants(args.quick)
     if args.only:
         variants = {k: v for k, v in variants.items() if k in args.only.split(",") or k == "tap"}
+    if args.profile:
+        _print_profile(args, batches, {k: v for k, v in variants.items() if k != "mfu"})
+        return 0
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {n: [] for n in names}

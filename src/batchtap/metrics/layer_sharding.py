@@ -66,7 +66,7 @@ class MeshParts:
             return list(tensors)
         dtensor = self._dtensor
         assert dtensor is not None
-        return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]  # type: ignore[attr-defined]
+        return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]  # type: ignore[union-attr]
 
     def uniform(self, what: str) -> None:
         """Raises a ConfigError unless every parameter is in one class (what a histogram needs: its

@@ -190,13 +190,16 @@ class Layers(LayersDecoding, Metric):
         self._not_captured: tuple[float, ...] = (_NOT_CAPTURED,)
         self._hooks: _LayersHooks | None = None
         self._mesh = MeshParts([])
+        self._uniform = False
+        self._all_have: tuple[float, ...] = ()
+        self._out_rows: torch.Tensor | None = None  # [0, 2, 3]: the rows of the [4, L] norms a row stores
         if model is None:
             layer_groups(torch.nn.Module(), depth)  # checks depth now
         else:
             self.attach(model)
         self._rows = 0  # rows written so far: decides which optimizer step captures
-        # what the pre-hook took for the coming row: (the [2, P] pre-step norms, the gradient
-        # presence per layer, the scale the gradients still carried); None: nothing to capture
+        # what the pre-hook took for the coming row: (the [2P] pre-step norms, gradients then weights;
+        # the gradient presence per layer; the scale the gradients still carried); None: nothing to capture
         self._pending: tuple[torch.Tensor, tuple[float, ...], torch.Tensor | None] | None = None
         self._pending_by: int | None = None
         self._weights_before: torch.Tensor | None = None  # [P], taken before the step
@@ -240,6 +243,10 @@ class Layers(LayersDecoding, Metric):
         )
         self._not_captured = (_NOT_CAPTURED,) + (math.nan,) * width
         self._mesh = MeshParts(self.parameters)
+        first = self.parameters[0]
+        # one device and dtype (local shards have their DTensor's): the norms skip their grouping pass
+        self._uniform = all(p.device == first.device and p.dtype == first.dtype for p in self.parameters)
+        self._all_have = (1.0,) * width
         self._hooks = _LayersHooks(self)
 
     def __getstate__(self) -> dict[str, object]:
@@ -256,6 +263,7 @@ class Layers(LayersDecoding, Metric):
             _scale=None,
             _snapshot=None,
             _onehot=None,
+            _out_rows=None,
             _row_inputs=None,
             _row_values=None,
         )
@@ -287,35 +295,47 @@ class Layers(LayersDecoding, Metric):
                 if self._snapshot is None:
                     self._snapshot = [torch.empty_like(p) for p in params]
                 torch._foreach_copy_(self._snapshot, params)
-                self._weights_before = torch.stack(_norms(params))
             if grads:
-                self._grads_before = self._grad_norms()
                 self._scale = _scale_carried(self.scaler) if self.scaler is not None else None
+            if weights and grads:  # the usual step: gradient and weight norms in one fused pass
+                norms, have = self._grad_norms(params)
+                self._pending = (norms, have, self._scale)
+                self._scale = None
+                return
+            if weights:
+                self._weights_before = torch.stack(_norms(params, self._uniform))
+            if grads:
+                self._grads_before = self._grad_norms([])
         if self._weights_before is not None and self._grads_before is not None:
             norms, have = self._grads_before
-            before = torch.stack([norms, self._weights_before.to(norms.device)])
+            before = torch.cat([norms, self._weights_before.to(norms.device)])
             self._pending = (before, have, self._scale)
             self._weights_before = self._grads_before = self._scale = None
 
     def _local_weights(self) -> list[torch.Tensor]:
-        """The parameters, detached; of ``DTensor`` parameters (FSDP2) this rank's shard."""
-        return self._mesh.local([p.detach() for p in self.parameters])  # type: ignore[return-value]
+        """The parameters (the callers run under ``no_grad``: no detach needed, which would cost an
+        op per parameter); of ``DTensor`` parameters (FSDP2) this rank's shard."""
+        if not self._mesh.sharded:
+            return self.parameters
+        return self._mesh.local(self.parameters)  # type: ignore[return-value]
 
-    def _grad_norms(self) -> tuple[torch.Tensor, tuple[float, ...]]:
-        """``[P]`` gradient norms (0 for a parameter without a gradient) and, per layer, 1.0 when
-        any of its parameters had a gradient (host metadata)."""
+    def _grad_norms(self, weights: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[float, ...]]:
+        """``[P + W]``: the ``P`` gradient norms (0 for a parameter without a gradient), then the
+        norms of ``weights`` — one fused pass when every parameter has its gradient — and, per
+        layer, 1.0 when any of its parameters had a gradient (host metadata)."""
         grads = self._mesh.local([p.grad for p in self.parameters])
+        present = [g for g in grads if g is not None]
+        if len(present) == len(grads):  # a gradient has its parameter's device and dtype (torch checks)
+            return torch.stack(_norms(present + weights, self._uniform)), self._all_have
         have = [0.0] * len(self.names)
         for owner, grad in zip(self.owners, grads):
             if grad is not None:
                 have[owner] = 1.0
-        present = [g for g in grads if g is not None]
         device = self.parameters[0].device
-        if len(present) == len(grads):
-            return torch.stack(_norms(present)), tuple(have)
         zero = torch.zeros((), dtype=torch.float32, device=device)
         found = iter(_norms(present))
-        return torch.stack([zero if g is None else next(found).to(device) for g in grads]), tuple(have)
+        norms = [zero if g is None else next(found).to(device) for g in grads] + _norms(weights)
+        return torch.stack(norms), tuple(have)
 
     # ------------------------------------------------------------------ the row
 
@@ -338,30 +358,29 @@ class Layers(LayersDecoding, Metric):
         return values
 
     def _finish(self, before: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        """``[3, L]``: per layer the gradient norm, the weight norm now, the update ratio (device ops)."""
+        """``[3, L]``: per layer the gradient norm, the weight norm now, the update ratio (device
+        ops: two fused norms over every parameter, one product summing them into layers)."""
         params = self._local_weights()
         snapshot = self._snapshot
         assert snapshot is not None
-        after = _norms(params)
         torch._foreach_sub_(snapshot, params)  # the snapshot becomes w_before - w_after
-        moved = _norms(snapshot)
         device = before.device
-        squares = torch.cat([before, torch.stack([torch.stack(after), torch.stack(moved)]).to(device)]).square_()
+        after = torch.stack(_norms(params + snapshot, self._uniform))  # [2P]: weights now, then moved
+        # [4, P]: gradient, weight before, weight after, moved
+        squares = torch.cat([before, after.to(device, non_blocking=True)]).view(4, -1).square_()
         onehot = self._onehot
         if onehot is None or onehot.device != device:
             onehot = torch.zeros(len(self.owners), len(self.names), dtype=torch.float32, device=device)
             onehot[torch.arange(len(self.owners)), torch.tensor(self.owners)] = 1.0
             self._onehot = onehot
+            self._out_rows = torch.tensor([0, 2, 3], device=device)
         # [4, L]: sharded parameters' squares are summed over the device mesh too (one collective)
-        norms = self._mesh.sum_per_layer(squares.to(onehot.dtype), onehot).sqrt_()  # grad, w before, w after, moved
-        out = torch.empty(3, len(self.names), dtype=torch.float32, device=device)
+        norms = self._mesh.sum_per_layer(squares, onehot).sqrt_()
         if scale is not None:  # the gradients were still scaled: divide on the device, never read the scale
-            torch.div(norms[0], scale.to(device, non_blocking=True), out=out[0])
-        else:
-            out[0].copy_(norms[0])
-        out[1].copy_(norms[2])
-        torch.div(norms[3], norms[1], out=out[2])
-        return out
+            norms[0].div_(scale.to(device, non_blocking=True))
+        norms[3].div_(norms[1])  # the update ratio
+        assert self._out_rows is not None
+        return norms.index_select(0, self._out_rows)
 
     def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
         values, _ = self._row(inputs)
@@ -389,10 +408,14 @@ class Layers(LayersDecoding, Metric):
         return write
 
 
-def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per-tensor L2 norms in at least float32, one fused kernel per (device, dtype), in order."""
+def _norms(tensors: list[torch.Tensor], uniform: bool = False) -> list[torch.Tensor]:
+    """Per-tensor L2 norms in at least float32, one fused kernel per (device, dtype), in order.
+    ``uniform``: the caller knows all tensors share one device and dtype (no grouping pass)."""
     if not tensors:
         return []
+    if uniform:
+        norms = _foreach_norm_fp32(tensors)
+        return norms if norms[0].dtype == torch.float32 else [n.float() for n in norms]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
