@@ -14,11 +14,14 @@ overrides and registers its own callback:
   at ``on_train_end``; ``train()`` itself marks the run failed (every captured step stored) when
   training raises.
 
-The recorded ``loss`` of a step is the loss the ``Trainer`` optimizes and logs (``loss`` in
-``trainer.state.log_history`` with ``logging_steps=1``): the sum of what its ``training_step``
-returns over the step's micro-batches, whichever way the ``Trainer`` normalizes them for
-gradient accumulation (per micro-batch mean divided by the number of micro-batches, or a sum over
-the items of the whole step when the model takes ``num_items_in_batch``).
+The recorded ``loss`` of a step is batchtap's one definition (docs/autolog.md, "The step's loss"):
+the loss over the step's samples (tokens, for a loss normalized by ``num_items_in_batch``). It is the
+``Trainer``'s own logged ``loss`` (``trainer.state.log_history`` with ``logging_steps=1``) except in
+one case, said once per run (an ``info`` event): a model whose loss the ``Trainer`` divides by the
+number of micro-batches (no ``num_items_in_batch``) logs the mean of the micro-batch means, which is
+not the mean over the step's samples when its micro-batches differ in size (an epoch's last one).
+Each step's ``data_time`` is the wait for its batches, timed around the training ``DataLoader``'s
+own fetches (beneath Accelerate's loader, which fetches one batch ahead).
 
 Needs ``pip install 'batchtap[transformers]'``.
 """
@@ -26,7 +29,9 @@ Needs ``pip install 'batchtap[transformers]'``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -39,7 +44,7 @@ from batchtap.tap import Tap
 
 _tf: Any = require("transformers", extra="transformers", purpose="batchtap.integrations.transformers")
 
-__all__ = ["BatchtapMixin", "BatchtapTrainer", "NAN_FILTER_ADVICE", "loss_sum_quirk"]
+__all__ = ["BatchtapMixin", "BatchtapTrainer", "NAN_FILTER_ADVICE", "loss_sum_quirk", "mean_of_means_note"]
 
 log = logging.getLogger("batchtap")
 
@@ -70,6 +75,9 @@ class _Driver:
         self.epoch = 0
         self.next_epoch = 0
         self.batch = -1  # index of the last training micro-batch within the epoch
+        self.waits: deque[float] = deque()  # loader waits of batches fetched, not yet trained on
+        self.sizes: list[int] = []  # samples of the open step's micro-batches, when the Trainer divides by their count
+        self.said_mean_of_means = False
 
     def begin(self, trainer: Any, args: Any, state: Any, model: Any) -> None:
         if self.running:  # a second train() call without the end of the first one
@@ -92,28 +100,63 @@ class _Driver:
         self.micro = self.samples = self.tokens = 0
         self.grad_norm = None
         self.next_epoch = int(state.epoch or 0)
+        self.waits.clear()
+        self.sizes = []
+        self.said_mean_of_means = False
 
     def epoch_begin(self) -> None:
         self.epoch, self.next_epoch = self.next_epoch, self.next_epoch + 1
         self.batch = -1
+        self.waits.clear()  # a loop stopped mid-epoch (max_steps) leaves fetched batches behind
 
-    def micro_batch(self, loss: torch.Tensor, scores: Any, targets: Any, input_ids: Any) -> None:
-        """One training micro-batch; ``loss`` already scaled so that the mean over the step's
-        micro-batches is the ``Trainer``'s loss for the step."""
+    def time_fetches(self, loader: Any) -> None:
+        """Time each fetch of the training ``loader``'s underlying ``DataLoader``, on the host clock.
+
+        Accelerate's loader (what the ``Trainer`` iterates) fetches one batch ahead and calls its
+        ``base_dataloader.__iter__()`` by name, so an instance attribute there sees every fetch in
+        order; each wait waits in :attr:`waits` until its batch reaches ``compute_loss``.
+        """
+        base = getattr(loader, "base_dataloader", None)
+        if not isinstance(base, torch.utils.data.DataLoader) or "__iter__" in vars(base):
+            return  # not Accelerate's loader (no fetch to time), or timed already
+
+        def __iter__() -> Iterator[Any]:
+            return self._timed(type(base).__iter__(base))
+
+        base.__iter__ = __iter__  # type: ignore[method-assign]
+
+    def _timed(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        clock, waits = time.perf_counter, self.waits
+        while True:
+            started = clock()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            waits.append(clock() - started)
+            yield batch
+
+    def micro_batch(self, loss: torch.Tensor, scores: Any, targets: Any, input_ids: Any, *, per_sample: bool) -> None:
+        """One training micro-batch; ``loss`` scaled so that the mean over the step's micro-batches
+        (sample-weighted when ``per_sample``: the loss is that micro-batch's own mean) is the step's loss."""
         tap = self.tap
         assert tap is not None
         if not (isinstance(scores, torch.Tensor) and isinstance(targets, torch.Tensor)) or targets.is_floating_point():
             scores, targets = None, None  # no accuracy without integer labels (regression, no labels)
         elif self.shift and scores.dim() == 3 and targets.dim() == 2:
             scores, targets = scores[:, :-1], targets[:, 1:]  # views: no copy, no host read
-        # Every micro-batch weighs the same (batch_size=1), as in the Trainer's own sum; the
-        # step's samples are given to step() for throughput.
-        tap.accumulate(loss=loss, outputs=scores, targets=targets, batch_size=1)
+        first = input_ids if isinstance(input_ids, torch.Tensor) else targets
+        size = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else 0  # shape metadata
+        # A loss normalized over the whole step weighs every micro-batch alike (batch_size=1); a
+        # micro-batch mean weighs by its samples. The step's samples go to step() for throughput.
+        weight = size if per_sample and size else 1
+        wait = self.waits.popleft() if self.waits else None
+        tap.accumulate(loss=loss, outputs=scores, targets=targets, batch_size=weight, data_time=wait)
         self.micro += 1
         self.batch += 1
-        first = input_ids if isinstance(input_ids, torch.Tensor) else targets
-        if isinstance(first, torch.Tensor) and first.dim() > 0:
-            self.samples += int(first.shape[0])  # shape metadata, not a device read
+        self.samples += size
+        if per_sample and size:
+            self.sizes.append(size)
         if isinstance(input_ids, torch.Tensor):
             self.tokens += input_ids.numel()
 
@@ -126,6 +169,10 @@ class _Driver:
                 "the Trainer stepped its optimizer but no training micro-batch reached BatchtapMixin.compute_loss; "
                 "a compute_loss override of your own must call super().compute_loss(...)"
             )
+        if len(set(self.sizes)) > 1 and not self.said_mean_of_means:
+            self.said_mean_of_means = True
+            tap.warn(mean_of_means_note(self.sizes), info=True)
+        self.sizes = []
         extra = {"lr": float(optimizer.param_groups[0]["lr"])} if self.own_lr else {}  # a host float
         norm, self.grad_norm = self.grad_norm, None
         tap.step(
@@ -193,8 +240,10 @@ class BatchtapMixin:
     ``class MyTrainer(BatchtapMixin, SFTTrainer): pass`` (the mixin first); :class:`BatchtapTrainer`
     is ``BatchtapMixin`` + ``Trainer``. Each optimizer step becomes one record with:
 
-    * ``loss``: the ``Trainer``'s loss of the step (see the module docstring), correct under
-      ``gradient_accumulation_steps`` and for a shorter last step of an epoch;
+    * ``loss``: the step's loss over its samples (see the module docstring: the ``Trainer``'s own
+      logged loss but where it is a mean of unequal micro-batches' means, said once), correct
+      under ``gradient_accumulation_steps`` and for a shorter last step of an epoch;
+    * ``data_time``: the wait for the step's batches (the sum over its micro-batches);
     * ``accuracy``: over every labelled position of every micro-batch, ``-100`` ignored; for causal
       LMs (the ``Trainer``'s own test: the model's class is a causal LM) logits at position ``t``
       are compared with label ``t + 1``; sequence classifiers get per-example accuracy;
@@ -264,11 +313,19 @@ class BatchtapMixin:
         scores = outputs.get("logits") if isinstance(outputs, Mapping) else None
         if shifted is not None:
             driver.shift = False  # the collator shifted them already
-        driver.micro_batch(self._batchtap_loss(loss.detach(), num_items_in_batch), scores, targets, input_ids)
+        scaled, per_sample = self._batchtap_loss(loss.detach(), num_items_in_batch)
+        driver.micro_batch(scaled, scores, targets, input_ids, per_sample=per_sample)
         return (loss, outputs) if return_outputs else loss
 
-    def _batchtap_loss(self, loss: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
-        """The loss scaled so that the mean over the step's micro-batches is the Trainer's step loss.
+    def get_train_dataloader(self) -> Any:
+        """``Trainer.get_train_dataloader``, its fetches timed for each step's ``data_time``."""
+        loader = cast(Any, super()).get_train_dataloader()
+        self.batchtap.time_fetches(loader)
+        return loader
+
+    def _batchtap_loss(self, loss: torch.Tensor, num_items_in_batch: Any) -> tuple[torch.Tensor, bool]:
+        """The micro-batch's loss for :meth:`Tap.accumulate`, and whether it is the micro-batch's own
+        mean (then weighed by its samples: the step's loss is the mean over the step's samples).
 
         ``Trainer.training_step`` adds ``loss / n_micro`` per micro-batch (a per-micro-batch mean), or
         ``loss`` itself when the loss is already normalized over the whole step; the same rule here.
@@ -282,11 +339,11 @@ class BatchtapMixin:
                 getattr(trainer, "compute_loss_func", None) is not None
             )
         if not scaled:
-            return loss
+            return loss, True
         micro = (
             getattr(trainer, "current_gradient_accumulation_steps", None) or trainer.args.gradient_accumulation_steps
         )
-        return loss * micro
+        return loss * micro, False
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
         norm = cast(Any, super())._get_grad_norm(model, grad_norm=grad_norm)
@@ -334,6 +391,18 @@ def loss_sum_quirk(trainer: Any, model: Any) -> str | None:
         f"stored loss and the gradients are {steps}x the step's mean loss (transformers' gradient "
         "accumulation with models that ignore the count); fix: set trainer.model_accepts_loss_kwargs = False "
         "before train() (or model.accepts_loss_kwargs = False)"
+    )
+
+
+def mean_of_means_note(sizes: list[int]) -> str:
+    """Why the Trainer's logged loss of a step with micro-batches of ``sizes`` samples is not batchtap's."""
+    k, total = len(sizes), sum(sizes)
+    shown = ", ".join(str(s) for s in sizes)
+    return (
+        "the Trainer's logged loss differs from batchtap's wherever a step's micro-batches differ in size "
+        f"(here {shown} samples): the Trainer divides each micro-batch's mean loss by the {k} micro-batches "
+        f"and adds them (a mean of means: each micro-batch weighs 1/{k}), batchtap stores the mean loss over "
+        f"the step's {total} samples (docs/autolog.md, \"The step's loss\"); with equal micro-batches the two agree"
     )
 
 
