@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_DB",
     "CLIError",
     "add_db_arguments",
+    "add_metrics_option",
     "db_url",
     "open_store",
     "resolve_run",
@@ -55,6 +56,11 @@ class CLIError(Exception):
     def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(message)
         self.code = code
+
+
+def add_metrics_option(parser: argparse.ArgumentParser, help: str) -> None:  # noqa: A002 - argparse's word
+    """Add ``-m``/``--metric NAME`` (repeatable, gathered in ``args.metrics``) with the subcommand's ``help``."""
+    parser.add_argument("-m", "--metric", action="append", dest="metrics", metavar="NAME", help=help)
 
 
 def add_db_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from batchtap.cli._common import CLIError
+from batchtap.cli._common import CLIError, add_metrics_option
 from batchtap.records import Event
 
 if TYPE_CHECKING:
@@ -77,13 +77,9 @@ def add_size_arguments(
 ) -> None:
     """``-m``, ``--smooth``, ``--x``, ``-o`` and ``--size``, common to plot and compare; the help
     texts name the defaults the subcommand's ``main`` uses (passed here, not written twice)."""
-    parser.add_argument(
-        "-m",
-        "--metric",
-        action="append",
-        dest="metrics",
-        metavar="NAME",
-        help=f"metric to plot, one panel each (repeatable; default {', '.join(default_metrics)}); a name logged with "
+    add_metrics_option(
+        parser,
+        f"metric to plot, one panel each (repeatable; default {', '.join(default_metrics)}); a name logged with "
         "tap.log() is drawn as dots",
     )
     parser.add_argument(

@@ -59,7 +59,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "(steps = calls to batchtap's Tap.step). On a CPU machine device tensors are tracked: the model's "
         "parameters, data moved with .to(device), and everything computed from them. Works on CPU and CUDA.",
         epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--check", action="store_true", help="exit 1 when any host read of a device tensor is found")
     parser.add_argument("--top", type=int, default=50, metavar="N", help="list at most N source lines (default 50)")

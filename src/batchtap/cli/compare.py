@@ -43,7 +43,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="overlay several runs' metrics in one PNG",
         description="Overlay several runs' metrics in one PNG: one panel per metric, one colour per run.",
         epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run ids, unique id prefixes, or names")
     add_size_arguments(parser, default_smooth=0.6, default_metrics=DEFAULT_METRICS, default_output=DEFAULT_OUTPUT)

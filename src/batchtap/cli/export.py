@@ -18,7 +18,16 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from batchtap.cli._common import CLIError, add_db_arguments, db_url, open_store, resolve_run, run_info, run_records
+from batchtap.cli._common import (
+    CLIError,
+    add_db_arguments,
+    add_metrics_option,
+    db_url,
+    open_store,
+    resolve_run,
+    run_info,
+    run_records,
+)
 from batchtap.errors import SinkError
 from batchtap.records import RunStatus
 
@@ -62,7 +71,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="write a run's values and events as CSV, JSON lines or Parquet",
         description="Write a stored run's metric values and events as CSV or JSON lines (to FILE or stdout) or Parquet (to FILE).",
         epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run", metavar="RUN", help="run id, unique id prefix, or name")
     parser.add_argument("--format", "-f", choices=("csv", "jsonl", "parquet"), required=True, help="output format")
@@ -73,13 +81,9 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         action="store_true",
         help="with --force, also replace a FILE that is a SQLite database (never the store being read)",
     )
-    parser.add_argument(
-        "-m",
-        "--metric",
-        action="append",
-        dest="metrics",
-        metavar="NAME",
-        help="only this metric (repeatable; default all)",
+    add_metrics_option(
+        parser,
+        "only this metric (repeatable; default all)",
     )
     parser.add_argument(
         "--rank", type=_rank, default=None, help="only this rank ('all' = the reduced rows; default every rank)"

@@ -37,7 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="train a small CNN on the digits data set with live metrics",
         description=demo.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example: batchtap demo --epochs 3 --inject-nan-at 40",
     )
     demo.add_arguments(demo_parser)

@@ -48,7 +48,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description="Plot a run's metrics to a PNG (matplotlib, no display needed): one panel per metric, "
         "anomalies and actions marked, epochs shaded.",
         epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run", metavar="RUN", help="run id, unique id prefix, or name")
     add_size_arguments(parser, default_smooth=0.6)

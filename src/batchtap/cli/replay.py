@@ -211,7 +211,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "then remove the spool (what still fails stays in it). Spools of the store's kind (SQLite or PostgreSQL) "
         "are replayed into --db; others are listed with how to replay them.",
         epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("spool_dir", metavar="SPOOL_DIR", help="the Tap's spool_dir")
     add_db_arguments(parser)

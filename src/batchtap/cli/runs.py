@@ -44,7 +44,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "with blocks still waiting in a spool (Tap(spool_dir=...)) is marked '+spool' and the spools are "
         "listed below the table (batchtap replay SPOOL_DIR delivers them).",
         epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_db_arguments(parser)
     add_spool_argument(parser)

@@ -46,7 +46,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "anomalies, actions, warnings, notes and skipped steps with their steps. RUN is an id, a unique id "
         "prefix, or a name (the latest run of that name).",
         epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run", metavar="RUN", help="run id, unique id prefix, or name")
     add_db_arguments(parser)
@@ -132,14 +131,7 @@ def main(args: argparse.Namespace) -> int:
             rows.append(
                 ["  " + m, *(format_value(m, v) for v in (sm.last, sm.min, sm.max)), str(sm.count), str(sm.nans)]
             )
-        out.extend(
-            fit_table(
-                ["  name", "last", "min", "max", "values", "nan"],
-                rows,
-                right=[False] + [True] * 5,
-                priority=[1, 1, 1, 1, 2, 2],
-            )
-        )
+        out.extend(_name_table(["last", "min", "max", "values", "nan"], rows, priority=[1, 1, 1, 2, 2]))
     else:
         out.append("  (no values stored)")
     if layers:
@@ -160,14 +152,7 @@ def main(args: argparse.Namespace) -> int:
                     str(len(values)),
                 ]
             )
-        out.extend(
-            fit_table(
-                ["  name", "at step", "last", "min", "max", "values"],
-                rows,
-                right=[False] + [True] * 5,
-                priority=[1, 1, 1, 1, 1, 2],
-            )
-        )
+        out.extend(_name_table(["at step", "last", "min", "max", "values"], rows, priority=[1, 1, 1, 1, 2]))
     counts = events_by_kind(events)
     out.extend(
         wrap(
@@ -191,3 +176,9 @@ def main(args: argparse.Namespace) -> int:
             out.append(f"  ... {len(events) - limit} more (--events N shows more)")
     print("\n".join(out))
     return 0
+
+
+def _name_table(header: list[str], rows: list[list[str]], *, priority: list[int]) -> list[str]:
+    """A table of named values: the name left-aligned and never dropped, the numbers right-aligned
+    (``priority``: which numeric columns go first when the terminal is narrow, as ``fit_table``)."""
+    return list(fit_table(["  name", *header], rows, right=[False] + [True] * len(header), priority=[1, *priority]))

@@ -28,6 +28,7 @@ from batchtap._units import format_value
 from batchtap.cli._common import (
     CLIError,
     add_db_arguments,
+    add_metrics_option,
     db_url,
     fit_table,
     fmt_duration,
@@ -70,17 +71,12 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description="Follow a run live from the store while training writes it (SQLite or PostgreSQL): "
         "a live table on a terminal, one line per step otherwise. Exits when the run ends.",
         epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run", metavar="RUN", help="run id, unique id prefix, or name (the latest run of that name)")
     add_db_arguments(parser)
-    parser.add_argument(
-        "-m",
-        "--metric",
-        action="append",
-        dest="metrics",
-        metavar="NAME",
-        help="column to show, or tap.log() value (repeatable; default: "
+    add_metrics_option(
+        parser,
+        "column to show, or tap.log() value (repeatable; default: "
         + ", ".join(DEFAULT_COLUMNS)
         + " where present, and every tap.log() value)",
     )

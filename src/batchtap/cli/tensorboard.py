@@ -33,7 +33,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="write a stored run as TensorBoard event files",
         description="Write a stored run as TensorBoard event files (scalars at their own steps and wall times, events as text).",
         epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run", metavar="RUN", help="run id, unique id prefix, or name")
     parser.add_argument("--logdir", required=True, metavar="DIR", help="directory for the event files")

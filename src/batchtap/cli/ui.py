@@ -28,7 +28,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description="Serve a browser view of a store's runs (SQLite or PostgreSQL, read-only): a runs table, "
         "one page per run with live charts and events, and runs overlaid to compare.",
         epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_db_arguments(parser)
     parser.add_argument(
