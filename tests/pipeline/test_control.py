@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 from batchtap.pipeline.chain.control import Control, Verdict
@@ -56,3 +57,57 @@ def test_reset_forgets_the_last_run() -> None:
     control.reset()
     assert (control.waiting, control.applied, control.local_stop, control.stop_reason) == (0, 0, None, None)
     assert not control.has_error and control.anomaly_counts == {}
+
+
+def test_a_judged_input_error_is_held_until_the_next_blocks_hand_over() -> None:
+    control = Control()
+    assert control.hand_block(7) == 0
+    control.judged(7, 0, ValueError("bad step 2"))
+    assert not control.has_error  # held: not due before the next hand-over, however soon it came
+    assert control.hand_block(7) == 1
+    error = control.take_error()
+    assert isinstance(error, ValueError) and str(error) == "bad step 2"
+
+
+def test_a_block_judged_twice_counts_once_and_an_older_chains_report_is_ignored() -> None:
+    control = Control()
+    control.hand_block(1)
+    control.hand_block(2)  # a new run's chain: counted afresh
+    control.judged(1, 5, ValueError("an ended run's"))
+    control.judged(2, 0)
+    control.judged(2, 0)  # resent to a restarted pipeline process
+    assert control.hand_block(2) == 1 and not control.has_error
+    control.judged(2, 1, ValueError("first"))
+    control.judged(2, 1, ValueError("again"))
+    control.release_held()  # a drain passed: due at once
+    error = control.take_error()
+    assert isinstance(error, ValueError) and str(error) == "first"
+
+
+def test_a_hand_over_waits_for_the_previous_block_to_be_judged() -> None:
+    control = Control()
+    control.hand_block(3)
+    order: list[str] = []
+
+    def judge() -> None:
+        order.append("judging")
+        control.judged(3, 0, ValueError("late"))
+
+    timer = threading.Timer(0.2, judge)
+    timer.start()
+    try:
+        assert control.hand_block(3) == 1
+        order.append("handed")
+    finally:
+        timer.join()
+    assert order == ["judging", "handed"]
+    assert isinstance(control.take_error(), ValueError)  # due at this hand-over, not a later one
+
+
+def test_a_pipeline_failure_ends_the_wait_and_a_paused_gate_never_waits() -> None:
+    control = Control()
+    control.hand_block(4)
+    assert control.hand_block(4, wait=False) == 1  # block 0 not judged: nothing waited for
+    threading.Timer(0.2, control.fail, args=(RuntimeError("pipeline died"),)).start()
+    assert control.hand_block(4) == 2  # blocks 0 and 1 never judged: the failure ends the wait
+    assert str(control.take_error()) == "pipeline died"
