@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
@@ -29,6 +28,7 @@ from batchtap.metrics.decoders import (
 from batchtap.metrics.domain import NONNEGATIVE, Domain, Output, Reduce
 from batchtap.metrics.optimizer_hooks import (
     ParameterStepListener,
+    TakeAtStep,
     dtensor_type,
     global_norm,
     gradients_norm,
@@ -319,7 +319,7 @@ class LossScale(LossScaleDecoding, Metric):
         self._hooked = False  # a scaler step ran (its hook fired) since the last row
         self._row_inputs: StepInputs | None = None
         self._row_values: tuple[tuple[torch.Tensor, ...], float] | None = None
-        self._listener: _TakeScale | None = _TakeScale(self)
+        self._listener: TakeAtStep[LossScale] | None = TakeAtStep(self, _take_scale)
         step_watch().listen(self._listener)  # held weakly there: it goes with this metric
 
     def __getstate__(self) -> dict[str, object]:
@@ -404,22 +404,10 @@ class LossScale(LossScaleDecoding, Metric):
 _CHECKED, _AFTER_UPDATE, _BEFORE_STEP = "checked", "after-update", "before-step"
 
 
-class _TakeScale:
-    """What a :class:`LossScale` takes at each optimizer step, through the shared step watch
-    (weakly: the metric may go first)."""
-
-    __slots__ = ("metric", "__weakref__")
-
-    def __init__(self, metric: LossScale) -> None:
-        self.metric = weakref.ref(metric)
-
-    def step_begins(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
-        metric = self.metric()
-        if metric is not None and not torch.compiler.is_compiling():
-            metric._take(optimizer)
-
-    def step_ends(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
-        pass
+def _take_scale(metric: LossScale, optimizer: torch.optim.Optimizer) -> None:
+    """At each optimizer step (the step watch's pre-hook): the scale it runs under."""
+    if not torch.compiler.is_compiling():
+        metric._take(optimizer)
 
 
 def _check_scaler(scaler: object, who: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import types
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
@@ -26,6 +26,7 @@ __all__ = [
     "StepListener",
     "StepNesting",
     "StepWatch",
+    "TakeAtStep",
     "step_watch",
     "dtensor_type",
     "global_norm",
@@ -225,6 +226,26 @@ class ParameterStepListener(Generic[_M]):
             known = (len(groups), any(id(p) in ids for group in groups for p in group["params"]))
             self.owners[optimizer] = known
         return known[1]
+
+
+class TakeAtStep(Generic[_M]):
+    """A metric's listener that hands it each outermost optimizer step before the step runs:
+    ``take(metric, optimizer)``. It holds its metric weakly (the step watch holds the listener
+    weakly too, so both go with the metric); listen with ``step_watch().listen(...)``."""
+
+    __slots__ = ("metric", "take", "__weakref__")
+
+    def __init__(self, metric: _M, take: Callable[[_M, torch.optim.Optimizer], None]) -> None:
+        self.metric = weakref.ref(metric)
+        self.take = take
+
+    def step_begins(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
+        metric = self.metric()
+        if metric is not None:
+            self.take(metric, optimizer)
+
+    def step_ends(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
+        pass
 
 
 _WATCH: StepWatch | None = None

@@ -4,7 +4,6 @@ and ``extra=`` values."""
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -21,7 +20,7 @@ from batchtap.metrics.base import (
 )
 from batchtap.metrics.decoders import ExtraDecoding, LearningRateDecoding, LossDecoding, MemoryDecoding
 from batchtap.metrics.domain import ANY_FINITE, NONNEGATIVE, Domain, Output, Reduce
-from batchtap.metrics.optimizer_hooks import scaler_states, scaler_stepped_since, step_watch
+from batchtap.metrics.optimizer_hooks import TakeAtStep, scaler_states, scaler_stepped_since, step_watch
 
 
 class Loss(LossDecoding, Metric):
@@ -144,7 +143,7 @@ class LearningRate(LearningRateDecoding, Metric):
         self._moves: bool | None = None
         self._previous_taken: tuple[float, ...] | None = None
         self._previous_now: tuple[float, ...] | None = self.current()  # the lr when the metric was made
-        self._handle: _TakeLearningRate | None = _TakeLearningRate(self)
+        self._handle: TakeAtStep[LearningRate] | None = TakeAtStep(self, _take_learning_rate)
         step_watch().listen(self._handle)  # held weakly there: it goes with this metric
 
     def __getstate__(self) -> dict[str, object]:
@@ -189,22 +188,10 @@ class LearningRate(LearningRateDecoding, Metric):
         return tuple(float(group["lr"]) for group in self.optimizer.param_groups[: self.host_width])
 
 
-class _TakeLearningRate:
-    """What a :class:`LearningRate` takes at its optimizer's steps, through the shared step watch
-    (weakly: the metric may go first)."""
-
-    __slots__ = ("metric", "__weakref__")
-
-    def __init__(self, metric: LearningRate) -> None:
-        self.metric = weakref.ref(metric)
-
-    def step_begins(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
-        metric = self.metric()
-        if metric is not None and optimizer is metric.optimizer:
-            metric._taken = metric.current()
-
-    def step_ends(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
-        pass
+def _take_learning_rate(metric: LearningRate, optimizer: torch.optim.Optimizer) -> None:
+    """At each optimizer step (the step watch's pre-hook): the lrs the step uses, for its own optimizer."""
+    if optimizer is metric.optimizer:
+        metric._taken = metric.current()
 
 
 class Memory(MemoryDecoding, Metric):
