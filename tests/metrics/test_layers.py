@@ -220,6 +220,30 @@ def test_no_host_read_and_no_device_op_on_steps_that_do_not_capture() -> None:
     assert [n > 0 for n in ops_per_step] == [True, False, False, False, True, False, False, False]
 
 
+@pytest.mark.parametrize("metric", ["Layers", "Histograms"])
+def test_steps_that_do_not_capture_never_call_the_metric_in_the_optimizer_step(metric: str) -> None:
+    # the listener is off between captures: the optimizer step runs none of the metric's code
+    import cProfile
+    import pstats
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watched = getattr(bt.metrics, metric)(model, every=3)
+    inputs = [StepInputs(None, None, None, 8.0) for _ in range(7)]
+    files = ("metrics/layers.py", "metrics/histograms.py", "metrics/optimizer_hooks.py")
+    called = []
+    for step in range(7):
+        model(torch.randn(8, 10)).pow(2).mean().backward()
+        profile = cProfile.Profile()
+        profile.enable()
+        opt.step()
+        profile.disable()
+        stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+        called.append(any(f[0].replace("\\", "/").endswith(files) for f in stats))
+        watched.read_host(inputs[step])
+    assert called == [True, False, False, True, False, False, True]
+
+
 def _optimizer_ops(opt: torch.optim.Optimizer) -> int:
     """Ops of one bare SGD step of the same parameters (measured on a copy)."""
     params = [p.detach().clone().requires_grad_() for group in opt.param_groups for p in group["params"]]

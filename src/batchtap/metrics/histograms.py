@@ -210,6 +210,8 @@ class Histograms(HistogramsDecoding, Metric):
             return self._row_values
         grads, self._grads, self._pending_by = self._grads, None, None
         self._rows += 1
+        if self._hooks is not None:
+            self._hooks.arm(self._rows % self.every == 0)
         self._row_inputs = inputs
         if grads is None:
             values: tuple[torch.Tensor | None, tuple[float, ...]] = (None, self._not_captured)

@@ -23,7 +23,7 @@ from batchtap.metrics.functional import _foreach_norm_fp32
 from batchtap.metrics.gradients import _check_scaler, _scale_carried
 from batchtap.metrics.layer_decoders import CAPTURED, NOT_CAPTURED, LayersDecoding
 from batchtap.metrics.layer_sharding import MeshParts
-from batchtap.metrics.optimizer_hooks import ParameterStepListener
+from batchtap.metrics.optimizer_hooks import ParameterStepListener, step_watch
 
 __all__ = ["Layers", "layer_groups", "find_model"]
 
@@ -347,6 +347,8 @@ class Layers(LayersDecoding, Metric):
             return self._row_values
         pending, self._pending, self._pending_by = self._pending, None, None
         self._rows += 1
+        if self._hooks is not None:
+            self._hooks.arm(self._rows % self.every == 0)
         self._row_inputs = inputs
         if pending is None:
             values: tuple[torch.Tensor | None, tuple[float, ...]] = (None, self._not_captured)
@@ -434,17 +436,33 @@ class _LayersHooks(ParameterStepListener["Layers"]):
     """What a :class:`Layers` (or :class:`~batchtap.metrics.histograms.Histograms`) does at the
     optimizer steps of its parameters, heard through batchtap's one pair of optimizer step hooks
     (:func:`~batchtap.metrics.optimizer_hooks.step_watch`). The metric holds it; it holds the metric
-    weakly, so both go together and the watch forgets it."""
+    weakly, so both go together and the watch forgets it.
 
-    __slots__ = ()
+    It listens only while the coming optimizer step captures (:meth:`arm`, from the metric's row):
+    on the other steps the optimizer step does not call it at all, so a step that does not capture
+    costs the row's one integer check."""
+
+    __slots__ = ("armed",)
 
     def __init__(self, metric: Layers) -> None:
         super().__init__(metric, metric.parameters)
+        self.armed = True  # row 0 captures
+
+    def arm(self, capturing: bool) -> None:
+        """Listen (``capturing``) or not to the coming optimizer steps; a change only when the
+        answer changes (twice per ``every`` rows, never for ``every=1``)."""
+        if capturing is self.armed:
+            return
+        self.armed = capturing
+        if capturing:
+            self.handle = step_watch().listen(self)  # type: ignore[arg-type]  # a StepListener
+        else:
+            self.handle.remove()
+            self.closure = None
 
     def step_begins(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
         self.closure = None
         metric = self.metric()
-        # host counters only: a step that does not capture costs this check and nothing on the device
         if metric is None or not metric.capturing() or torch.compiler.is_compiling() or not self.owns(optimizer):
             return
         if closure:
@@ -454,6 +472,8 @@ class _LayersHooks(ParameterStepListener["Layers"]):
         metric._take(optimizer)
 
     def step_ends(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
+        if self.closure is None:
+            return
         taken, self.closure = self.closure, None
         metric = self.metric()
         if taken is optimizer and metric is not None:
