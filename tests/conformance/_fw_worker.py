@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -48,10 +49,17 @@ def launch(frontend: str, scenario: str, workdir: Path) -> Outcome:
         scenario,
         str(workdir),
     ]
-    proc = subprocess.run(
-        command, cwd=workdir, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
+    # a session of its own: on a timeout the whole group goes (torchrun and the ranks it started)
+    proc = subprocess.Popen(
+        command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
     )  # fmt: skip
-    log = proc.stdout + proc.stderr
+    try:
+        log = proc.communicate(timeout=TIMEOUT)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log = proc.communicate()[0]
+        raise AssertionError(f"torchrun ran past {TIMEOUT} s; its ranks were killed:\n{log[-5000:]}") from None
     assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n{log[-5000:]}"
     ranks = [json.loads((workdir / f"truth{rank}.json").read_text()) for rank in range(world)]
     return Outcome(

@@ -5,6 +5,10 @@ Each builds the scenario in its framework's own terms (the same models and data 
 tiny BERT / GPT-2 built from configs for the Trainer) and takes the truth of every optimizer step
 in the same run with ``.item()``: the frameworks read values on the host themselves, so these cells
 have no host-read count.
+
+A distributed scenario's runner runs inside each rank that ``_fw_worker.py`` starts under torchrun
+(the framework makes its process group itself) and asserts that the framework really ran the engine
+the scenario names (``_assert_engine``).
 """
 
 from __future__ import annotations
@@ -318,8 +322,8 @@ def run_accelerate(scenario: str, workdir: Path) -> Outcome:
 def _accelerate_token_epoch(
     accelerator: Any, model: Any, optimizer: Any, scheduler: Any, run_tap: bt.Tap, loader: Any, epoch: int
 ) -> list[dict]:
-    """One epoch of a token-normalised Accelerate loop, written as Accelerate's guide to accumulation
-    over samples of variable size writes it (and the HF ``no_trainer`` scripts follow): the step's
+    """One epoch of a token-normalised Accelerate loop, written as Accelerate's guide to gradient
+    accumulation over samples of variable size writes it: the step's
     micro-batches loaded first, ``num_items_in_batch`` = their kept tokens summed over the processes (a
     host number), each micro-batch's ``CE(reduction="sum")`` multiplied by ``gradient_accumulation_steps
     x num_processes`` (``accelerator.backward`` divides by the first, DDP averages over the second) and
