@@ -127,7 +127,7 @@ FRONTENDS: list[FrontEnd] = [
 ]
 
 _FULL_TENSOR = NA("only the explicit API is handed a norm: .full_tensor() is a choice of the loop's explicit call")
-_NOT_BUILT_GPU = "not built yet: {} on one GPU under torchrun (_fw_worker.py launches it) waits for a machine with a GPU to check it on"
+_NOT_BUILT_GPU = "not built yet: {} on one GPU waits for a machine with a GPU to build and check it on"
 
 
 MARKS: dict[tuple[str, str], NA | XFAIL] = {
