@@ -369,12 +369,12 @@ def loader_wait(given: object, watched: float) -> float:
     e.g. an integration around its own fetch), else the watched loader's (NaN: none measured)."""
     if given is None:
         return watched
-    if type(given) not in (int, float) or not (math.isfinite(given) and given >= 0):  # type: ignore[operator]
+    if not (isinstance(given, (int, float)) and type(given) is not bool and math.isfinite(given) and given >= 0):
         raise InputError(
             f"data_time= must be the seconds the loop waited for this micro-batch's data, a finite number >= 0; got "
             f"{given!r}; pass the difference of two time.perf_counter() readings taken around the fetch, or leave it out"
         )
-    return float(given)  # type: ignore[arg-type]
+    return float(given)
 
 
 def accumulate_micro_batch(

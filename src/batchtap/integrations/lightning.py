@@ -236,7 +236,7 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         # After the loop made (or remade, reload_dataloaders_every_n_epochs) this epoch's fetcher
         # and before its first fetch.
         self._unwatch()  # the last epoch's watch stays suspended after its last batch: end it
-        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        fetcher: Any = getattr(trainer.fit_loop, "_data_fetcher", None)
         if (
             self.tap is None
             or not self._running

@@ -123,7 +123,7 @@ class _Driver:
         def __iter__() -> Iterator[Any]:
             return self._timed(type(base).__iter__(base))
 
-        base.__iter__ = __iter__  # type: ignore[method-assign]
+        base.__iter__ = __iter__  # type: ignore[method-assign,assignment]
 
     def _timed(self, iterator: Iterator[Any]) -> Iterator[Any]:
         clock, waits = time.perf_counter, self.waits
