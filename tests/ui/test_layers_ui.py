@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 import batchtap as bt
+from tests.ui.conftest import train_process
 
 pytest.importorskip("starlette")
 pytest.importorskip("bokeh")
@@ -47,6 +48,7 @@ def db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     metrics = [
         bt.metrics.Loss(),
         bt.metrics.StepTime(),
+        bt.metrics.LearningRate(opt),  # stored after step_time: the throughput charts still come first
         bt.metrics.Layers(model, every=2),
         bt.metrics.Histograms(model, every=3, bins=4),
         bt.metrics.MFU(flops_per_step=2e6, peak_flops=1e11),
@@ -212,7 +214,7 @@ def test_mfu_flops_and_tokens_per_second_right_after_step_time(page: Any, ui: An
     facts = page.locator("#throughput")
     values = sorted(v for _, v, _ in stored(db, "layers-ui", "mfu"))
     mfu = facts.locator("[data-metric='mfu'] b").inner_text()
-    assert mfu.endswith(" %") and float(mfu[:-2]) == pytest.approx(100 * values[(len(values) - 1) // 2], rel=1e-3)
+    assert mfu.endswith("%") and float(mfu[:-1]) == pytest.approx(100 * values[(len(values) - 1) // 2], rel=1e-3)
     tokens = sorted(v for _, v, _ in stored(db, "layers-ui", "tokens_per_second"))
     shown = facts.locator("[data-metric='tokens_per_second'] b").inner_text()
     assert shown == f"{round(tokens[(len(tokens) - 1) // 2]):,} tokens/s"
@@ -278,3 +280,40 @@ def test_a_note_is_listed_in_grey_not_drawn_and_filterable(page: Any, ui: Any) -
     box.check()
     assert page.locator("#events-table tr[data-kind='info']").count() == 1
     assert not page.errors
+
+
+def test_x_by_epoch_follows_a_live_run_to_its_end(page: Any, tmp_path: Path) -> None:
+    import batchtap.ui
+
+    db, go = tmp_path / "live.db", tmp_path / "go"
+    proc = train_process(
+        *("--db", str(db), "--name", "ui-live-epochs", "--epochs", "3", "--batches", "12"),
+        *("--go-file", str(go), "--sleep", "0.02"),
+    )
+    try:
+        assert proc.stdout is not None
+        run_id = proc.stdout.readline().strip()
+        assert proc.stdout.readline().strip() == "paused"  # epoch 0 stored, training waits
+        with batchtap.ui.start(db) as srv:
+            page.goto(f"{srv.base}/run/{run_id}")
+            page.wait_for_selector(READY)
+            page.select_option("#xaxis", "epoch")
+            assert page.evaluate("() => Array.from(bt.charts.loss.lines[0].source.data.x)") == pytest.approx(
+                [i / 12 for i in range(12)]
+            )
+            go.touch()
+            page.wait_for_function("() => document.getElementById('status').textContent === 'finished'", timeout=60_000)
+            assert proc.wait(60) == 0
+            want = epoch_x(db, run_id, "loss")
+            assert len(want) == 36 and want[-1] == pytest.approx(2 + 11 / 12)
+            page.wait_for_function(
+                "(n) => bt.epochsRead >= 1 && bt.charts.loss.lines[0].source.data.x.length === n",
+                arg=36,
+                timeout=30_000,
+            )
+            assert page.evaluate("() => Array.from(bt.charts.loss.lines[0].source.data.x)") == pytest.approx(want)
+            assert not page.errors
+    finally:
+        go.touch()
+        if proc.poll() is None:
+            proc.kill()

@@ -1144,7 +1144,7 @@ function throughputFacts(charts) {
     const unit = displayUnit(metric, values);
     const shown = median * unit.scale;
     const text = metric === "tokens_per_second" ? Math.round(shown).toLocaleString("en-US") : number(shown, metric === "step_time" ? 2 : undefined);
-    parts.push(el("span", { "data-metric": metric }, `${metric === "step_time" ? "step" : THROUGHPUT_TITLES[metric].split(" ")[0]} `, el("b", { text: `${text} ${unit.suffix}`.trim() })));
+    parts.push(el("span", { "data-metric": metric }, `${metric === "step_time" ? "step" : THROUGHPUT_TITLES[metric].split(" ")[0]} `, el("b", { text: unit.suffix === "%" || !unit.suffix ? `${text}${unit.suffix}` : `${text} ${unit.suffix}` })));
   }
   return parts.length > 1 ? el("span", { id: "throughput", title: "medians over the points shown" }, "median ", ...parts) : null;
 }
@@ -1293,16 +1293,29 @@ function follow(run, eventsSeen) {
     bt.lastUpdate = { at: performance.timeOrigin + performance.now(), lastStep: main ? main.lines[0].lastStep : null };
   });
   // The y range follows the growing lines, at most once a second (a full pass over the points).
+  let ticks = 0;
   const refit = setInterval(() => {
     if (!grew) return;
     grew = false;
     for (const chart of Object.values(bt.charts)) chart.fitY();
+    // By epoch, the epoch being trained grows: its spans are read again every 5 s while new
+    // points arrive, so a new step is placed within its epoch, not past the last known end.
+    if ((ticks += 1) % 5 === 0) rereadEpochs();
   }, 1000);
+  const rereadEpochs = () => {
+    if (document.getElementById("xaxis").value !== "epoch") return;
+    api(`/api/runs/${encodeURIComponent(run.id)}/epochs`).then(({ epochs }) => {
+      run.epochs = epochs || run.epochs;
+      for (const chart of Object.values(bt.charts)) chart.setX("epoch");
+      bt.epochsRead = (bt.epochsRead || 0) + 1;
+    }).catch(() => {});
+  };
   source.addEventListener("end", (message) => {
     source.close();
     clearInterval(clock);
     clearInterval(refit);
     for (const chart of Object.values(bt.charts)) chart.fitY();
+    rereadEpochs(); // the last epoch's end is known now
     setStatus(JSON.parse(message.data).status);
     api(`/api/runs/${encodeURIComponent(run.id)}`).then((r) => {
       document.getElementById("duration").textContent = fmtDuration(r.duration);
