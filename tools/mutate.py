@@ -86,6 +86,7 @@ TESTS: dict[str, list[str]] = {
     ],
     "pipeline/chain/dispatch.py": ["tests/pipeline/test_dispatch.py", "tests/faults/test_three_mutants.py"],
     "sinks/resilient.py": ["tests/sinks/test_resilient.py"],
+    "sinks/spool.py": ["tests/sinks/test_resilient.py", "tests/cli/test_replay.py"],
     "rules/engine.py": ["tests/rules/test_engine.py", "tests/test_tap_rules.py"],
     "store/schema.py": ["tests/store/test_schema.py", "tests/sinks/test_sqlite.py"],
     # issue 38: the files an independent mutation run found weakest
@@ -106,7 +107,7 @@ TESTS: dict[str, list[str]] = {
     "ui/auth.py": ["tests/ui/test_security.py", "tests/ui/test_server.py"],
     "ui/app.py": ["tests/ui/test_security.py", "tests/ui/test_server.py"],
     "integrations/_tf_ring.py": ["tests/integrations/test_keras.py"],
-    "metrics/system.py": ["tests/metrics/test_system.py", "tests/rules/test_gpu_starved.py"],
+    "metrics/sampling.py": ["tests/metrics/test_system.py", "tests/rules/test_gpu_starved.py"],
     "rules/builtin.py": ["tests/rules", "tests/faults/test_edges_mutants.py"],
     "sinks/webhook.py": ["tests/sinks/test_webhook.py"],
     "_stale.py": ["tests/faults/test_edges_mutants.py", "tests/faults/test_group_kill.py"],
@@ -129,6 +130,7 @@ MODULES = [
     "pipeline/chain/reduce.py",
     "pipeline/chain/dispatch.py",
     "sinks/resilient.py",
+    "sinks/spool.py",
     "rules/engine.py",
     "store/schema.py",
     # issue 38
@@ -141,7 +143,7 @@ MODULES = [
     "ui/auth.py",
     "ui/app.py",
     "integrations/_tf_ring.py",
-    "metrics/system.py",
+    "metrics/sampling.py",
     "sinks/webhook.py",
     "_stale.py",
 ]
@@ -155,7 +157,7 @@ PINNED: dict[str, tuple[str, ...]] = {
     "pipeline/chain/dispatch.py": ("_drop_oldest",),
     # issue 38: the survivors of the second independent run (tests/metrics/test_system.py,
     # tests/faults/test_edges_mutants.py, tests/sinks/test_webhook.py)
-    "metrics/system.py": ("finalize", "window"),
+    "metrics/sampling.py": ("finalize", "window"),
     "sinks/webhook.py": ("_send", "_post_once"),
     "_stale.py": ("segment_abandoned", "_group_alive"),
 }
