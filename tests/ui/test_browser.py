@@ -226,4 +226,6 @@ def test_postgresql_store_in_the_browser(page: Any) -> None:
             page.wait_for_selector(READY)
             assert chart_steps(page, "loss") == store_steps(PG_DSN, run_id, "loss", schema=schema) == list(range(24))
             assert 5 in page.evaluate("() => Array.from(bt.charts.loss.events.data.step)")
+            epochs = page.evaluate(f"() => fetch('/api/runs/{run_id}/epochs').then((r) => r.json())")
+            assert epochs == {"epochs": [[0, 0, 11], [1, 12, 23]]}  # the x axis by epoch, on PostgreSQL too
             own_requests_only(page, srv.base)
