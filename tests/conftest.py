@@ -51,7 +51,7 @@ OPTIONAL_TEST_DEPENDENCIES = (
     "psycopg", "tensorboard", "matplotlib", "sklearn", "mypy", "hypothesis", "lightning", "transformers",
     "accelerate", "jsonargparse", "pandas", "pyarrow", "mlflow", "sqlalchemy", "alembic", "wandb",
     "prometheus_client", "starlette", "uvicorn", "bokeh", "playwright",
-    "keras", "tensorflow", "psutil", "pynvml",
+    "keras", "tensorflow", "psutil", "pynvml", "hydra",
 )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from batchtap.errors import ConfigError
 from batchtap.pipeline.transport.host import PipelineHost
 
-__all__ = ["resume_point", "resume_id"]
+__all__ = ["resume_point", "resume_id", "sql_stores"]
 
 
 def resume_point(
@@ -49,7 +49,7 @@ def resume_id(sinks: Sequence[object], ref: str) -> str:
     if _FULL_ID.fullmatch(ref):
         return ref
     matches: set[str] = set()
-    for where, schema in _stores(sinks):
+    for _, where, schema in sql_stores(sinks):
         import batchtap.store
 
         try:
@@ -74,21 +74,21 @@ def resume_id(sinks: Sequence[object], ref: str) -> str:
     return matches.pop() if matches else ref
 
 
-def _stores(sinks: Sequence[object]) -> list[tuple[str, str | None]]:
+def sql_stores(sinks: Sequence[object]) -> list[tuple[str, str, str | None]]:
     """Where the SQL sinks among ``sinks`` (unwrapped from their retrying wrapper) store runs:
-    ``(SQLite path or PostgreSQL DSN, schema)``."""
+    ``("sqlite", path, None)`` or ``("postgresql", DSN, schema)``."""
     from batchtap.sinks.postgres import Postgres
     from batchtap.sinks.resilient import ResilientSink
     from batchtap.sinks.sqlite import SQLite
 
-    out: list[tuple[str, str | None]] = []
+    out: list[tuple[str, str, str | None]] = []
     for sink in sinks:
         if isinstance(sink, ResilientSink):
             sink = sink.sink
         if isinstance(sink, SQLite):
-            out.append((sink.path, None))
+            out.append(("sqlite", sink.path, None))
         elif isinstance(sink, Postgres) and "***" not in sink.dsn:
             # the sink shows its DSN without a password: one in the URL leaves that store unasked
             # (a full id still resumes; PGPASSWORD or ~/.pgpass keep the DSN whole)
-            out.append((sink.dsn, sink.schema))
+            out.append(("postgresql", sink.dsn, sink.schema))
     return out

@@ -4,7 +4,9 @@ Runs the script in this process as ``python SCRIPT ARGS`` would (``runpy``, ``sy
 *ARGS]``, ``__name__ == "__main__"``, the script's folder first on ``sys.path``: the same set-up
 as ``batchtap audit``) with :func:`batchtap.autolog` on: one record per optimizer step, stored
 with the script's parsed arguments as the run's config (what its ``argparse`` parser returned for
-the command line: ``batchtap run train.py --lr 0.01`` stores ``lr``), its command line and
+the command line: ``batchtap run train.py --lr 0.01`` stores ``lr``; a Hydra app's config with its
+overrides, ``batchtap run train.py optimizer.lr=0.01``, stores ``optimizer.lr``; stored as soon as the
+script has them), its command line and
 training-related environment variables, and the console's lines as usual. The run ends as the script does: ``finished`` (exit status 0),
 ``failed`` (an exception, or a non-zero ``sys.exit``; every captured step is stored), ``stopped``
 (Ctrl-C or SIGTERM); the command exits with the script's status. Under ``torchrun`` (``torchrun
@@ -14,6 +16,8 @@ training-related environment variables, and the console's lines as usual. The ru
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
 import runpy
 import signal
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from batchtap.cli._common import CLIError
+from batchtap.cli._configs import ConfigHooks
 from batchtap.cli.audit import _script_context
 
 __all__ = ["register", "main", "run_script", "training_environment", "ParsedArguments"]
@@ -102,7 +107,7 @@ class ParsedArguments:
 
         def parse_known_args(parser: argparse.ArgumentParser, args: Any = None, namespace: Any = None) -> Any:
             result = original(parser, args, namespace)
-            if args is None:
+            if args is None and not _hydras_own_parse():
                 try:
                     on_parsed(vars(result[0]))
                 except Exception as exc:  # noqa: BLE001 - recording the config never breaks the script
@@ -116,20 +121,56 @@ class ParsedArguments:
         argparse.ArgumentParser.parse_known_args = self._original  # type: ignore[method-assign]
 
 
-def _store_arguments(session: Any, parsed: dict[str, Any]) -> None:
-    """Put the script's parsed arguments into its run's config (top-level keys, so they are the
-    runs table's columns; ``script``, ``argv`` and ``environment`` stay batchtap's). The run's row
-    is written again when the run ends, with them."""
+def _hydras_own_parse() -> bool:
+    """Whether the parse under way is Hydra's own command line (its overrides and flags): the
+    config Hydra makes of them is what :class:`~batchtap.cli._configs.ConfigHooks` stores."""
+    frame: Any = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") == "argparse":
+        frame = frame.f_back  # parse_args() calls parse_known_args()
+    return frame is not None and str(frame.f_globals.get("__name__", "")).startswith("hydra.")
+
+
+def _store_arguments(session: Any, config: dict[str, Any], parsed: dict[str, Any]) -> None:
+    """Put the script's parsed arguments (or its Hydra / OmegaConf config, flattened) into its
+    run's config: top-level keys, so they are the runs table's columns; ``script``, ``argv`` and
+    ``environment`` stay batchtap's. Stored at once, so a live (or killed) run shows them: before
+    the run starts (torchrun: at the process group) they go into ``config``, the run's start
+    stores; after, the run's row in its stores is updated now (and written again at its end)."""
     from batchtap._config import to_json_config
     from batchtap._env import scrub_secrets
 
-    info = session.tap.run_info if session is not None else None
-    if info is None:
-        return
     values, _ = to_json_config(parsed)
     values = scrub_secrets(values)  # an --api-key argument is never stored
-    for key, value in values.items():
-        info.config[f"args.{key}" if key in ("script", "argv", "environment") else key] = value
+    named = {f"args.{key}" if key in ("script", "argv", "environment") else key: value for key, value in values.items()}
+    info = session.tap.run_info if session is not None else None
+    if info is None:
+        config.update(named)
+        return
+    info.config.update(named)
+    _write_config(session.tap.sinks, info.id, info.config)
+
+
+def _write_config(sinks: Any, run_id: str, config: dict[str, Any]) -> None:
+    """The run's config into the run's row of each SQL store its sinks write (one statement each,
+    as ``batchtap tag`` writes tags; the sink's own end-of-run write agrees). Rank 0 only: the
+    other ranks' rows are reduced into its run."""
+    from batchtap._resume import sql_stores
+    from batchtap.store.connect import connect_postgres, connect_sqlite
+
+    if os.environ.get("RANK", "0") != "0":  # torchrun's rank
+        return
+    text = json.dumps(config, default=str)
+    for kind, where, schema in sql_stores(sinks):
+        if kind == "sqlite":
+            conn = connect_sqlite(where, create=True)  # the sink made it at the run's start
+            sql = "UPDATE runs SET config = ? WHERE id = ?"
+        else:
+            conn = connect_postgres(where, schema=schema, create=False, purpose="batchtap run")
+            sql = "UPDATE runs SET config = %s WHERE id = %s"
+        try:
+            conn.execute(sql, (text, run_id))
+        finally:
+            conn.close()
 
 
 def run_script(script: Path) -> tuple[int, str, str | None]:
@@ -181,7 +222,8 @@ def main(args: argparse.Namespace) -> int:
             info.environment["tags"] = list(dict.fromkeys(args.tags or ()))
             if args.notes:
                 info.environment["notes"] = args.notes
-        with ParsedArguments(lambda parsed: _store_arguments(session, parsed)):
+        store = functools.partial(_store_arguments, session, config)
+        with ParsedArguments(store), ConfigHooks(store):
             code, status, reason = run_script(script)
         if session is not None:
             session.end(status, reason)
