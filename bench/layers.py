@@ -123,14 +123,15 @@ class _OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _profile(make: Callable[[nn.Module], list], args: argparse.Namespace, batches: list) -> dict[str, tuple]:
-    """Per step of ``opt.step(); tap.step()``: (aten ops, Python calls), the median over the steps
-    that capture (every 10th from 0) and over those that do not, after the warm-up."""
+def _profile(make: Callable[[nn.Module], list], args: argparse.Namespace, batches: list, what: str) -> dict[str, float]:
+    """Per step of ``opt.step(); tap.step()``: aten ops (``what="ops"``) or Python calls
+    (``"calls"``; a separate run, since the op counter's own Python would be counted), the median
+    over the steps that capture (every 10th from 0) and over those that do not, after the warm-up."""
     torch.manual_seed(0)
     model = GPT(args.vocab, args.block, args.layers, args.d, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     tap = bt.Tap(make(model), [], flush_every=50)
-    counts: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+    counts: dict[bool, list[int]] = {True: [], False: []}
     with tap, tap.run(name="bench-layers-profile"):
         for step, (x, y) in enumerate(batches):
             logits = model(x)
@@ -138,33 +139,39 @@ def _profile(make: Callable[[nn.Module], list], args: argparse.Namespace, batche
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            ops, calls = _OpCount(), cProfile.Profile()
-            with ops:
+            if what == "ops":
+                with _OpCount() as ops:
+                    opt.step()
+                    tap.step(loss=loss, targets=y)
+                count = ops.ops
+            else:
+                calls = cProfile.Profile()
                 calls.enable()
                 opt.step()
                 tap.step(loss=loss, targets=y)
                 calls.disable()
+                count = pstats.Stats(calls).total_calls  # type: ignore[attr-defined]
             if step >= args.warmup:
-                counts[step % 10 == 0].append((ops.ops, pstats.Stats(calls).total_calls))  # type: ignore[attr-defined]
-    return {
-        kind: (statistics.median(o for o, _ in counts[captured]), statistics.median(c for _, c in counts[captured]))
-        for kind, captured in (("captured", True), ("other", False))
-    }
+                counts[step % 10 == 0].append(count)
+    return {"captured": statistics.median(counts[True]), "other": statistics.median(counts[False])}
 
 
 def _print_profile(args: argparse.Namespace, batches: list, variants: dict) -> None:
-    base = _profile(variants["tap"], args, batches)
+    got = {
+        name: {what: _profile(make, args, batches, what) for what in ("ops", "calls")}
+        for name, make in variants.items()
+    }
+    base = got["tap"]
     print(
-        f"per step of opt.step() + tap.step(), {args.layers} blocks, after {args.warmup} warm-up steps; added over 'tap'"
+        f"per step of opt.step() + tap.step() (AdamW, {args.layers} blocks), median over the steps after "
+        f"{args.warmup} warm-up steps; 'added': over the plain Tap ('tap')"
     )
     print(f"{'variant':<10} {'steps':<9} {'aten ops':>9} {'added':>6} {'py calls':>9} {'added':>6}")
-    for name, make in variants.items():
-        got = base if name == "tap" else _profile(make, args, batches)
+    for name in variants:
         for kind in ("captured", "other"):
-            ops, calls = got[kind]
-            print(
-                f"{name:<10} {kind:<9} {ops:>9.0f} {ops - base[kind][0]:>6.0f} {calls:>9.0f} {calls - base[kind][1]:>6.0f}"
-            )
+            ops, calls = got[name]["ops"][kind], got[name]["calls"][kind]
+            added_ops, added_calls = ops - base["ops"][kind], calls - base["calls"][kind]
+            print(f"{name:<10} {kind:<9} {ops:>9.0f} {added_ops:>6.0f} {calls:>9.0f} {added_calls:>6.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated variants (default: all)")
     p.add_argument("--profile", action="store_true", help="count ops and Python calls per step (CPU), no timing")
     args = p.parse_args(argv)
+    if args.profile:  # counts do not need the timed window's length
+        args.reps, args.steps, args.warmup = 1, min(args.steps, 40), min(args.warmup, 10)
     if args.quick:
         args.reps, args.steps, args.warmup, args.layers, args.d, args.block, args.batch = 1, 20, 10, 2, 32, 16, 4
     device = torch.device(args.device)
