@@ -78,6 +78,7 @@ class _Driver:
         self.waits: deque[float] = deque()  # loader waits of batches fetched, not yet trained on
         self.sizes: list[int] = []  # samples of the open step's micro-batches, when the Trainer divides by their count
         self.said_mean_of_means = False
+        self.ignores_count = False  # the model takes **kwargs but computes its own per-micro-batch mean
 
     def begin(self, trainer: Any, args: Any, state: Any, model: Any) -> None:
         if self.running:  # a second train() call without the end of the first one
@@ -93,6 +94,7 @@ class _Driver:
             log.warning("batchtap: this transformers version has no Trainer._get_grad_norm; grad_norm is not recorded")
         run_name = self.name or getattr(args, "run_name", None) or type(_unwrap(model)).__name__
         self.tap.start(name=run_name, config=args.to_dict())
+        self.ignores_count = _ignores_count(trainer, model)
         quirk = loss_sum_quirk(trainer, model)
         if quirk is not None:
             self.tap.warn(quirk)  # an event with the run, and a log line
@@ -343,6 +345,13 @@ class BatchtapMixin:
         micro = (
             getattr(trainer, "current_gradient_accumulation_steps", None) or trainer.args.gradient_accumulation_steps
         )
+        if self.batchtap.ignores_count:
+            # The Trainer multiplied a plain per-micro-batch mean by its process count (meant to cancel
+            # DDP's gradient mean for a loss divided by the count of all ranks' tokens): undone here, so
+            # batchtap's mean across ranks is the mean of the ranks' own losses. A model that does use
+            # the count keeps the factor: its loss is its rank's share of the global Σ CE / N, and the
+            # factor times batchtap's mean across ranks is that share summed over the ranks.
+            return loss * (micro / _process_factor(trainer, num_items_in_batch)), False
         return loss * micro, False
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
@@ -356,42 +365,78 @@ class BatchtapTrainer(BatchtapMixin, _tf.Trainer):  # type: ignore[misc]
 
 
 def loss_sum_quirk(trainer: Any, model: Any) -> str | None:
-    """Why the Trainer's loss (and so the stored one) is the micro-batches' *sum* of means, when it is.
+    """Why the Trainer's loss is the micro-batches' *sum* of means, or a multiple of it, when it is.
 
     A model whose ``forward`` takes ``**kwargs`` gets ``num_items_in_batch`` from the ``Trainer``,
-    which then takes its loss as normalized over the whole step and adds the micro-batches' losses
-    undivided. A model that computes a plain per-micro-batch mean anyway (BERT-like models: a
-    ``CrossEntropyLoss()`` of their own, neither ``self.loss_function`` nor ``num_items_in_batch``
-    in ``forward``) then gets a step loss (and gradients) ``gradient_accumulation_steps`` times the
-    mean. Decided once per ``train()`` from the settings and the source of ``forward``; None when
-    the case does not arise (no accumulation, a model that declares ``accepts_loss_kwargs``, a
-    ``compute_loss_func``, a forward that uses the count).
+    which then takes its loss as normalized over the whole step: it adds the micro-batches' losses
+    undivided, and under DDP multiplies each by the number of processes (to cancel DDP's gradient
+    mean for a loss divided by all ranks' tokens). A model that computes a plain per-micro-batch mean
+    anyway (BERT-like models: a ``CrossEntropyLoss()`` of their own, neither ``self.loss_function``
+    nor ``num_items_in_batch`` in ``forward``) then gets a Trainer loss (and gradients) of
+    ``gradient_accumulation_steps x processes`` times the mean. batchtap undoes the process factor
+    (its own mean across ranks combines the ranks) and keeps the sum over micro-batches (what the
+    step's gradients add up). Decided once per ``train()`` from the settings and the source of
+    ``forward``; None when the case does not arise (neither accumulation nor several processes, a
+    model that declares ``accepts_loss_kwargs``, a ``compute_loss_func``, a forward that uses the count).
     """
     steps = int(getattr(trainer.args, "gradient_accumulation_steps", 1) or 1)
-    if steps <= 1 or not getattr(trainer, "model_accepts_loss_kwargs", False):
+    processes = _process_factor(trainer, 1)
+    if (steps <= 1 and processes <= 1) or not _ignores_count(trainer, model):
         return None
+    name = type(_unwrap(model)).__name__
+    stored = (
+        f"the stored loss is their sum, {steps}x the step's mean loss" if steps > 1 else "the stored loss is the mean"
+    )
+    return (
+        f"{name}.forward takes **kwargs, so the Trainer passes it num_items_in_batch and takes its loss as "
+        f"normalized over the step: it adds the {steps} micro-batch losses of each step undivided and multiplies "
+        f"each by its {processes} process(es), but {name} computes a per-micro-batch mean (its forward uses neither "
+        f"self.loss_function nor num_items_in_batch): the Trainer's loss and the gradients are {steps * processes}x "
+        f"the step's mean loss ({steps} micro-batches x {processes} processes); {stored} (the process factor "
+        "undone: batchtap averages the ranks itself) (transformers' gradient accumulation with models that ignore "
+        "the count); fix: set trainer.model_accepts_loss_kwargs = False before train() (or "
+        "model.accepts_loss_kwargs = False)"
+    )
+
+
+def _ignores_count(trainer: Any, model: Any) -> bool:
+    """Whether the Trainer passes ``num_items_in_batch`` to a model whose loss ignores it: its
+    ``forward`` takes ``**kwargs`` but neither uses the count nor ``self.loss_function``."""
+    if not getattr(trainer, "model_accepts_loss_kwargs", False):
+        return False
     if getattr(trainer, "compute_loss_func", None) is not None or getattr(trainer, "loss_is_scaled_for_ga", None):
-        return None
+        return False
     unwrapped = _unwrap(model)
     if hasattr(unwrapped, "accepts_loss_kwargs"):
-        return None  # the model says what it does with the count
+        return False  # the model says what it does with the count
     import inspect
 
     try:
         source = inspect.getsource(type(unwrapped).forward)
     except (OSError, TypeError):
-        return None  # no source to tell from: say nothing rather than guess
-    if "loss_function" in source or "num_items_in_batch" in source:
-        return None
-    name = type(unwrapped).__name__
-    return (
-        f"{name}.forward takes **kwargs, so the Trainer passes it num_items_in_batch and adds the "
-        f"{steps} micro-batch losses of each step undivided, but {name} computes a per-micro-batch mean "
-        f"(its forward uses neither self.loss_function nor num_items_in_batch): the Trainer's loss, the "
-        f"stored loss and the gradients are {steps}x the step's mean loss (transformers' gradient "
-        "accumulation with models that ignore the count); fix: set trainer.model_accepts_loss_kwargs = False "
-        "before train() (or model.accepts_loss_kwargs = False)"
-    )
+        return False  # no source to tell from: say nothing rather than guess
+    return "loss_function" not in source and "num_items_in_batch" not in source
+
+
+def _process_factor(trainer: Any, num_items_in_batch: Any) -> int:
+    """The factor ``Trainer.compute_loss`` multiplied the loss by (transformers >= 4.46): the number
+    of processes over the tensor-parallel size (the GPUs under DataParallel), applied when tokens are
+    averaged across devices, the model takes loss kwargs (or a ``compute_loss_func`` is set) and a
+    count was passed; else 1."""
+    args = trainer.args
+    if not (
+        getattr(args, "average_tokens_across_devices", False)
+        and (getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None))
+        and num_items_in_batch is not None
+    ):
+        return 1
+    n_gpu = int(getattr(args, "n_gpu", 1) or 1)
+    if n_gpu > 1:
+        return n_gpu
+    accelerator = getattr(trainer, "accelerator", None)
+    processes = int(getattr(accelerator, "num_processes", 1) or 1)
+    tp_size = trainer.get_tp_size() if hasattr(trainer, "get_tp_size") else 1
+    return max(processes // int(tp_size or 1), 1)
 
 
 def mean_of_means_note(sizes: list[int]) -> str:
