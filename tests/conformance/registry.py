@@ -154,11 +154,6 @@ MARKS: dict[tuple[str, str], NA | XFAIL] = {
     ),
     ("two-losses", "hf"): NA("the Trainer backpropagates the one loss compute_loss returns per micro-batch"),
     ("pad-1", "hf"): NA("transformers' model losses ignore -100 only"),
-    ("ddp-2-ranks", "hf"): XFAIL(
-        "BatchtapTrainer stores world size x the per-sample mean loss (step 0: 2.2005 for 1.1002): Trainer.compute_loss "
-        "multiplies the loss by accelerator.num_processes (average_tokens_across_devices, num_items_in_batch passed) "
-        "and BERT's forward ignores the count; docs/autolog.md undoes a constant factor. For integrations/transformers.py"
-    ),
     ("fsdp2-2-ranks", "hf"): NA(
         "TrainingArguments(use_cpu=True, fsdp='full_shard', fsdp_config={'version': 2}) under torchrun trains DDP, not "
         "FSDP2: the Trainer's Accelerator stays DistributedType.MULTI_CPU (accelerate picks FSDP for GPU-family types "
