@@ -383,3 +383,22 @@ def test_the_recovery_event_counts_the_blocks_replayed(tmp_path: Path) -> None:
     assert inner.ops == [("write", [0]), ("write", [1]), ("write", [2])]
     messages = [e.message for e in sink.take_events()]
     assert any("recovered (on flush)" in m and "replayed 3 spooled blocks" in m for m in messages), messages
+
+
+def test_a_spool_travels_to_another_process_without_its_open_handle_and_appends_there(tmp_path: Path) -> None:
+    """A ResilientSink (its spool with it) is pickled into the pipeline process while spooling: the
+    copy leaves the open append handle behind, opens its own, and both lines end up in the file."""
+    import pickle
+
+    from batchtap.sinks.spool import Spool
+
+    spool = Spool(tmp_path / "s.jsonl", "sqlite")
+    first, second = (Write(make_records("r", [s], ["loss"], random.Random(s)), []) for s in (0, 1))
+    spool.append(first)  # opens the handle
+    copy = pickle.loads(pickle.dumps(spool))
+    copy.append(second)
+    copy.close()
+    spool.close()
+    lines = (tmp_path / "s.jsonl").read_text().splitlines()
+    assert [decode_entry(line) for line in lines] == [first, second]
+    assert copy.pending and [entry for _, _, entry in copy.read(lambda message: None)] == [first, second]
