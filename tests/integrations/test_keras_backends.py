@@ -89,6 +89,20 @@ def test_torch_backend_nan_gradient_with_a_finite_loss_stops_at_its_step(torch_s
     assert case["iterations"] == 4  # Keras ran no step after it (as on TensorFlow)
 
 
+def test_the_norm_watch_sees_the_first_non_finite_norm_with_no_host_read() -> None:
+    """The torch backend's NaN-gradient stop reads a host float the device writes, never a tensor."""
+    import torch
+
+    from batchtap.hostreads import HostReadCounter
+    from batchtap.integrations._keras_torch import NormWatch
+
+    watch = NormWatch()
+    with HostReadCounter() as reads:
+        seen = [watch.see(torch.tensor(v)) for v in (1.0, 2.0, math.nan, 3.0, math.inf)]
+    assert seen == [None, None, 2, 2, 2]  # the first bad step's index, kept
+    assert reads.count == 0, reads.reads
+
+
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])
 def test_the_pipeline_process_loads_neither_torch_nor_tensorflow(backend: str, request: pytest.FixtureRequest) -> None:
     """``bt.Tap(pipeline="process")`` under ``fit()``: the TensorFlow ring's metrics (and the torch
@@ -102,3 +116,41 @@ def test_the_pipeline_process_loads_neither_torch_nor_tensorflow(backend: str, r
     assert sum(n["call"] == "write" for n in seen) >= 2
     assert all(n["pid"] != case["pid"] for n in seen), "the sink ran in the training process"
     assert not any(n["torch"] or n["tensorflow"] for n in seen), f"the pipeline process loaded a framework: {seen}"
+
+
+# ---------------------------------------------------------------------- the console beside Keras' bar
+
+CONSOLE = Path(__file__).with_name("keras_console_script.py")
+
+
+def _console_run(mode: str, tmp_path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """stdout of keras_console_script.py split into lines at ``\\n`` only (Keras redraws its bar
+    with ``\\r`` / backspaces inside one line), and the run's events."""
+    out = tmp_path / "events.json"
+    env = {**os.environ, "KERAS_BACKEND": "torch", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(CONSOLE), str(out), mode], env=env, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-4000:]
+    return proc.stdout.decode().split("\n"), json.loads(out.read_text())
+
+
+def test_console_lines_wait_for_keras_progress_bar_any_tap(tmp_path: Path) -> None:
+    """A user's Tap with a Console printing into Keras' own stdout, batches slow enough that its
+    lines fall due while the bar is drawn: each epoch's bar stays one line (redrawn in place), and
+    every batch's console line is printed whole, between bars."""
+    lines, events = _console_run("thread", tmp_path)
+    bars = [i for i, line in enumerate(lines) if "━" in line]
+    assert len(bars) == 2, [line.replace("\b", "")[:60] for line in lines]  # one per epoch: never cut
+    steps = [i for i, line in enumerate(lines) if line.startswith("epoch ")]
+    assert [lines[i].split(":")[0] for i in steps] == [f"epoch {e} batch {b}" for e in range(2) for b in range(8)]
+    assert not any(bars[0] < i < bars[1] and lines[i].startswith("epoch 1 ") for i in steps)  # after its bar
+    assert all(i > bars[0] for i in steps)  # the first epoch's lines waited for its bar's end
+    assert any("finished: 16 steps" in line for line in lines[bars[1] :])
+    assert not [e for e in events if e["kind"] == "warning"]
+
+
+def test_console_in_a_pipeline_process_is_named_as_out_of_reach(tmp_path: Path) -> None:
+    """Under pipeline='process' the console prints from that process: fit() cannot hold it, and the
+    run says so once, with the fix (the bar is cut there: documented in docs/keras.md)."""
+    _, events = _console_run("process", tmp_path)
+    said = [e["message"] for e in events if "progress bar" in e["message"]]
+    assert len(said) == 1 and "pipeline='process'" in said[0] and "verbose=2" in said[0], events

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchtap.capture.ring import host_buffer
 from batchtap.integrations._keras_heads import head_pair, like, model_heads
 from batchtap.integrations._keras_hooks import Hooks, optimizer_facts
 from batchtap.tap import Tap
@@ -63,19 +62,22 @@ class NormWatch:
     def see(self, norm: torch.Tensor) -> int | None:
         """Queue this step's check; the index of the first non-finite norm the host sees, else None."""
         if self._first is None:
-            self._first = torch.full((), -1.0, device=norm.device)
             if norm.device.type == "cpu":
                 self._view = np.full(1, -1.0, dtype=np.float32)
-                self._host = torch.from_numpy(self._view)  # the same memory: no read to look at it
+                # the host float itself is the state: updated in place, no copy (numpy shares its memory)
+                self._host = self._first = torch.from_numpy(self._view)
             else:
-                self._host = host_buffer((1,), pin=True).fill_(-1.0)
+                self._first = torch.full((1,), -1.0, device=norm.device)
+                # page-locked: the copy below is asynchronous on CUDA
+                self._host = torch.full((1,), -1.0, dtype=torch.float32, pin_memory=True)
                 self._view = self._host.numpy()
         index, self.count = self.count, self.count + 1
         first = self._first
-        first = torch.where((first < 0) & ~torch.isfinite(norm), float(index), first)
-        self._first = first
-        assert self._host is not None and self._view is not None
-        self._host.copy_(first.reshape(1), non_blocking=True)
+        # this step's index, unless an earlier one is kept or this norm is finite (in place)
+        first.masked_fill_((first < 0) & ~torch.isfinite(norm), float(index))
+        if self._host is not first:
+            self._host.copy_(first, non_blocking=True)
+        assert self._view is not None
         seen = float(self._view[0])
         return int(seen) if seen >= 0 else None
 
@@ -169,14 +171,16 @@ class TorchRecorder:
             epoch=epoch,
             batch=batch,
         )
-        if self._norms is not None and norm is not None and not self.tap.should_stop:
+        stop = self.tap.should_stop  # the loss guard's verdict (polled once a step)
+        if not stop and self._norms is not None and norm is not None:
             first = self._norms.see(norm)
             if first is not None:
                 step = self.tap.steps_recorded - self._norms.count + first  # the bad step's own number
                 self.tap.request_stop(
                     f"non-finite gradient norm at step {step} (the loss was finite)", step=step, metric="grad_norm"
                 )
-        if self.tap.should_stop:
+                stop = True
+        if stop:
             self.model.stop_training = True
 
     def _per_head(self, seen: Any, head_losses: dict[str, Any], extra: dict[str, torch.Tensor | float]) -> int | None:

@@ -25,12 +25,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from batchtap._defaults import default_sinks
 from batchtap._optional import require
 from batchtap.errors import ConfigError
+from batchtap.integrations._keras_console import ConsoleHold, draws_a_bar
 from batchtap.integrations._lifecycle import finish_as
 from batchtap.integrations._tf_ring import TFCapture
-from batchtap.sinks.console import Console
 from batchtap.tap import Tap
 
 _keras: Any = require("keras", extra="keras", purpose="batchtap.integrations.keras")
@@ -91,8 +90,10 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
     Args:
         tap: the Tap to feed; any Tap works on both backends (on TensorFlow the values come from
             the step itself; metrics it cannot measure there, such as memory, are named once in
-            a warning event). Default: ``bt.Tap()`` with the default store, and the console only
-            when Keras' own output is off (``verbose=0``), so it never breaks Keras' progress bar.
+            a warning event). Default: ``bt.Tap()`` (the default store and console). Whatever the
+            Tap, its console never breaks Keras' progress bar: while ``fit(verbose=1)`` draws
+            it, the console's lines are held and printed between bars (at each epoch's start,
+            and when ``fit()`` ends; see ``_keras_console.py``).
         name: run name when the callback starts the run (default: ``model.name``).
         config: run config to store when the callback starts the run.
         flush_every: TensorFlow only: read the device ring after about this many steps
@@ -131,6 +132,7 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
         self._epoch = 0
         self._batch = 0
         self._last_reads = 0
+        self._hold: ConsoleHold | None = None
 
     # ------------------------------------------------------------------ fit
 
@@ -141,9 +143,7 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
                 "BatchtapCallback needs a compiled model with an optimizer; call model.compile(...) first"
             )
         if self.tap is None:
-            verbose = (self.params or {}).get("verbose", 0)
-            # Keras' own progress output on: batchtap's console would write between its redraws
-            self.tap = Tap() if not verbose else Tap(sinks=[s for s in default_sinks() if not isinstance(s, Console)])
+            self.tap = Tap()
         tap = self.tap
         self._finish_stale_run()
         self._in_fit = True
@@ -174,6 +174,10 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
                 tap.finish("stopped", reason="BatchtapCallback could not set up (see the exception); nothing trained")
             raise
         self._describe(model, tap)
+        if draws_a_bar(self.params):
+            # Keras redraws its bar in place: batchtap's console lines wait for the bar's line to end
+            self._hold = ConsoleHold(tap)
+            self._hold.start()
 
     def _describe(self, model: Any, tap: Tap) -> None:
         """The run's environment (backend, versions, jit, steps_per_execution), and the compiled
@@ -243,6 +247,8 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self._epoch, self._batch = epoch, 0
+        if self._hold is not None:
+            self._hold.release()  # Keras ended the last epoch's bar with its line: print between bars
         if self.backend == "tensorflow" and self._recorder is not None:
             self._recorder.capture.new_epoch(epoch)
 
@@ -314,6 +320,9 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
                     tap.finish("finished", reason=f"0 steps recorded: {_NO_LOSS}")
                 else:
                     finish_as(tap, exc)
+            hold, self._hold = self._hold, None
+            if hold is not None:
+                hold.stop()  # after the run's end line (held lines first), or what the run shows so far
             if self._own_tap and tap is not None and exc is not None:
                 tap.close()
                 self.tap = None
