@@ -384,18 +384,22 @@ def loss_sum_quirk(trainer: Any, model: Any) -> str | None:
     if (steps <= 1 and processes <= 1) or not _ignores_count(trainer, model):
         return None
     name = type(_unwrap(model)).__name__
-    stored = (
-        f"the stored loss is their sum, {steps}x the step's mean loss" if steps > 1 else "the stored loss is the mean"
+    does = []
+    if steps > 1:
+        does.append(f"adds the {steps} micro-batch losses of each step undivided")
+    if processes > 1:
+        does.append(f"multiplies each by its {processes} processes (to cancel DDP's gradient mean)")
+    factors = " x ".join(
+        [*([f"{steps} micro-batches"] if steps > 1 else []), *([f"{processes} processes"] if processes > 1 else [])]
     )
+    stored = f"their sum, {steps}x the step's mean loss" if steps > 1 else "the step's mean loss"
     return (
         f"{name}.forward takes **kwargs, so the Trainer passes it num_items_in_batch and takes its loss as "
-        f"normalized over the step: it adds the {steps} micro-batch losses of each step undivided and multiplies "
-        f"each by its {processes} process(es), but {name} computes a per-micro-batch mean (its forward uses neither "
-        f"self.loss_function nor num_items_in_batch): the Trainer's loss and the gradients are {steps * processes}x "
-        f"the step's mean loss ({steps} micro-batches x {processes} processes); {stored} (the process factor "
-        "undone: batchtap averages the ranks itself) (transformers' gradient accumulation with models that ignore "
-        "the count); fix: set trainer.model_accepts_loss_kwargs = False before train() (or "
-        "model.accepts_loss_kwargs = False)"
+        f"normalized over the step: it {' and '.join(does)}, but {name} computes a per-micro-batch mean (its forward "
+        f"uses neither self.loss_function nor num_items_in_batch): the Trainer's logged loss and the gradients are "
+        f"{steps * processes}x the step's mean loss ({factors}); batchtap stores {stored}"
+        + (" (the process factor undone: batchtap averages the ranks itself)" if processes > 1 else "")
+        + "; fix: set trainer.model_accepts_loss_kwargs = False before train() (or model.accepts_loss_kwargs = False)"
     )
 
 
