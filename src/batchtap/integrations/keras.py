@@ -8,7 +8,8 @@ This callback records each batch's own values instead, the way batchtap records 
   the instances for the length of ``fit()``, and never overrides ``on_train_batch_end`` (that would
   make Keras convert every log value in the training thread, on every backend);
 * on the **torch** backend each step goes straight to ``tap.step()`` (batchtap's metrics, the NaN
-  guard at the same step, ``model.stop_training`` when the Tap asks to stop);
+  guard at the same step, a non-finite gradient norm stopping the run at its step too,
+  ``model.stop_training`` when the Tap asks to stop);
 * on the **TensorFlow** backend each step writes one row into a ``tf.Variable`` ring inside the
   compiled step (``jit_compile`` and ``steps_per_execution`` included: still one row per batch),
   read back once per flush and handed to the Tap's pipeline as one block (``Tap.hand_over``: the
@@ -74,7 +75,7 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
     Per batch: ``loss`` (what ``compute_loss`` returned: Keras' total, sample- and class-weighted
     as Keras weights it, loss weights and regularization included), ``accuracy`` (top-1, for class
     scores ``[..., C]`` with class-index or one-hot targets; unweighted), with several outputs
-    ``loss/<output>`` and ``accuracy/<output>`` per output (TensorFlow), ``lr`` (the rate the step
+    ``loss/<output>`` and ``accuracy/<output>`` per output (both backends), ``lr`` (the rate the step
     used, schedules included), ``grad_norm`` (global L2 norm of the dense gradients, unscaled under
     ``LossScaleOptimizer``; a skipped step is a ``skip`` event), ``step_time`` and ``throughput``.
     Validation results (``val_*``) are stored as sparse values at each epoch end, with that epoch;
