@@ -78,6 +78,26 @@ def test_series_round_trips_values_exactly_nan_included(backend: Backend) -> Non
     assert sum(math.isnan(p.value) for p in series) == len(range(0, 50, 7))
 
 
+def test_iter_metrics_yields_every_stored_value_by_metric_step_and_rank(backend: Backend) -> None:
+    """The streamed read (one connection held while the rows are read) gives every value once."""
+    make_sink, open_store = backend
+    rng = random.Random(11)
+    run = make_run()
+    written = [
+        *make_records(run.id, range(20), ["loss", "acc"], rng, nan_every=6),
+        *make_records(run.id, range(20), ["loss"], rng, rank=1),
+    ]
+    sink = make_sink()
+    sink.start_run(run)
+    sink.write(written)
+    sink.close()
+    expected = sorted((m, r.step, r.rank, v) for r in written for m, v in r.values.items())
+    with open_store() as st:
+        got = list(st.iter_metrics(run.id))
+    assert [(m, s, r) for m, s, r, _ in got] == [(m, s, r) for m, s, r, _ in expected]
+    assert all(same_float(g[3], e[3]) for g, e in zip(got, expected))
+
+
 def test_series_prefers_the_reduced_rank_then_the_lowest(backend: Backend) -> None:
     make_sink, open_store = backend
     rng = random.Random(2)
