@@ -125,7 +125,7 @@ class ConsoleHold:
         The console's stdout guard (``sinks/_terminal.GuardedStdout``, private to the sinks
         package) is recognised by its class name and driven by its public attributes: ``holding``
         (consoles holding the script's text back) and ``release()`` (write what is held)."""
-        out = sys.stdout
+        out: Any = sys.stdout
         holding = getattr(out, "holding", 0) if type(out).__name__ == "GuardedStdout" else 0
         if holding:
             out.release()  # what was held so far, in order, first

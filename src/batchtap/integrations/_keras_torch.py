@@ -75,9 +75,9 @@ class NormWatch:
         first = self._first
         # this step's index, unless an earlier one is kept or this norm is finite (in place)
         first.masked_fill_((first < 0) & ~torch.isfinite(norm), float(index))
+        assert self._host is not None and self._view is not None
         if self._host is not first:
             self._host.copy_(first, non_blocking=True)
-        assert self._view is not None
         seen = float(self._view[0])
         return int(seen) if seen >= 0 else None
 
@@ -204,6 +204,6 @@ class TorchRecorder:
 
 
 def _keras() -> Any:
-    import keras
+    import keras  # type: ignore[import-untyped]
 
     return keras
