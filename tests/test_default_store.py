@@ -19,6 +19,7 @@ import torch
 
 import batchtap as bt
 from batchtap._resume import sql_stores
+from batchtap.autolog import autolog  # not bt.autolog: that would shadow the submodule others import
 from batchtap.cli.main import main as cli_main
 
 SCRIPT = """
@@ -51,12 +52,12 @@ def test_every_entry_point_writes_and_reads_the_same_store(
         tap.step(loss=torch.tensor(1.0))
     assert [Path(where).resolve() for _, where, _ in sql_stores(tap.sinks)] == [expected.resolve()]
 
-    auto = bt.autolog(name="by-autolog")
+    auto = autolog(name="by-autolog")
     try:
         assert auto is not None
         assert [Path(where).resolve() for _, where, _ in sql_stores(auto.sinks)] == [expected.resolve()]
     finally:
-        bt.autolog(enabled=False)
+        autolog(enabled=False)
 
     (work / "train.py").write_text(textwrap.dedent(SCRIPT))
     done = subprocess.run(

@@ -15,6 +15,7 @@ from torch import nn
 
 import batchtap as bt
 import batchtap.store
+from batchtap.autolog import autolog  # not bt.autolog: that would shadow the submodule others import
 from batchtap.cli.main import main as cli_main
 
 ACCUMULATION = "gradient-accumulation micro-batches"
@@ -23,7 +24,7 @@ ACCUMULATION = "gradient-accumulation micro-batches"
 def _accumulating_loop(db: Path, console: io.StringIO) -> None:
     """Three micro-batches per step, each loss divided by the count: autolog's accumulation note."""
     torch.manual_seed(0)
-    tap = bt.autolog(
+    tap = autolog(
         name="accum-note", sinks=[bt.sinks.SQLite(db), bt.sinks.Console(stream=console, live=False)], flush_every=2
     )
     assert tap is not None
@@ -37,7 +38,7 @@ def _accumulating_loop(db: Path, console: io.StringIO) -> None:
             opt.step()
             opt.zero_grad()
     finally:
-        bt.autolog(enabled=False)
+        autolog(enabled=False)
 
 
 def test_the_accumulation_note_is_info_printed_once_never_a_warning(

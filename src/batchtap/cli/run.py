@@ -26,6 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from batchtap._defaults import store_url
 from batchtap.cli._common import CLIError
 from batchtap.cli._configs import ConfigHooks
 from batchtap.cli.audit import _script_context
@@ -161,6 +162,8 @@ def _write_config(sinks: Any, run_id: str, config: dict[str, Any]) -> None:
         return
     text = json.dumps(config, default=str)
     for kind, where, schema in sql_stores(sinks):
+        if kind == "sqlite" and not os.path.exists(where):
+            continue  # moved away under a relative path: the run's end writes its config
         if kind == "sqlite":
             conn = connect_sqlite(where, create=True)  # the sink made it at the run's start
             sql = "UPDATE runs SET config = ? WHERE id = ?"
@@ -171,6 +174,18 @@ def _write_config(sinks: Any, run_id: str, config: dict[str, Any]) -> None:
             conn.execute(sql, (text, run_id))
         finally:
             conn.close()
+
+
+def _absolute(url: str) -> str:
+    """A SQLite store's path (plain or ``sqlite:///``) made absolute; a PostgreSQL URL (or one the
+    store refuses, said when the run opens it) as it is."""
+    from batchtap.store.url import parse_url
+
+    try:
+        loc = parse_url(url)
+    except Exception:  # noqa: BLE001 - the sink names what is wrong with it, with the fix
+        return url
+    return os.path.abspath(loc.target) if loc.kind == "sqlite" else url
 
 
 def run_script(script: Path) -> tuple[int, str, str | None]:
@@ -205,8 +220,9 @@ def main(args: argparse.Namespace) -> int:
         raise CLIError(f"--flush-every must be >= 1, got {args.flush_every}", code=2)
     if args.layers is not None and args.layers < 1:
         raise CLIError(f"--layers must be >= 1 (record every N-th optimizer step), got {args.layers}", code=2)
-    if args.db:
-        os.environ["BATCHTAP_DB"] = args.db  # the default store (and any Tap the script makes itself)
+    # The default store (and any Tap the script makes itself), a SQLite path made absolute: a script
+    # that changes its working directory (a Hydra app with hydra.job.chdir) keeps writing there.
+    os.environ["BATCHTAP_DB"] = _absolute(args.db or store_url())
     from batchtap.autolog import active_session, autolog  # torch is imported here, not at CLI start
 
     config: dict[str, Any] = {
