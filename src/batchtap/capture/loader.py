@@ -1,14 +1,56 @@
-"""Iterate a loader while timing the wait for each batch on the host clock."""
+"""Iterate a loader while timing the wait for each batch on the host clock.
+
+A loader that fetches ahead of what it hands out (Accelerate's ``DataLoaderShard``, what
+``accelerator.prepare(loader)`` returns: it fetches batch ``i + 1`` from its ``DataLoader`` before
+handing out batch ``i``, to know which batch is the last) is timed beneath: each fetch of the
+underlying ``DataLoader`` is timed and queued, and the batch it fetched gets that wait when it is
+handed out, plus what the loader itself spent on it (moving it to the device). Timing the
+``next()`` of the loader alone would give batch ``i`` the fetch of batch ``i + 1`` (the first batch
+two fetches, the last none).
+"""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
-__all__ = ["timed_batches"]
+import torch
+
+__all__ = ["StartedIteration", "look_ahead_base", "timed_batches"]
 
 T = TypeVar("T")
+
+
+class StartedIteration:
+    """An iteration of ``loader`` already begun (``iterator``, not yet advanced), for ``tap.watch``.
+
+    What autolog hands to ``tap.watch`` when it sees a training loader's ``__iter__`` called:
+    iterating it gives ``iterator``; a loader that fetches ahead is still timed beneath (see
+    :func:`look_ahead_base`); each batch's wait is also appended to ``waits`` (when given), so the
+    micro-batch that consumes the batch can be handed its own wait. No length: the iteration may
+    have been begun mid-epoch.
+    """
+
+    def __init__(self, loader: object, iterator: Iterator[Any], waits: deque[float] | None = None) -> None:
+        self.loader = loader
+        self.iterator = iterator
+        self.waits = waits
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.iterator
+
+
+def look_ahead_base(loader: object) -> torch.utils.data.DataLoader[Any] | None:
+    """The ``DataLoader`` under a loader that fetches one batch ahead (Accelerate's
+    ``DataLoaderShard``, which calls ``base_dataloader.__iter__()`` by name), else None."""
+    inner = loader.loader if isinstance(loader, StartedIteration) else loader
+    kind = type(inner)  # type(), not __class__: Accelerate's adapter reports the DataLoader's class
+    if kind.__name__ != "DataLoaderShard" or not kind.__module__.startswith("accelerate."):
+        return None
+    base = getattr(inner, "base_dataloader", None)
+    return base if isinstance(base, torch.utils.data.DataLoader) else None
 
 
 def timed_batches(loader: Iterable[T], need_last: bool) -> Iterator[tuple[T, float, bool]]:
@@ -28,6 +70,20 @@ def timed_batches(loader: Iterable[T], need_last: bool) -> Iterator[tuple[T, flo
         total: int | None = len(loader)  # type: ignore[arg-type]
     except TypeError:
         total = None
+    waits = loader.waits if isinstance(loader, StartedIteration) else None
+    if waits is not None:
+        for batch, waited, is_last in _timed(loader, need_last, total):
+            waits.append(waited)
+            yield batch, waited, is_last
+    else:
+        yield from _timed(loader, need_last, total)
+
+
+def _timed(loader: Iterable[T], need_last: bool, total: int | None) -> Iterator[tuple[T, float, bool]]:
+    base = look_ahead_base(loader)
+    if base is not None:
+        yield from _timed_beneath(loader, base, total)
+        return
     iterator = iter(loader)
     clock = time.perf_counter
     if total is not None or not need_last:
@@ -51,3 +107,57 @@ def timed_batches(loader: Iterable[T], need_last: bool) -> Iterator[tuple[T, flo
         next_wait = clock() - started
         yield current, waited, following is sentinel  # type: ignore[misc]
         current, waited = following, next_wait
+
+
+def _timed_beneath(
+    loader: Iterable[T], base: torch.utils.data.DataLoader[Any], total: int | None
+) -> Iterator[tuple[T, float, bool]]:
+    """``timed_batches`` for a loader that fetches ahead from ``base``: batch ``i``'s wait is the
+    fetch of batch ``i`` from ``base`` plus the time the loader's own ``next()`` spent on anything
+    but fetches (moving the batch to the device); batches it skips (``skip_first_batches``) count
+    as the first handed-out batch's wait."""
+    clock = time.perf_counter
+    waits: deque[float] = deque()  # fetches from base whose batches are not handed out yet
+    during = [0.0]  # fetch time inside the current next() of the loader
+    had = "__iter__" in vars(base)
+    previous = vars(base).get("__iter__")  # an integration's own timing (BatchtapTrainer) stays beneath ours
+
+    def fetches(iterator: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            started = clock()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            waited = clock() - started
+            waits.append(waited)
+            during[0] += waited
+            yield batch
+
+    def __iter__() -> Iterator[Any]:
+        return fetches(previous() if previous is not None else type(base).__iter__(base))
+
+    base.__iter__ = __iter__  # type: ignore[method-assign]  # looked up by name: Accelerate calls base.__iter__()
+    try:
+        iterator = iter(loader)
+        skipped = int(getattr(loader.loader if isinstance(loader, StartedIteration) else loader, "skip_batches", 0))
+        index = 0
+        while True:
+            during[0] = 0.0
+            started = clock()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            own = clock() - started - during[0]
+            if index == 0:
+                for _ in range(min(skipped, max(len(waits) - 1, 0))):
+                    own += waits.popleft()
+            fetched = waits.popleft() if waits else 0.0
+            yield batch, max(own, 0.0) + fetched, total is not None and index == total - 1
+            index += 1
+    finally:
+        if had:
+            base.__iter__ = previous  # type: ignore[method-assign]
+        else:
+            del base.__iter__
