@@ -150,8 +150,9 @@ class PipelineHost(abc.ABC):
         """
         # sync: run start/end, explicit flush — the caller asked for everything captured so far.
         passed = self.ask(Barrier(), timeout) is True
-        if passed:  # every block handed over was judged: an input error it revealed is due now
-            self.control.release_held()
+        # every block handed over was judged (or the wait ran out, at a run's end: what was judged
+        # still counts): an input error a block revealed is due now
+        self.control.release_held()
         return passed
 
     def flush_sinks(self, timeout: float | None = None) -> bool:
