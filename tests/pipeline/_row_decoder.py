@@ -89,7 +89,14 @@ class RowDecoder(Decoder):
                     if warning is not None and index not in self._warned:
                         self._warned.add(index)
                         out.events.append(
-                            Event(self.run_id, step, EventKind.WARNING, f"step {step}: {warning}", wall, rank=self.rank)
+                            Event(
+                                self.run_id,
+                                step,
+                                EventKind(getattr(metric, "notice_kind", "warning")),
+                                f"step {step}: {warning}",
+                                wall,
+                                rank=self.rank,
+                            )
                         )
                 for (output, low, high, finite), value in zip(
                     bounds, reference.finalize(metric, raw, timing), strict=True
