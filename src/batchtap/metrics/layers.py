@@ -192,13 +192,12 @@ class Layers(LayersDecoding, Metric):
         self._mesh = MeshParts([])
         self._uniform = False
         self._all_have: tuple[float, ...] = ()
-        self._out_rows: torch.Tensor | None = None  # [0, 2, 3]: the rows of the [4, L] norms a row stores
         if model is None:
             layer_groups(torch.nn.Module(), depth)  # checks depth now
         else:
             self.attach(model)
         self._rows = 0  # rows written so far: decides which optimizer step captures
-        # what the pre-hook took for the coming row: (the [2P] pre-step norms, gradients then weights;
+        # what the pre-hook took for the coming row: (the [2P] pre-step norms, weights then gradients;
         # the gradient presence per layer; the scale the gradients still carried); None: nothing to capture
         self._pending: tuple[torch.Tensor, tuple[float, ...], torch.Tensor | None] | None = None
         self._pending_by: int | None = None
@@ -263,7 +262,6 @@ class Layers(LayersDecoding, Metric):
             _scale=None,
             _snapshot=None,
             _onehot=None,
-            _out_rows=None,
             _row_inputs=None,
             _row_values=None,
         )
@@ -297,7 +295,7 @@ class Layers(LayersDecoding, Metric):
                 torch._foreach_copy_(self._snapshot, params)
             if grads:
                 self._scale = _scale_carried(self.scaler) if self.scaler is not None else None
-            if weights and grads:  # the usual step: gradient and weight norms in one fused pass
+            if weights and grads:  # the usual step: weight and gradient norms in one fused pass
                 norms, have = self._grad_norms(params)
                 self._pending = (norms, have, self._scale)
                 self._scale = None
@@ -308,7 +306,7 @@ class Layers(LayersDecoding, Metric):
                 self._grads_before = self._grad_norms([])
         if self._weights_before is not None and self._grads_before is not None:
             norms, have = self._grads_before
-            before = torch.cat([norms, self._weights_before.to(norms.device)])
+            before = torch.cat([self._weights_before.to(norms.device), norms])
             self._pending = (before, have, self._scale)
             self._weights_before = self._grads_before = self._scale = None
 
@@ -320,13 +318,13 @@ class Layers(LayersDecoding, Metric):
         return self._mesh.local(self.parameters)  # type: ignore[return-value]
 
     def _grad_norms(self, weights: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[float, ...]]:
-        """``[P + W]``: the ``P`` gradient norms (0 for a parameter without a gradient), then the
-        norms of ``weights`` — one fused pass when every parameter has its gradient — and, per
+        """``[W + P]``: the norms of ``weights``, then the ``P`` gradient norms (0 for a parameter
+        without a gradient) — one fused pass when every parameter has its gradient — and, per
         layer, 1.0 when any of its parameters had a gradient (host metadata)."""
         grads = self._mesh.local([p.grad for p in self.parameters])
         present = [g for g in grads if g is not None]
         if len(present) == len(grads):  # a gradient has its parameter's device and dtype (torch checks)
-            return torch.stack(_norms(present + weights, self._uniform)), self._all_have
+            return torch.stack(_norms(weights + present, self._uniform)), self._all_have
         have = [0.0] * len(self.names)
         for owner, grad in zip(self.owners, grads):
             if grad is not None:
@@ -334,7 +332,7 @@ class Layers(LayersDecoding, Metric):
         device = self.parameters[0].device
         zero = torch.zeros((), dtype=torch.float32, device=device)
         found = iter(_norms(present))
-        norms = [zero if g is None else next(found).to(device) for g in grads] + _norms(weights)
+        norms = _norms(weights) + [zero if g is None else next(found).to(device) for g in grads]
         return torch.stack(norms), tuple(have)
 
     # ------------------------------------------------------------------ the row
@@ -368,21 +366,19 @@ class Layers(LayersDecoding, Metric):
         torch._foreach_sub_(snapshot, params)  # the snapshot becomes w_before - w_after
         device = before.device
         after = torch.stack(_norms(params + snapshot, self._uniform))  # [2P]: weights now, then moved
-        # [4, P]: gradient, weight before, weight after, moved
+        # [4, P]: weight before, gradient, weight after, moved
         squares = torch.cat([before, after.to(device, non_blocking=True)]).view(4, -1).square_()
         onehot = self._onehot
         if onehot is None or onehot.device != device:
             onehot = torch.zeros(len(self.owners), len(self.names), dtype=torch.float32, device=device)
             onehot[torch.arange(len(self.owners)), torch.tensor(self.owners)] = 1.0
             self._onehot = onehot
-            self._out_rows = torch.tensor([0, 2, 3], device=device)
         # [4, L]: sharded parameters' squares are summed over the device mesh too (one collective)
         norms = self._mesh.sum_per_layer(squares, onehot).sqrt_()
         if scale is not None:  # the gradients were still scaled: divide on the device, never read the scale
-            norms[0].div_(scale.to(device, non_blocking=True))
-        norms[3].div_(norms[1])  # the update ratio
-        assert self._out_rows is not None
-        return norms.index_select(0, self._out_rows)
+            norms[1].div_(scale.to(device, non_blocking=True))
+        norms[3].div_(norms[0])  # the update ratio
+        return norms[1:]  # gradient, weight after, update ratio
 
     def compute(self, inputs: StepInputs) -> Sequence[torch.Tensor]:
         values, _ = self._row(inputs)
