@@ -36,10 +36,10 @@ TRAIN = """
 def _run(tmp_path: Path, source: str, *args: str) -> tuple[subprocess.CompletedProcess[str], list[dict[str, object]]]:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TRAIN) + textwrap.dedent(source))
-    db = tmp_path / "runs.db"
-    command = [sys.executable, "-m", "batchtap", "run", "--db", str(db), str(script), *args]
+    # relative, as a user types it: the script may change its working directory (Hydra's chdir)
+    command = [sys.executable, "-m", "batchtap", "run", "--db", "runs.db", "train.py", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    with sqlite3.connect(db) as conn:
+    with sqlite3.connect(tmp_path / "runs.db") as conn:
         configs = [json.loads(row[0]) for row in conn.execute("SELECT config FROM runs")]
     return done, configs
 
@@ -67,7 +67,11 @@ def test_argparse_arguments_are_stored_when_parsed_so_a_killed_run_shows_them(tm
     assert config["lr"] == 0.01 and config["epochs"] == 2, config
 
 
-def test_a_hydra_apps_resolved_config_with_overrides(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version_base", ["None", "'1.1'"], ids=["hydra-1.3", "chdir"])
+def test_a_hydra_apps_resolved_config_with_overrides(tmp_path: Path, version_base: str) -> None:
+    """The task SIGKILLs itself: the config is in the run's row from the start of the task.
+    ``version_base='1.1'``: Hydra moves into outputs/<date>/<time> before the task runs; the run's
+    store (given as a relative path) is still the one in the folder it was started from."""
     pytest.importorskip("hydra")
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "config.yaml").write_text(
@@ -75,12 +79,17 @@ def test_a_hydra_apps_resolved_config_with_overrides(tmp_path: Path) -> None:
     )
     done, configs = _run(
         tmp_path,
+        f"""
+        VERSION_BASE = {version_base}
         """
+        + """
+        import os, signal
         import hydra
 
-        @hydra.main(version_base=None, config_path="conf", config_name="config")
+        @hydra.main(version_base=VERSION_BASE, config_path="conf", config_name="config")
         def main(cfg):
             train(cfg.optimizer.lr, cfg.epochs * 2)
+            os.kill(os.getpid(), signal.SIGKILL)  # no end of run: only the write made at once holds the config
 
         if __name__ == "__main__":
             main()
@@ -88,7 +97,7 @@ def test_a_hydra_apps_resolved_config_with_overrides(tmp_path: Path) -> None:
         "optimizer.lr=0.01",
         "epochs=2",
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == -signal.SIGKILL, done.stderr
     (config,) = configs
     assert config["optimizer.lr"] == 0.01 and config["epochs"] == 2, config
     assert config["steps"] == 2  # the interpolation resolved
