@@ -210,8 +210,9 @@ class Histograms(HistogramsDecoding, Metric):
             return self._row_values
         grads, self._grads, self._pending_by = self._grads, None, None
         self._rows += 1
-        if self._hooks is not None:
-            self._hooks.arm(self._rows % self.every == 0)
+        capturing = self._rows % self.every == 0  # the next optimizer step's, listened to only if so
+        if self._hooks is not None and capturing is not self._hooks.armed:
+            self._hooks.arm(capturing)
         self._row_inputs = inputs
         if grads is None:
             values: tuple[torch.Tensor | None, tuple[float, ...]] = (None, self._not_captured)

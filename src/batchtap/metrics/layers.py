@@ -345,8 +345,9 @@ class Layers(LayersDecoding, Metric):
             return self._row_values
         pending, self._pending, self._pending_by = self._pending, None, None
         self._rows += 1
-        if self._hooks is not None:
-            self._hooks.arm(self._rows % self.every == 0)
+        capturing = self._rows % self.every == 0  # the next optimizer step's, listened to only if so
+        if self._hooks is not None and capturing is not self._hooks.armed:
+            self._hooks.arm(capturing)
         self._row_inputs = inputs
         if pending is None:
             values: tuple[torch.Tensor | None, tuple[float, ...]] = (None, self._not_captured)
