@@ -42,7 +42,8 @@ EXAMPLE = """examples:
 Recorded per optimizer step: loss (from the tensor given to backward()), accuracy (where
 cross_entropy/nll_loss saw logits and class targets), lr, gradient norm (pre-clip), step time,
 data wait, throughput, AMP loss scale and skips. What autolog cannot see is said once, as a
-warning event with the run (batchtap show RUN)."""
+warning event with the run; how it read the loop (accumulation, several losses)
+as a note, an info event (batchtap show RUN lists both)."""
 
 #: environment variables stored with the run: the ones that change what a training run does
 _ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "HF_", "ACCELERATE_", "BATCHTAP_")
