@@ -287,8 +287,8 @@ class Layers(LayersDecoding, Metric):
         if self._pending_by is not None and self._pending_by != id(optimizer):
             return  # a second optimizer of the model in the same step: the first one's take holds
         self._pending_by = id(optimizer)
-        params = self._local_weights()
-        with torch.no_grad():
+        with torch.no_grad():  # the hooks run with grad mode on: no autograd record of the shards' views
+            params = self._local_weights()
             if weights:
                 if self._snapshot is None:
                     self._snapshot = [torch.empty_like(p) for p in params]
