@@ -5,6 +5,9 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+import pytest
+
+from batchtap.pipeline.chain import control as control_module
 from batchtap.pipeline.chain.control import Control, Verdict
 
 
@@ -111,3 +114,16 @@ def test_a_pipeline_failure_ends_the_wait_and_a_paused_gate_never_waits() -> Non
     threading.Timer(0.2, control.fail, args=(RuntimeError("pipeline died"),)).start()
     assert control.hand_block(4) == 2  # blocks 0 and 1 never judged: the failure ends the wait
     assert str(control.take_error()) == "pipeline died"
+
+
+def test_a_hand_over_waits_no_longer_than_its_bound_and_the_error_waits_for_a_later_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(control_module, "JUDGE_WAIT", 0.05)  # a stuck pipeline, in short
+    control = Control()
+    control.hand_block(5)
+    assert control.hand_block(5) == 1 and not control.has_error  # block 0 never judged: not a hang
+    control.judged(5, 0, ValueError("late"))
+    assert not control.has_error
+    control.hand_block(5)
+    assert str(control.take_error()) == "late"

@@ -11,6 +11,8 @@ the process pipeline alike; the rows before it are all stored, the bad row with 
 from __future__ import annotations
 
 import math
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,45 @@ def test_the_step_a_value_revealed_input_error_stops_training_at_is_fixed_by_the
     assert [r.step for r in sink.records] == list(range(expected))  # the refused call recorded nothing
     assert [r.step for r in sink.records if math.isnan(r.values["accuracy"])] == [BAD_STEP]
     assert sink.ended and sink.ended[-1].status is bt.RunStatus.FAILED
+
+
+def _kill_pipeline(tap: bt.Tap) -> None:
+    proc = tap._pipeline.link.process  # type: ignore[attr-defined]
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already reaped: it is gone either way
+        pass
+    proc.join(10)
+
+
+@pytest.mark.parametrize("bad_step", [58, 61], ids=["in-the-block-the-kill-hits", "after-the-thread-took-over"])
+def test_the_step_holds_when_the_pipeline_process_dies_twice_and_a_thread_takes_over(
+    tmp_path: Path, bad_step: int
+) -> None:
+    """The blocks keep their numbers through a restart and the failover to a thread (resent or
+    replayed from the segment): the error of the block the second kill hits, or of a block the
+    thread judges, is raised at the same step as without any death."""
+    path = tmp_path / "sink.pkl"
+    outputs = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+    good = torch.tensor([0, 1, 2, 0, 1, 2])
+    bad = torch.tensor([0, 1, 2, 0, 1, 7])
+    raised: int | None = None
+    tap = bt.Tap(
+        [bt.metrics.Loss(), bt.metrics.Accuracy()],
+        [SlowFileSink(path, 0.0)],
+        flush_every=FLUSH_EVERY,
+        flush_seconds=3600.0,
+        pipeline="process",
+    )
+    with tap:
+        with pytest.raises(InputError, match=f"step {bad_step}"):
+            with tap.run(name="failover"):
+                for step in range(90):
+                    raised = step
+                    tap.step(loss=torch.tensor(0.5), outputs=outputs, targets=bad if step == bad_step else good)
+                    if step in (29, 59):
+                        _kill_pipeline(tap)
+        assert tap._pipeline.current is not tap._pipeline.link  # type: ignore[attr-defined]
+    assert raised == FLUSH_EVERY * (bad_step // FLUSH_EVERY + 2)
+    sink, _ = received(path)
+    assert sorted({r.step for r in sink.records}) == list(range(raised))  # a resent block may repeat

@@ -34,7 +34,12 @@ from collections.abc import Iterator, Mapping
 
 from batchtap.rules.base import Decision
 
-__all__ = ["Control", "Verdict"]
+__all__ = ["JUDGE_WAIT", "Control", "Verdict"]
+
+#: seconds a hand-over waits at most for the previous block's verdict. A pipeline that far behind
+#: is stuck (a sink blocked with ``backpressure="block"``), and the full ring stops training soon
+#: after anyway; past it the held error waits for a later hand-over rather than training for ever.
+JUDGE_WAIT = 60.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -137,7 +142,7 @@ class Control:
                 # sync: backpressure — the pipeline has not judged the block handed over one flush
                 # ago (device lag, a slow decode or blocked sinks); the error it may hold must be
                 # due at this flush, whatever the pipeline's pace. No device query, no host read.
-                self._judging.wait_for(lambda: self._judged >= index or self._error is not None)
+                self._judging.wait_for(lambda: self._judged >= index or self._error is not None, JUDGE_WAIT)
         self._release_held()
         return index
 
