@@ -58,7 +58,8 @@ _POSITION_TIMEOUT = 60.0
 class PipelineHost(abc.ABC):
     """The training thread's side of a pipeline (see the module docstring). Every call but the
     waiting ones (``drain``, ``flush_sinks``, ``finish_run``, ``stored_position``, ``close``) only
-    enqueues."""
+    enqueues, except that a block's hand-over first waits for the verdict on the block before it
+    when the pipeline is a whole flush behind (:meth:`number_block`)."""
 
     gate: DeviceGate  # paused around CUDA graph captures: no device queries meanwhile
     sinks: list[Sink]

@@ -4,7 +4,9 @@ Everything the training thread hands over goes through one FIFO queue, so sinks 
 its blocks and its end in order. The thread reads each block back once its copy completed
 (:meth:`~batchtap.capture.flush.Block.read`) and hands every message to its
 :class:`~batchtap.pipeline.chain.core.PipelineCore`. The training thread never waits for it except in
-:meth:`ThreadPipeline.drain` (run start and end, explicit flush) and when the ring is full.
+:meth:`ThreadPipeline.drain` (run start and end, explicit flush), when the ring is full, and at a
+block's hand-over while the block before it is still unjudged (a pipeline a whole flush behind:
+:meth:`~batchtap.pipeline.chain.control.Control.hand_block`).
 """
 
 from __future__ import annotations
