@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -105,6 +106,10 @@ class Rows:
         self._ignore_index: int | None = None
         self._sizes: list[float] = []  # samples of the row's accumulation micro-batches
         self._trainer_noted = False  # the HF Trainer's mean of means was said
+        # the watched loader's wait for each batch it handed out, oldest first: each micro-batch handed to
+        # tap.accumulate takes the oldest, the wait of the batch it trained on (a loop that fetches a step's
+        # batches before training on them, as the HF Trainer does, hands them over later than it fetched)
+        self.waits: deque[float] = deque()
 
     # ------------------------------------------------------------------ what arrives
 
@@ -138,6 +143,7 @@ class Rows:
         """Forget the pending ``backward()`` calls (their optimizer step raised); returns whether
         some micro-batches of them were already handed to ``tap.accumulate``."""
         self.pending.clear()
+        self.waits.clear()
         self._kind = None
         self._handed_weight, self._handed_sum, self._handed_total = 0.0, None, None
         self._sizes = []
@@ -237,6 +243,7 @@ class Rows:
         others, self._other_losses = self._other_losses, {}
         self._handed_weight, self._handed_sum, self._handed_total = 0.0, None, None
         sizes, self._sizes = self._sizes, []
+        self.waits.clear()  # a step's batches are fetched by its end: what is left must not shift the next
         if not row:
             return
         facts = self.facts
@@ -292,7 +299,8 @@ class Rows:
             loss = self._normalised(loss, samples if math.isfinite(samples) else 1.0, last)
         elif math.isfinite(samples):
             self._sizes.append(samples)
-        self.tap.accumulate(loss, outputs=outputs, targets=targets)
+        wait = self.waits.popleft() if self.waits else None
+        self.tap.accumulate(loss, outputs=outputs, targets=targets, data_time=wait)
         self._accumulated += 1
 
     def _normalised(self, loss: torch.Tensor, weight: float, last: bool) -> torch.Tensor:

@@ -94,7 +94,7 @@ class Session:
         self.calls = LossCalls()
         self.rows = Rows(self.tap, self.facts, self.accuracy, self.say)
         self.steps = OptimizerSteps(self._on_step, self._on_optimizer, self.guard)
-        self.loaders = LoaderWatch(self._watch, lambda: self.rows.events)
+        self.loaders = LoaderWatch(self._watch, lambda: self.rows.events, self.rows.waits)
         self.started = False
         self.ended = False
         self.broken = False

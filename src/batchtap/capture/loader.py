@@ -18,34 +18,26 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["StartedIteration", "look_ahead_base", "timed_batches"]
+__all__ = ["look_ahead_base", "timed_batches"]
 
 T = TypeVar("T")
 
 
-class StartedIteration:
-    """An iteration of ``loader`` already begun (``iterator``, not yet advanced), for ``tap.watch``.
+def _beneath(loader: object) -> object:
+    """The loader an already-begun iteration iterates (``batchtap_loader``), or ``loader`` itself.
 
-    What autolog hands to ``tap.watch`` when it sees a training loader's ``__iter__`` called:
-    iterating it gives ``iterator``; a loader that fetches ahead is still timed beneath (see
-    :func:`look_ahead_base`); each batch's wait is also appended to ``waits`` (when given), so the
-    micro-batch that consumes the batch can be handed its own wait. No length: the iteration may
-    have been begun mid-epoch.
+    autolog hands ``tap.watch`` an iteration it saw begun (``iter(loader)`` was called by the loop):
+    an iterable whose ``batchtap_loader`` is that loader, so a loader that fetches ahead is still
+    timed beneath, and whose ``batchtap_waits`` (a deque) gets each batch's wait, for the
+    micro-batch that trains on the batch.
     """
-
-    def __init__(self, loader: object, iterator: Iterator[Any], waits: deque[float] | None = None) -> None:
-        self.loader = loader
-        self.iterator = iterator
-        self.waits = waits
-
-    def __iter__(self) -> Iterator[Any]:
-        return self.iterator
+    return getattr(loader, "batchtap_loader", loader)
 
 
 def look_ahead_base(loader: object) -> torch.utils.data.DataLoader[Any] | None:
     """The ``DataLoader`` under a loader that fetches one batch ahead (Accelerate's
     ``DataLoaderShard``, which calls ``base_dataloader.__iter__()`` by name), else None."""
-    inner = loader.loader if isinstance(loader, StartedIteration) else loader
+    inner = _beneath(loader)
     kind = type(inner)  # type(), not __class__: Accelerate's adapter reports the DataLoader's class
     if kind.__name__ != "DataLoaderShard" or not kind.__module__.startswith("accelerate."):
         return None
@@ -70,7 +62,7 @@ def timed_batches(loader: Iterable[T], need_last: bool) -> Iterator[tuple[T, flo
         total: int | None = len(loader)  # type: ignore[arg-type]
     except TypeError:
         total = None
-    waits = loader.waits if isinstance(loader, StartedIteration) else None
+    waits: deque[float] | None = getattr(loader, "batchtap_waits", None)
     if waits is not None:
         for batch, waited, is_last in _timed(loader, need_last, total):
             waits.append(waited)
@@ -140,7 +132,7 @@ def _timed_beneath(
     base.__iter__ = __iter__  # type: ignore[method-assign]  # looked up by name: Accelerate calls base.__iter__()
     try:
         iterator = iter(loader)
-        skipped = int(getattr(loader.loader if isinstance(loader, StartedIteration) else loader, "skip_batches", 0))
+        skipped = int(getattr(_beneath(loader), "skip_batches", 0))
         index = 0
         while True:
             during[0] = 0.0
