@@ -109,6 +109,9 @@ def main() -> None:
         page.screenshot(path=str(OUT / "ui-run.png"), full_page=False)
         page.goto(f"{srv.base}/compare?runs={spike},{baseline}")
         page.wait_for_selector("body[data-ready='1']")
+        page.select_option("#align", "epoch")  # the two runs aligned by epoch
+        page.wait_for_function("() => bt.ready && bt.charts.loss.xMode === 'epoch'")
+        page.wait_for_timeout(500)
         page.screenshot(path=str(OUT / "ui-compare.png"), full_page=False)
         browser.close()
     with batchtap.ui.start(layers_db) as srv, sync_playwright() as p:
