@@ -232,13 +232,17 @@ def test_x_by_epoch_on_the_run_page_and_in_compare_is_kept(page: Any, ui: Any, d
     page.wait_for_selector(READY)
     assert page.evaluate("() => document.querySelector('#xaxis option[value=epoch]').disabled") is False
     page.select_option("#xaxis", "epoch")
+    page.evaluate(  # the smoothing slider moved by hand, kept for the next page too
+        "() => { const s = document.getElementById('smoothing'); s.value = '0.3';"
+        " s.dispatchEvent(new Event('input')); }"
+    )
     for metric in ("loss", "mfu"):
         xs = page.evaluate(f"() => Array.from(bt.charts.{metric}.lines[0].source.data.x)")
         assert xs == pytest.approx(epoch_x(db, "layers-ui", metric))
     assert page.evaluate("() => bt.charts.loss.plot.below[0].axis_label") == "epoch"
     page.reload()  # the choice is kept: the page opens by epoch
     page.wait_for_selector(READY)
-    assert page.input_value("#xaxis") == "epoch"
+    assert page.input_value("#xaxis") == "epoch" and page.input_value("#smoothing") == "0.3"
     xs = page.evaluate("() => Array.from(bt.charts['grad_norm/*'].lines[0].source.data.x)")
     first = page.evaluate("() => bt.charts['grad_norm/*'].lines[0].label")
     assert xs == pytest.approx(epoch_x(db, "layers-ui", f"grad_norm/{first}"))
