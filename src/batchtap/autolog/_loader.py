@@ -85,7 +85,7 @@ class LoaderWatch:
         shard = getattr(module, "DataLoaderShard", None)
         if not isinstance(shard, type) or "__iter__" not in vars(shard):
             return  # an Accelerate without it: its loaders' DataLoader is watched as any other
-        original = shard.__iter__
+        original = vars(shard)["__iter__"]
         loaders = self
 
         def __iter__(self: Any) -> Any:

@@ -129,7 +129,7 @@ def _timed_beneath(
     def __iter__() -> Iterator[Any]:
         return fetches(previous() if previous is not None else type(base).__iter__(base))
 
-    base.__iter__ = __iter__  # type: ignore[method-assign]  # looked up by name: Accelerate calls base.__iter__()
+    base.__iter__ = __iter__  # type: ignore[method-assign,assignment]  # looked up by name: Accelerate calls base.__iter__()
     try:
         iterator = iter(loader)
         skipped = int(getattr(_beneath(loader), "skip_batches", 0))
@@ -150,6 +150,6 @@ def _timed_beneath(
             index += 1
     finally:
         if had:
-            base.__iter__ = previous  # type: ignore[method-assign]
+            base.__iter__ = previous  # type: ignore[method-assign,assignment]
         else:
             del base.__iter__
