@@ -83,6 +83,11 @@ class Histograms(HistogramsDecoding, Metric):
     Steps that do not capture run nothing on the device; which steps capture follows
     :class:`~batchtap.metrics.Layers` (step 0, then every ``every``-th).
 
+    Under FSDP2 (``DTensor`` parameters) each rank counts its shard over the global range (minima
+    and maxima combined over the mesh first) and the counts are summed over the mesh, so every
+    rank holds the histogram of the whole parameters; this needs every watched parameter sharded
+    the same way (``fully_shard`` of the whole model), else a ConfigError says so.
+
     Args:
         model: the module whose parameters to watch.
         every: capture every ``every``-th optimizer step.
