@@ -102,9 +102,7 @@ class Store(ReadHandle):
                 f"a run must be given as its id, unique id prefix or name (str) or as a RunRow, got "
                 f"{type(run).__name__}; fix: pass run.id or the run's name"
             )
-        if self._all("SELECT 1 FROM runs WHERE id = ?", (run,)):
-            return run
-        return self.run(run).id
+        return self.run_id(run)
 
     def run(self, ref: str | RunRow) -> RunRow:
         """Find one run by exact id, exact name (the latest run of that name wins) or unique id prefix.
@@ -113,26 +111,37 @@ class Store(ReadHandle):
             RunNotFound: nothing matches, or an id prefix matches several runs; the message lists
                 the closest names and ids.
         """
+        found = self._one_run(self.run_id(ref))
+        if found is None:  # deleted between the two reads
+            raise RunNotFound(
+                f"run {ref!r} is no longer in {self.where}; fix: run `batchtap runs` to list the runs",
+                ref=ref if isinstance(ref, str) else ref.id,
+            )
+        return found
+
+    def run_id(self, ref: str | RunRow) -> str:
+        """The id of the run ``ref`` names, as :meth:`run` finds it (exact id, exact name, unique id
+        prefix), from the runs table alone: no read of the run's values (what a view resolving a
+        short id on every request needs; :meth:`run`'s step figures scan them).
+
+        Raises:
+            RunNotFound: as :meth:`run`.
+        """
         if isinstance(ref, RunRow):
-            ref = ref.id
+            return ref.id
         if not isinstance(ref, str):
             raise TypeError(f"a run must be given as its id, unique id prefix or name (str), got {type(ref).__name__}")
-        found = self._one_run(ref)
-        if found is not None:
-            return found
+        if self._all("SELECT 1 FROM runs WHERE id = ?", (ref,)):
+            return ref
         named = self._all("SELECT id FROM runs WHERE name = ? ORDER BY started_at DESC, id DESC LIMIT 1", (ref,))
         if named:
-            found = self._one_run(named[0][0])
-            assert found is not None
-            return found
+            return str(named[0][0])
         prefixed = [
             r[0]
             for r in self._all("SELECT id FROM runs WHERE substr(id, 1, ?) = ? ORDER BY id LIMIT 50", (len(ref), ref))
         ]
         if len(prefixed) == 1:
-            found = self._one_run(prefixed[0])
-            assert found is not None
-            return found
+            return str(prefixed[0])
         if len(prefixed) > 1:
             raise RunNotFound(
                 f"run id prefix {ref!r} is ambiguous in {self.where}: it matches {', '.join(prefixed[:10])}; "

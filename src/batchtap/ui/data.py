@@ -70,6 +70,7 @@ from batchtap.ui.decimate import (
     needs_exact_read,
     parse_sqlite_bucket,
 )
+from batchtap.ui.endedruns import EndedRuns
 
 __all__ = ["ReadOnlyStore", "MAX_WIDTH", "MIN_WIDTH", "clean", "best_is_max", "SeriesKey"]
 
@@ -136,6 +137,8 @@ class ReadOnlyStore:
         self.dialect: Dialect = self.reader.dialect
         #: Decimated lines of runs that have ended, kept between requests (see :class:`LineCache`).
         self.lines = LineCache()
+        #: Rows and summaries of runs that have ended, kept between requests (see :class:`EndedRuns`).
+        self.ended = EndedRuns()
 
     def close(self) -> None:
         """Close every connection."""
@@ -153,7 +156,7 @@ class ReadOnlyStore:
         """The id of the run ``ref`` names (id, unique id prefix such as the short id, or name);
         ``None`` when none matches."""
         try:
-            return self.reader.run(ref).id
+            return self.reader.run_id(ref)
         except RunNotFound:
             return None
 
@@ -165,15 +168,51 @@ class ReadOnlyStore:
             QueryError: the query does not parse or names a key no run has.
         """
         parsed = runquery.parse(query) if query else None
-        rows = sorted(self.reader.runs(), key=lambda r: (-r.started_at, r.id))
-        out = [self.summary(r) for r in rows]
+        listing = self._listing()
+        read = [self._row_and_summary(rid, fingerprint, ended) for rid, (fingerprint, ended) in listing.items()]
+        self.ended.forget(set(listing))
+        read.sort(key=lambda pair: (-pair[0].started_at, pair[0].id))
+        out = [dict(summary) for _, summary in read]
         return parsed.filter(out) if parsed is not None else out
+
+    def _listing(self) -> dict[str, tuple[tuple[Any, ...], bool]]:
+        """Every run's fingerprint (its runs-table row and event count: what can still change about
+        a run that has ended) and whether it has ended; reads the runs table and the events' index,
+        never the values."""
+        events = dict(self._all("SELECT run_id, COUNT(*) FROM events GROUP BY run_id"))
+        out: dict[str, tuple[tuple[Any, ...], bool]] = {}
+        for rid, stored, ended_at, reason, env, declared in self._all(
+            "SELECT id, status, ended_at, stop_reason, environment, metric_names FROM runs"
+        ):
+            status, _ = status_of(str(stored), reason, json_object(env))
+            fingerprint = (stored, ended_at, reason, env, declared, events.get(rid, 0))
+            out[str(rid)] = (fingerprint, status.value != "running")
+        return out
+
+    def _row_and_summary(self, run_id: str, fingerprint: tuple[Any, ...], ended: bool) -> tuple[RunRow, dict[str, Any]]:
+        def read(rid: str) -> tuple[RunRow, dict[str, Any]]:
+            row = self.reader.run(rid)
+            return row, self._summarise(row)
+
+        return self.ended.get(run_id, fingerprint, ended=ended, read=read)
+
+    def _kept_row(self, run_id: str, listing: dict[str, tuple[tuple[Any, ...], bool]] | None = None) -> RunRow:
+        """A run's row, kept when it has ended (:class:`EndedRuns`); ``listing``: a
+        :meth:`_listing` already read.
+
+        Raises:
+            RunNotFound: no such run.
+        """
+        got = (self._listing() if listing is None else listing).get(run_id)
+        if got is None:
+            raise RunNotFound(f"no run {run_id!r} in {self.where}", ref=run_id)
+        return self._row_and_summary(run_id, *got)[0]
 
     def run(self, ref: str) -> dict[str, Any] | None:
         """One run (id, unique id prefix or name) with its summary, metric names, sparse names and
         ranks; ``None`` when there is no such run."""
         try:
-            row = self.reader.run(ref)
+            row = self._kept_row(self.reader.run_id(ref))
         except RunNotFound:
             return None
         run = self.summary(row)
@@ -194,7 +233,12 @@ class ReadOnlyStore:
 
     def summary(self, row: RunRow) -> dict[str, Any]:
         """A run as a runs-table row: its stored fields, and the main metric (``loss`` when the
-        run has it) summed up on the kept trajectory by the reader (:meth:`Store.summary`)."""
+        run has it) summed up on the kept trajectory by the reader (:meth:`Store.summary`); the
+        kept one when ``row`` is an ended run's kept row."""
+        kept = self.ended.summary_of(row)
+        return dict(kept) if kept is not None else self._summarise(row)
+
+    def _summarise(self, row: RunRow) -> dict[str, Any]:
         run: dict[str, Any] = {
             "id": row.id,
             "short_id": row.id[:8],
@@ -257,9 +301,10 @@ class ReadOnlyStore:
         seen.clear()
         seen.update(now)
         moved = []
+        listing = self._listing() if moved_ids else {}
         for rid in moved_ids:
             try:
-                moved.append(self.reader.run(rid))
+                moved.append(self._kept_row(rid, listing))
             except RunNotFound:
                 continue  # removed meanwhile
         return moved, gone
