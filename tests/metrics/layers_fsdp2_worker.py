@@ -118,10 +118,23 @@ def run(front_end: str, rank: int) -> dict:
     }
 
 
+def _sharded_in_part() -> str:
+    """What ``Histograms`` says of a model whose first layer only is sharded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    fully_shard(model[0])
+    try:
+        bt.metrics.Histograms(model, every=EVERY, bins=BINS)
+    except bt.ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    result = {name: run(name, rank) for name in FRONT_ENDS}
+    result: dict[str, object] = {name: run(name, rank) for name in FRONT_ENDS}
+    result["sharded_in_part"] = _sharded_in_part()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -10,7 +10,6 @@ import json
 
 import pytest
 
-import batchtap as bt
 from tests.metrics.layers_fsdp2_worker import BINS, EVERY, STEPS
 from tests.realloops._launch import launch
 
@@ -71,13 +70,10 @@ def test_fsdp2_layers_add_no_host_read(ranks: list[dict]) -> None:
         assert [ref["host_reads"] for ref in ranks[0][front_end]["refs"]][2:] == bare, front_end
 
 
-def test_histograms_refuse_a_model_sharded_in_part(tmp_path) -> None:
-    # one process, no process group: a DTensor needs a mesh, so the mixed case is checked on MeshParts' rule
-    from batchtap.errors import ConfigError
-    from batchtap.metrics.layer_sharding import MeshParts
-
-    parts = MeshParts([])
-    parts.plain, parts.classes, parts.sharded = [0], {(None, (True,)): (object(), [1])}, True
-    with pytest.raises(ConfigError, match="sharded the same way.*fix: fully_shard the whole model"):
-        parts.uniform("Histograms")
-    assert bt.metrics.Histograms  # the class the rule guards
+def test_histograms_refuse_a_model_sharded_in_part(ranks: list[dict]) -> None:
+    # summing bin counts over the mesh would count the unsharded parameters once per rank
+    message = ranks[0]["sharded_in_part"]
+    assert "Histograms on sharded (DTensor) parameters needs every watched parameter sharded the same way" in message
+    assert (
+        "mixes 1 sharding(s) with 2 unsharded parameter(s)" in message and "fix: fully_shard the whole model" in message
+    )
