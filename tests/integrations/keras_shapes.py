@@ -401,6 +401,27 @@ def process_pipeline() -> dict[str, Any]:
     }
 
 
+def planted_accuracy() -> dict[str, Any]:
+    """Torch backend: the dict two-output fit with a planted wrong count in ``accuracy/head_a`` at
+    its third step (twice as many hits as targets): an accuracy outside [0, 1], which the run must
+    report as an anomaly (a plain extra would be stored as it is)."""
+    from batchtap.integrations import _keras_accuracy
+
+    original = _keras_accuracy.HeadAccuracy.compute
+    calls = [0]
+
+    def compute(self: Any, inputs: Any) -> Any:
+        hits, counted = original(self, inputs)
+        calls[0] += 1
+        return (counted * 2.0, counted) if calls[0] == 3 else (hits, counted)
+
+    _keras_accuracy.HeadAccuracy.compute = compute  # type: ignore[method-assign]
+    try:
+        return two_heads("dict")
+    finally:
+        _keras_accuracy.HeadAccuracy.compute = original  # type: ignore[method-assign]
+
+
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "dict": lambda: two_heads("dict"),
     "list": lambda: two_heads("list"),
@@ -415,6 +436,7 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "tf_capture": tf_capture,
     "overrun": overrun,
     "process_pipeline": process_pipeline,
+    "planted_accuracy": planted_accuracy,
 }
 
 

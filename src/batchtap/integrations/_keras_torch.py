@@ -8,7 +8,9 @@ step used (schedules included), taken before ``apply`` advances the iteration co
 
 With several outputs, per output (as on TensorFlow): ``loss/<head>``, the value Keras' own
 per-output tracker receives (its ``update_state`` is watched: nothing is computed twice), and
-``accuracy/<head>`` for heads of class scores; both go to ``tap.step`` as extras.
+``accuracy/<head>`` for heads of class scores. The losses go to ``tap.step`` as extras; each
+accuracy is a metric of the run (``_keras_accuracy.HeadAccuracy``: held to [0, 1], weighted by the
+head's counted targets across ranks, higher is better), as on TensorFlow.
 
 A non-finite gradient norm with a finite loss stops the run at its step (the Tap's NaN guard
 watches the loss only): the step's "first non-finite norm" index is kept on the device and copied
@@ -24,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from batchtap.integrations._keras_accuracy import HeadAccuracy, head_accuracies
 from batchtap.integrations._keras_heads import head_pair, like, model_heads
 from batchtap.integrations._keras_hooks import Hooks, optimizer_facts
 from batchtap.tap import Tap
@@ -94,6 +97,9 @@ class TorchRecorder:
         self.hooks = Hooks(model, self._on_apply)
         self._heads, self._accuracy_heads = model_heads(model)
         self._head_losses: dict[str, Any] = {}
+        # per head, its accuracy metric in the run (added at the first step: the run is open then)
+        self._accuracies: dict[str, HeadAccuracy] | None = None
+        self._looked_up = False
         if len(self._heads) > 1:
             self._watch_head_losses()
         # under loss scaling a non-finite norm is the LossScaleOptimizer's skip, not a divergence
@@ -192,13 +198,20 @@ class TorchRecorder:
                 extra[f"loss/{head}"] = value.detach().to(torch.float32)
         y_pred = seen.y_pred
         flat = [t for t in keras.tree.flatten(y_pred) if isinstance(t, torch.Tensor)]
+        if not self._looked_up:
+            self._looked_up = True
+            self._accuracies = head_accuracies(self.tap, self._accuracy_heads)
         if self._accuracy_heads and seen.y is not None:
             y = like(keras, seen.y, y_pred, self.model)
             for head in self._accuracy_heads:
                 y_t, y_p = head_pair(keras, head, self._heads, y, y_pred)
                 y_p = y_p.detach() if isinstance(y_p, torch.Tensor) else None
                 wanted = class_targets(y_t, y_p)
-                if wanted is not None and y_p is not None:
+                if wanted is None or y_p is None:
+                    continue  # no class targets: the head's accuracy is absent this step
+                if self._accuracies is not None:
+                    self._accuracies[head].give(y_p, wanted)
+                else:  # a run that recorded steps before without the metrics: a plain value, as then
                     extra[f"accuracy/{head}"] = (y_p.argmax(-1) == wanted).to(torch.float32).mean()
         return int(flat[0].shape[0]) if flat and flat[0].dim() else None
 
