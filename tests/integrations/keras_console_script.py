@@ -2,7 +2,11 @@
 lines into the same stdout as Keras' progress bar; batches slowed down so the console's lines are
 due while the bar is drawn. Writes the run's events as JSON to OUT; the caller reads stdout.
 
-    KERAS_BACKEND=torch python tests/integrations/keras_console_script.py OUT thread|process
+    KERAS_BACKEND=torch python tests/integrations/keras_console_script.py OUT thread|process|evaluate
+
+``evaluate``: ``evaluate(verbose=1, callbacks=[cb])`` in a run before any training step (its logged
+values print at once then), whose test batches are slow and each log a value: console lines due
+mid-bar, and the ``eval_*`` line logged just before Keras ends its bar.
 
 The events come from a sink beside the console (thread pipeline) or, under ``pipeline="process"``
 (whose sinks must pickle), from batchtap's log.
@@ -34,6 +38,19 @@ class Slow(keras.callbacks.Callback):  # type: ignore[misc]
         time.sleep(0.15)
 
 
+class SlowTest(keras.callbacks.Callback):  # type: ignore[misc]
+    """A slow evaluation batch that logs a value of its own (a user's callback): a console line due
+    while evaluate()'s bar is drawn."""
+
+    def __init__(self, tap: bt.Tap) -> None:
+        super().__init__()
+        self.tap = tap
+
+    def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.tap.log({f"probe_{batch}": float(batch)})
+        time.sleep(0.15)
+
+
 def main() -> None:
     out, mode = sys.argv[1], sys.argv[2]
     rng = np.random.default_rng(0)
@@ -50,15 +67,19 @@ def main() -> None:
     sinks: list[Any] = [console] if mode == "process" else [console, Events()]
     tap = bt.Tap(sinks=sinks, flush_every=1, flush_seconds=0.01, pipeline="process" if mode == "process" else "thread")
     with tap.run(name="console"):
-        model.fit(
-            x,
-            y,
-            batch_size=BATCH,
-            epochs=EPOCHS,
-            shuffle=False,
-            verbose=1,
-            callbacks=[Slow(), BatchtapCallback(tap)],
-        )
+        if mode == "evaluate":
+            model.evaluate(x, y, batch_size=BATCH, verbose=1, callbacks=[SlowTest(tap), BatchtapCallback(tap)])
+            print("after evaluate")
+        else:
+            model.fit(
+                x,
+                y,
+                batch_size=BATCH,
+                epochs=EPOCHS,
+                shuffle=False,
+                verbose=1,
+                callbacks=[Slow(), BatchtapCallback(tap)],
+            )
         if mode == "process":
             events.extend({"kind": "warning", "message": m} for m in _warned)
     tap.close()

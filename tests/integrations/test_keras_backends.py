@@ -47,7 +47,7 @@ def _shapes(backend: str, out: Path, cases: tuple[str, ...]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def torch_shapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("torch-shapes") / "shapes.json"
-    return _shapes("torch", out, ("dict", "list", "nan_grad", "process_pipeline"))
+    return _shapes("torch", out, ("dict", "list", "nan_grad", "process_pipeline", "planted_accuracy"))
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,17 @@ def test_torch_backend_two_output_models_store_every_head_exact(torch_shapes: di
     assert "accuracy" not in case["metrics"] and "accuracy/head_b" not in case["metrics"]
     for row in case["rows"][1:]:  # 16 samples a step, not one per head
         assert row["throughput"] * row["step_time"] == pytest.approx(16, rel=1e-6)
+
+
+def test_torch_backend_per_head_accuracy_is_held_to_its_domain(torch_shapes: dict[str, Any]) -> None:
+    """``accuracy/head_a`` is an accuracy of the run (as on TensorFlow), not a plain extra: a value
+    outside [0, 1] (planted at the third step) is an anomaly of that step and that value."""
+    case = torch_shapes["planted_accuracy"]
+    anomalies = [(e["step"], e["metric"]) for e in case["events"] if e["kind"] == "anomaly"]
+    assert anomalies == [(2, "accuracy/head_a")], case["events"]
+    for row in case["rows"]:  # stored as NaN at that step; Keras' own per-batch accuracy elsewhere
+        expected = math.nan if row["step"] == 2 else case["truth"][row["step"]]["accuracy/head_a"]
+        assert row["accuracy/head_a"] == pytest.approx(expected, rel=2e-5, abs=1e-6, nan_ok=True), row["step"]
 
 
 def test_torch_backend_nan_gradient_with_a_finite_loss_stops_at_its_step(torch_shapes: dict[str, Any]) -> None:
@@ -123,11 +134,13 @@ def test_the_pipeline_process_loads_neither_torch_nor_tensorflow(backend: str, r
 CONSOLE = Path(__file__).with_name("keras_console_script.py")
 
 
-def _console_run(mode: str, tmp_path: Path) -> tuple[list[str], list[dict[str, str]]]:
+def _console_run(mode: str, tmp_path: Path, backend: str = "torch") -> tuple[list[str], list[dict[str, str]]]:
     """stdout of keras_console_script.py split into lines at ``\\n`` only (Keras redraws its bar
     with ``\\r`` / backspaces inside one line), and the run's events."""
+    if backend == "tensorflow" and importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("needs batchtap[keras] (tensorflow-cpu)")
     out = tmp_path / "events.json"
-    env = {**os.environ, "KERAS_BACKEND": "torch", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "KERAS_BACKEND": backend, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "3"}
     proc = subprocess.run([sys.executable, str(CONSOLE), str(out), mode], env=env, capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-4000:]
     return proc.stdout.decode().split("\n"), json.loads(out.read_text())
@@ -154,3 +167,16 @@ def test_console_in_a_pipeline_process_is_named_as_out_of_reach(tmp_path: Path) 
     _, events = _console_run("process", tmp_path)
     said = [e["message"] for e in events if "progress bar" in e["message"]]
     assert len(said) == 1 and "pipeline='process'" in said[0] and "verbose=2" in said[0], events
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_console_lines_wait_for_evaluates_progress_bar(tmp_path: Path, backend: str) -> None:
+    """``evaluate(verbose=1, callbacks=[cb])`` outside fit(): the values a user's callback logs on
+    each slow test batch, and the ``eval_*`` line, print after evaluate's bar has ended, never
+    inside it; none is lost."""
+    lines, _ = _console_run("evaluate", tmp_path, backend)
+    bars = [i for i, line in enumerate(lines) if "━" in line]
+    logged = [i for i, line in enumerate(lines) if line.startswith("eval  step")]
+    assert bars and len(logged) == 9, [line.replace("\b", "")[:60] for line in lines]  # 8 probes, eval_loss
+    assert max(bars) < min(logged), [line.replace("\b", "")[:60] for line in lines]
+    assert "eval_loss" in lines[logged[-1]] and lines[logged[-1] + 1] == "after evaluate"

@@ -12,6 +12,11 @@ its own lines of the steps before are out (``sinks/_terminal.py``); while its li
 bar's end instead, that would hold the bar itself back and splice it between the console's lines, so
 the script's text goes straight out for as long as the hold lasts.
 
+``evaluate(verbose=1, callbacks=[cb])`` outside ``fit()`` draws a bar of its own: the consoles are
+held from its start, and since Keras ends that bar after every callback's ``on_test_end`` (its
+progress logger is the last callback), the hold ends with the next line Keras writes to stdout (the
+bar's last redraw ends its line), not in ``on_test_end``.
+
 A console in a pipeline process (``bt.Tap(pipeline="process")``) prints from that process, out of
 ``fit()``'s reach: the run says so once, with the fix.
 """
@@ -38,10 +43,15 @@ _OUT_OF_REACH = (
 
 
 def draws_a_bar(params: Any) -> bool:
-    """Whether Keras' fit() draws its in-place progress bar (``verbose=1``, or ``"auto"``, which
-    Keras' ProgbarLogger reads as 1); ``verbose=2`` prints whole lines, one per epoch."""
+    """Whether Keras' fit() (or evaluate()) draws its in-place progress bar on stdout
+    (``verbose=1``, or ``"auto"``, which Keras' ProgbarLogger reads as 1); ``verbose=2`` prints
+    whole lines, one per epoch; with Keras' interactive logging off its bar goes to absl logging."""
     verbose = (params or {}).get("verbose", 0)
-    return verbose == "auto" or (isinstance(verbose, int) and verbose == 1)
+    if not (verbose == "auto" or (isinstance(verbose, int) and not isinstance(verbose, bool) and verbose == 1)):
+        return False
+    import keras  # type: ignore[import-untyped]  # loaded: a Keras callback asks
+
+    return bool(keras.config.is_interactive_logging_enabled())
 
 
 def _in_this_process(tap: Tap) -> bool:
@@ -103,6 +113,18 @@ class ConsoleHold:
                     vars(console).pop(name, None)
             self._hooked.clear()
 
+    def stop_after_line(self) -> None:
+        """Stop holding right after the next write to stdout that ends a line (Keras' last redraw
+        of its bar), made by whoever writes next; see the module docstring."""
+        if not self._hooked:
+            return
+        sys.stdout = _LineWatch(sys.stdout, self._line_ended)
+
+    def _line_ended(self, watch: _LineWatch) -> None:
+        if sys.stdout is watch:
+            sys.stdout = watch.inner
+        self.stop()
+
     def _holding_write(self, console: Console) -> Any:
         def write(records: Sequence[Record], events: Sequence[Event] = ()) -> None:
             with self._lock:
@@ -137,3 +159,23 @@ class ConsoleHold:
             out, holding = self._unheld
             self._unheld = None
             out.holding += holding
+
+
+class _LineWatch:
+    """``sys.stdout`` for as long as a hold waits for a line's end: passes every write through,
+    then calls ``ended`` once, after the first write holding a newline."""
+
+    def __init__(self, inner: Any, ended: Any) -> None:
+        self.inner = inner
+        self._ended = ended
+
+    def write(self, text: str) -> int:
+        written = self.inner.write(text)
+        if self._ended is not None and "\n" in text:
+            ended, self._ended = self._ended, None
+            self.inner.flush()  # the bar's line is out before the held lines
+            ended(self)
+        return int(written) if written is not None else len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

@@ -94,7 +94,8 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
             a warning event). Default: ``bt.Tap()`` (the default store and console). Whatever the
             Tap, its console never breaks Keras' progress bar: while ``fit(verbose=1)`` draws
             it, the console's lines are held and printed between bars (at each epoch's start,
-            and when ``fit()`` ends; see ``_keras_console.py``).
+            and when ``fit()`` ends; see ``_keras_console.py``); ``evaluate(verbose=1)``'s bar
+            likewise, its lines printed right after it.
         name: run name when the callback starts the run (default: ``model.name``).
         config: run config to store when the callback starts the run.
         flush_every: TensorFlow only: read the device ring after about this many steps
@@ -175,6 +176,7 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
                 tap.finish("stopped", reason="BatchtapCallback could not set up (see the exception); nothing trained")
             raise
         self._describe(model, tap)
+        self._stop_stale_hold()
         if draws_a_bar(self.params):
             # Keras redraws its bar in place: batchtap's console lines wait for the bar's line to end
             self._hold = ConsoleHold(tap)
@@ -267,9 +269,28 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
     def on_train_end(self, logs: Any = None) -> None:
         self._end(None)
 
+    def on_test_begin(self, logs: Any = None) -> None:
+        tap = self.tap
+        if self._in_fit or tap is None or tap.run_info is None:
+            return  # inside fit() its own hold covers validation; with no run, nothing is printed
+        self._stop_stale_hold()
+        if draws_a_bar(self.params):
+            # evaluate(verbose=1) draws a bar of its own: the console's lines wait for its end
+            self._hold = ConsoleHold(tap)
+            self._hold.start()
+
     def on_test_end(self, logs: Any = None) -> None:
         if self._in_fit:
             return  # validation inside fit(): stored with the epoch's end as val_*
+        try:
+            self._log_evaluation(logs)
+        finally:
+            hold, self._hold = self._hold, None
+            if hold is not None:
+                # Keras ends its bar after this hook (its progress logger is the last callback)
+                hold.stop_after_line()
+
+    def _log_evaluation(self, logs: Any) -> None:
         tap = self.tap
         values = {f"eval_{k}": v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
         if tap is None or tap.run_info is None:
@@ -327,6 +348,12 @@ class BatchtapCallback(_keras.callbacks.Callback):  # type: ignore[misc]
             if self._own_tap and tap is not None and exc is not None:
                 tap.close()
                 self.tap = None
+
+    def _stop_stale_hold(self) -> None:
+        """An evaluate() that raised never reached on_test_end: let its hold go now."""
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.stop()
 
     def _keep_reads(self, recorder: Any) -> None:
         capture = getattr(recorder, "capture", None)
