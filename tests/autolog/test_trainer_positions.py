@@ -116,3 +116,13 @@ def test_accelerate_imported_after_autolog_is_watched_too(tmp_path: Path) -> Non
     with sqlite3.connect(db) as con:
         rows = con.execute("SELECT DISTINCT step, epoch, batch FROM metrics ORDER BY step").fetchall()
     assert [(epoch, batch) for _, epoch, batch in rows] == [(e, b) for e in range(2) for b in (1, 3, 4)]
+
+
+def test_the_prepared_loader_and_the_import_system_are_left_as_they_were() -> None:
+    from accelerate.data_loader import DataLoaderShard
+
+    original, finders = DataLoaderShard.__iter__, list(sys.meta_path)
+    with autologged(ListSink()):
+        assert DataLoaderShard.__iter__ is not original  # wrapped while autolog runs
+    assert DataLoaderShard.__iter__ is original
+    assert sys.meta_path == finders
