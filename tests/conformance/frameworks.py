@@ -137,8 +137,8 @@ def run_lightning(scenario: str, workdir: Path, *, autolog: bool = False) -> Out
         else:
             tap.close()
     _assert_engine(opts, module.engine[0] if opts.dist == "ddp" else module.net)
-    # the callback sees no loader fetch (no data_time); autolog watches Lightning's DataLoader iterations
-    return Outcome(module.truth, None, workdir / "store.db", data_time=autolog, step_time=True)
+    # the callback times the fit loop's fetcher, autolog Lightning's DataLoader iterations: both store data_time
+    return Outcome(module.truth, None, workdir / "store.db", data_time=True, step_time=True)
 
 
 def _lightning_strategy(opts: Options) -> Any:
@@ -252,7 +252,7 @@ def run_hf(scenario: str, workdir: Path) -> Outcome:
     _assert_engine(
         opts, trainer.model_wrapped, f"the Trainer's Accelerate made a {trainer.accelerator.distributed_type}"
     )
-    return Outcome(truth, None, workdir / "store.db", data_time=False, step_time=True)
+    return Outcome(truth, None, workdir / "store.db", data_time=True, step_time=True)  # its loader's fetches timed
 
 
 # ---------------------------------------------------------------------------------------- Accelerate
