@@ -179,4 +179,4 @@ def test_console_lines_wait_for_evaluates_progress_bar(tmp_path: Path, backend: 
     logged = [i for i, line in enumerate(lines) if line.startswith("eval  step")]
     assert bars and len(logged) == 9, [line.replace("\b", "")[:60] for line in lines]  # 8 probes, eval_loss
     assert max(bars) < min(logged), [line.replace("\b", "")[:60] for line in lines]
-    assert "eval_loss" in lines[logged[-1]] and lines[logged[-1] + 1] == "after evaluate"
+    assert sum("eval_loss" in lines[i] for i in logged) == 1  # printed by the pipeline thread: maybe later

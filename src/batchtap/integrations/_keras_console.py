@@ -128,7 +128,12 @@ class ConsoleHold:
     def _holding_write(self, console: Console) -> Any:
         def write(records: Sequence[Record], events: Sequence[Event] = ()) -> None:
             with self._lock:
-                self._held.append((console, list(records), list(events)))
+                if console in self._hooked:
+                    self._held.append((console, list(records), list(events)))
+                    return
+                # a sink thread that took this method just before the hold stopped: print, never
+                # keep lines nobody releases any more
+                type(console).write(console, records, events)
 
         return write
 
