@@ -63,6 +63,7 @@ _FOUNDATION = {
     "_units",
     "_stale",
     "_lazy",
+    "_fetches",
 } & TOP_MODULES
 _ASSEMBLY = {"tap", "_run", "_defaults", "_resume"}
 TOP_FORBIDDEN = {

@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from batchtap._fetches import timed_fetches
+
 __all__ = ["look_ahead_base", "timed_batches"]
 
 T = TypeVar("T")
@@ -114,17 +116,12 @@ def _timed_beneath(
     had = "__iter__" in vars(base)
     previous = vars(base).get("__iter__")  # an integration's own timing (BatchtapTrainer) stays beneath ours
 
+    def fetched(waited: float) -> None:
+        waits.append(waited)
+        during[0] += waited
+
     def fetches(iterator: Iterator[Any]) -> Iterator[Any]:
-        while True:
-            started = clock()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            waited = clock() - started
-            waits.append(waited)
-            during[0] += waited
-            yield batch
+        return timed_fetches(iterator, fetched, clock)
 
     def __iter__() -> Iterator[Any]:
         return fetches(previous() if previous is not None else type(base).__iter__(base))

@@ -36,6 +36,7 @@ from typing import Any, cast
 
 import torch
 
+from batchtap._fetches import timed_fetches
 from batchtap._optional import require
 from batchtap.errors import InputError
 from batchtap.integrations._lifecycle import finish_as
@@ -128,15 +129,7 @@ class _Driver:
         base.__iter__ = __iter__  # type: ignore[method-assign,assignment]
 
     def _timed(self, iterator: Iterator[Any]) -> Iterator[Any]:
-        clock, waits = time.perf_counter, self.waits
-        while True:
-            started = clock()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            waits.append(clock() - started)
-            yield batch
+        return timed_fetches(iterator, self.waits.append, time.perf_counter)
 
     def micro_batch(self, loss: torch.Tensor, scores: Any, targets: Any, input_ids: Any, *, per_sample: bool) -> None:
         """One training micro-batch; ``loss`` scaled so that the mean over the step's micro-batches
