@@ -62,17 +62,7 @@ class LoaderWatch:
         self.enabled = True
 
     def install(self, patches: PatchRegistry) -> None:
-        original = DataLoader.__iter__
-        loaders = self
-
-        def __iter__(self: DataLoader[Any]) -> Any:
-            iterator = original(self)
-            if loaders.enabled and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                return loaders._watched(self, iterator)
-            return iterator
-
-        __iter__.__wrapped__ = original  # type: ignore[attr-defined]
-        patches.replace(DataLoader, "__iter__", __iter__)
+        self._watch_iterations(patches, DataLoader)
         module = sys.modules.get(_ACCELERATE)
         if module is not None:
             self._wrap_shard(patches, module)
@@ -85,7 +75,11 @@ class LoaderWatch:
         shard = getattr(module, "DataLoaderShard", None)
         if not isinstance(shard, type) or "__iter__" not in vars(shard):
             return  # an Accelerate without it: its loaders' DataLoader is watched as any other
-        original = vars(shard)["__iter__"]
+        self._watch_iterations(patches, shard)
+
+    def _watch_iterations(self, patches: PatchRegistry, owner: type) -> None:
+        """Patch ``owner.__iter__`` so that training iterations (grad enabled, not traced) are watched."""
+        original = vars(owner)["__iter__"]
         loaders = self
 
         def __iter__(self: Any) -> Any:
@@ -95,7 +89,7 @@ class LoaderWatch:
             return iterator
 
         __iter__.__wrapped__ = original  # type: ignore[attr-defined]
-        patches.replace(shard, "__iter__", __iter__)
+        patches.replace(owner, "__iter__", __iter__)
 
     def _watched(self, loader: Any, iterator: Any) -> Any:
         running = self._running() if self._running is not None else None
