@@ -61,7 +61,14 @@ class UIServer:
 
 
 def _build(
-    db: str | os.PathLike[str] | None, host: str, port: int, token: str | None, schema: str | None, log_level: str
+    db: str | os.PathLike[str] | None,
+    host: str,
+    port: int,
+    token: str | None,
+    schema: str | None,
+    log_level: str,
+    *,
+    in_users_process: bool,
 ) -> tuple[Any, Any, str | None]:
     require("starlette", extra="ui", purpose="batchtap ui")
     uvicorn = require("uvicorn", extra="ui", purpose="batchtap ui")
@@ -76,8 +83,14 @@ def _build(
     store = ReadOnlyStore(db if db is not None else store_url(), schema=schema)
     holder: dict[str, Any] = {}
     app = make_app(store, token=token, hosts=allowed_hosts(host), stopping=lambda: bool(holder["server"].should_exit))
+    # In the user's process (bt.ui.start) uvicorn must not configure logging: its dictConfig shuts
+    # down every handler the process ever made, and some close their stream then (absl's, made when
+    # TensorFlow is imported, closes the sys.stderr it was made with once that is no longer
+    # sys.stderr: a notebook's or a test runner's). Its loggers still get the level; records go to
+    # the user's own handlers. `batchtap ui` is a process of its own: uvicorn's usual log there.
+    logging = {"log_config": None} if in_users_process else {}
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=_GRACE_S, lifespan="off"
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=_GRACE_S, lifespan="off", **logging
     )
     server = holder["server"] = uvicorn.Server(config)
     return server, store, token
@@ -118,7 +131,7 @@ def start(
         batchtap.store.StoreError: the store cannot be opened read-only.
         ImportError: the ``ui`` extra is missing.
     """
-    server, store, token = _build(db, host, port, token, schema, log_level)
+    server, store, token = _build(db, host, port, token, schema, log_level, in_users_process=True)
     thread = threading.Thread(target=server.run, name="batchtap-ui", daemon=True)
     thread.start()
     while not server.started:
@@ -142,7 +155,7 @@ def serve(
 
     Args: as :func:`start` (``port`` defaults to 8080).
     """
-    server, store, token = _build(db, host, port, token, schema, log_level)
+    server, store, token = _build(db, host, port, token, schema, log_level, in_users_process=False)
     thread = threading.Thread(target=_announce, args=(server, host, token, store.where), daemon=True)
     thread.start()
     try:
