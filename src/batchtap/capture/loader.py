@@ -116,12 +116,12 @@ def _timed_beneath(
     had = "__iter__" in vars(base)
     previous = vars(base).get("__iter__")  # an integration's own timing (BatchtapTrainer) stays beneath ours
 
-    def fetched(waited: float) -> None:
+    def on_fetch(waited: float) -> None:
         waits.append(waited)
         during[0] += waited
 
     def fetches(iterator: Iterator[Any]) -> Iterator[Any]:
-        return timed_fetches(iterator, fetched, clock)
+        return timed_fetches(iterator, on_fetch, clock)
 
     def __iter__() -> Iterator[Any]:
         return fetches(previous() if previous is not None else type(base).__iter__(base))
