@@ -3,6 +3,7 @@ scans every value), reads a running run again each time, and resolves ids withou
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,35 +76,35 @@ def test_an_ended_run_is_read_once_and_again_only_when_it_moves(tmp_path: Path) 
         sink.close()
 
 
-def test_the_live_runs_table_reads_an_ended_run_once(tmp_path: Path) -> None:
+@pytest.fixture
+def one_ended_run(tmp_path: Path) -> Iterator[tuple[ReadOnlyStore, _Counting]]:
+    """A store holding one ended 10-step run ``done0000aaaa``, opened by the UI, its scans counted."""
     db = tmp_path / "s.db"
     sink = SQLite(db)
     _write(sink, "done0000aaaa", range(0, 10), end=True)
     store = ReadOnlyStore(db)
-    counted = _Counting(store)
     try:
-        seen: dict[str, tuple[Any, ...]] = {}
-        moved, _ = store.changes(seen)
-        assert [store.summary(r)["steps"] for r in moved] == [10]
-        store.runs()
-        store.run("done0000")
-        assert counted.reads == ["done0000aaaa"]
+        yield store, _Counting(store)
     finally:
         store.close()
         sink.close()
 
 
-def test_a_short_id_or_name_resolves_without_reading_the_runs_values(tmp_path: Path) -> None:
-    db = tmp_path / "s.db"
-    sink = SQLite(db)
-    _write(sink, "done0000aaaa", range(0, 10), end=True)
-    store = ReadOnlyStore(db)
-    counted = _Counting(store)
-    try:
-        assert store.resolve("done0000") == "done0000aaaa"
-        assert store.resolve("done") == "done0000aaaa"  # the run's name (its first four characters here)
-        assert store.resolve("nope") is None
-        assert counted.reads == []
-    finally:
-        store.close()
-        sink.close()
+def test_the_live_runs_table_reads_an_ended_run_once(one_ended_run: tuple[ReadOnlyStore, _Counting]) -> None:
+    store, counted = one_ended_run
+    seen: dict[str, tuple[Any, ...]] = {}
+    moved, _ = store.changes(seen)
+    assert [store.summary(r)["steps"] for r in moved] == [10]
+    store.runs()
+    store.run("done0000")
+    assert counted.reads == ["done0000aaaa"]
+
+
+def test_a_short_id_or_name_resolves_without_reading_the_runs_values(
+    one_ended_run: tuple[ReadOnlyStore, _Counting],
+) -> None:
+    store, counted = one_ended_run
+    assert store.resolve("done0000") == "done0000aaaa"
+    assert store.resolve("done") == "done0000aaaa"  # the run's name (its first four characters here)
+    assert store.resolve("nope") is None
+    assert counted.reads == []
