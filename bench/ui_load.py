@@ -364,13 +364,21 @@ def build_load_store(db: Path, runs: int, steps: int) -> list[str]:
     return ids
 
 
-def proc_figures(pid: int) -> tuple[float, int]:
-    """RSS in MB and open descriptors of a process."""
-    rss = 0.0
+def proc_figures(pid: int) -> tuple[float, int, float, float]:
+    """RSS in MB, open descriptors, and the RSS's anonymous part (the heap: Python objects,
+    SQLite's page caches) and file-backed part (the store's pages mapped by ``PRAGMA mmap_size``,
+    shared with the OS file cache; the libraries' code), in MB, of a process."""
+    got = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1]) / 1024
-    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            got[key] = int(rest.split()[0]) / 1024
+    return (
+        got.get("VmRSS", 0.0),
+        len(os.listdir(f"/proc/{pid}/fd")),
+        got.get("RssAnon", 0.0),
+        got.get("RssFile", 0.0) + got.get("RssShmem", 0.0),
+    )
 
 
 def free_port() -> int:
@@ -425,8 +433,8 @@ def server_load(argv: list[str]) -> None:
 
         def sample() -> None:
             while not stop.is_set():
-                rss, fds = proc_figures(server.pid)
-                peak[0], peak[1] = max(peak[0], rss), max(peak[1], fds)
+                figures = proc_figures(server.pid)
+                peak[:] = [max(a, b) for a, b in zip(peak, figures)]
                 stop.wait(0.05)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -480,6 +488,8 @@ def server_load(argv: list[str]) -> None:
                     "errors": errors,
                     "req_per_s": round(done / busy, 1),
                     "rss_mb": {"before": round(before[0]), "peak": round(peak[0]), "after": round(after[0])},
+                    "rss_anon_mb": {"before": round(before[2]), "peak": round(peak[2]), "after": round(after[2])},
+                    "rss_file_mb": {"before": round(before[3]), "peak": round(peak[3]), "after": round(after[3])},
                     "fds": {"before": before[1], "peak": peak[1], "after": after[1]},
                     "load": os.getloadavg(),
                 },

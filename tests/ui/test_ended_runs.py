@@ -1,5 +1,6 @@
 """The browser view keeps the rows and summaries of runs that have ended (a listing of a large store
-scans every value), reads a running run again each time, and resolves ids without a scan."""
+scans every value), reads a running run's new rows each time (tests/ui/test_running_runs.py), and
+resolves ids without a scan."""
 
 from __future__ import annotations
 
@@ -54,13 +55,21 @@ def test_an_ended_run_is_read_once_and_again_only_when_it_moves(tmp_path: Path) 
     try:
         first = {r["id"]: r for r in store.runs()}
         assert first["done0000aaaa"]["steps"] == 50 and first["live0000bbbb"]["steps"] == 20
-        assert sorted(counted.reads) == ["done0000aaaa", "live0000bbbb"]
+        # the ended run read in full, the running one's figures built once (ui/running.py)
+        assert counted.reads == ["done0000aaaa"] and store.running.builds == 1
         counted.reads.clear()
 
         _write(sink, "live0000bbbb", range(20, 30), end=False)
         again = {r["id"]: r for r in store.runs()}
-        assert counted.reads == ["live0000bbbb"]  # the ended run is kept, the running one read again
+        assert counted.reads == [] and store.running.builds == 1  # kept; the running one's new rows read
         assert again["live0000bbbb"]["steps"] == 30 and again["done0000aaaa"] == first["done0000aaaa"]
+        assert again["live0000bbbb"]["last_value"] == pytest.approx(1 / 30)
+
+        _write(sink, "live0000bbbb", range(30, 31), end=True)  # it ends: read once in full, then kept
+        ended = {r["id"]: r for r in store.runs()}
+        assert counted.reads == ["live0000bbbb"] and "live0000bbbb" not in store.running
+        assert ended["live0000bbbb"]["steps"] == 31 and ended["live0000bbbb"]["status"] == "finished"
+        counted.reads.clear()
 
         # an event stored after the end (a webhook failure at the run's end) moves its fingerprint
         sink.write([], [Event("done0000aaaa", 49, EventKind.WARNING, "late", 201.0)])

@@ -59,9 +59,10 @@ from typing import Any
 from batchtap.store import runquery
 from batchtap.store.errors import RunNotFound
 from batchtap.store.reader import Store
-from batchtap.store.rows import RunRow, best_is_max, json_object, status_of
+from batchtap.store.rows import MetricSummary, RunRow, best_is_max, json_object, status_of
 from batchtap.store.schema import SQLITE, Dialect
 from batchtap.ui.decimate import (
+    CACHE_POINTS,
     POSTGRES_BUCKETS,
     SQLITE_BUCKETS,
     SQLITE_ONE_BUCKET,
@@ -70,7 +71,8 @@ from batchtap.ui.decimate import (
     needs_exact_read,
     parse_sqlite_bucket,
 )
-from batchtap.ui.endedruns import EndedRuns
+from batchtap.ui.endedruns import ENDED_BYTES, EndedRuns
+from batchtap.ui.running import VERIFY_S, RunningRuns
 
 __all__ = ["ReadOnlyStore", "MAX_WIDTH", "MIN_WIDTH", "clean", "best_is_max", "SeriesKey"]
 
@@ -114,6 +116,10 @@ class ReadOnlyStore:
         connections: most connections open at once (the server's threads share them; more than
             the cores the database reads can use only adds memory).
         idle_s: an unused connection is closed after this many seconds.
+        cache_points: points of decimated lines kept in memory, all lines together (:class:`LineCache`).
+        ended_bytes: bytes of ended runs' rows and summaries kept in memory (:class:`EndedRuns`).
+        verify_s: seconds between two checks of a running run's rows below what was read
+            (:mod:`batchtap.ui.running`).
 
     Raises:
         StoreError: missing, unreachable, not a batchtap store, or at another schema version.
@@ -126,6 +132,9 @@ class ReadOnlyStore:
         schema: str | None = None,
         connections: int = 4,
         idle_s: float = 10.0,
+        cache_points: int = CACHE_POINTS,
+        ended_bytes: int = ENDED_BYTES,
+        verify_s: float = VERIFY_S,
     ) -> None:
         import batchtap.store
 
@@ -136,16 +145,31 @@ class ReadOnlyStore:
         self.where = self.reader.where
         self.dialect: Dialect = self.reader.dialect
         #: Decimated lines of runs that have ended, kept between requests (see :class:`LineCache`).
-        self.lines = LineCache()
+        self.lines = LineCache(cache_points)
         #: Rows and summaries of runs that have ended, kept between requests (see :class:`EndedRuns`).
-        self.ended = EndedRuns()
+        self.ended = EndedRuns(ended_bytes)
+        #: Running runs' figures, read incrementally (see :class:`RunningRuns`).
+        self.running = RunningRuns(
+            self._all,
+            sparse_names=self.reader.sparse_names,
+            metric_names=self.reader.metric_names,
+            rolled_back=self.reader.rolled_back,
+            verify_s=verify_s,
+        )
+        #: The last row and summary of each running run (what :meth:`summary` gives for that row).
+        self._running_rows: dict[str, tuple[RunRow, dict[str, Any]]] = {}
+        #: Rows fetched by this view's own statements (the running runs' polls among them): what the
+        #: tests count to see that a poll reads only the new rows.
+        self.rows_read = 0
 
     def close(self) -> None:
         """Close every connection."""
         self.reader.close()
 
     def _all(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        return self.reader.query(sql, params)
+        rows = self.reader.query(sql, params)
+        self.rows_read += len(rows)
+        return rows
 
     def _one(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
         rows = self._all(sql, params)
@@ -171,6 +195,10 @@ class ReadOnlyStore:
         listing = self._listing()
         read = [self._row_and_summary(rid, fingerprint, ended) for rid, (fingerprint, ended) in listing.items()]
         self.ended.forget(set(listing))
+        running = {rid for rid, (_, ended) in listing.items() if not ended}
+        self.running.keep_only(running)
+        for rid in [r for r in self._running_rows if r not in running]:
+            self._running_rows.pop(rid, None)
         read.sort(key=lambda pair: (-pair[0].started_at, pair[0].id))
         out = [dict(summary) for _, summary in read]
         return parsed.filter(out) if parsed is not None else out
@@ -191,8 +219,15 @@ class ReadOnlyStore:
 
     def _row_and_summary(self, run_id: str, fingerprint: tuple[Any, ...], ended: bool) -> tuple[RunRow, dict[str, Any]]:
         def read(rid: str) -> tuple[RunRow, dict[str, Any]]:
-            row = self.reader.run(rid)
-            return row, self._summarise(row)
+            if ended:  # read once in full, then kept (EndedRuns)
+                self.running.forget(rid)
+                self._running_rows.pop(rid, None)
+                row = self.reader.run(rid)
+                return row, self._summarise(row)
+            row, main = self.running.poll(rid, self.reader.main_metric)
+            got = row, self._summarise(row, main=(main,))
+            self._running_rows[rid] = got
+            return got
 
         return self.ended.get(run_id, fingerprint, ended=ended, read=read)
 
@@ -236,9 +271,14 @@ class ReadOnlyStore:
         run has it) summed up on the kept trajectory by the reader (:meth:`Store.summary`); the
         kept one when ``row`` is an ended run's kept row."""
         kept = self.ended.summary_of(row)
+        if kept is None:
+            last = self._running_rows.get(row.id)
+            kept = last[1] if last is not None and last[0] is row else None
         return dict(kept) if kept is not None else self._summarise(row)
 
-    def _summarise(self, row: RunRow) -> dict[str, Any]:
+    def _summarise(self, row: RunRow, main: tuple[MetricSummary | None] | None = None) -> dict[str, Any]:
+        """``row`` as a runs-table row; ``main``: its main metric's summary already read (a running
+        run's, :class:`RunningRuns`), else it is read here."""
         run: dict[str, Any] = {
             "id": row.id,
             "short_id": row.id[:8],
@@ -257,12 +297,13 @@ class ReadOnlyStore:
             "last_wall": row.last_wall_time,
             "duration": None if row.duration is None else max(0.0, row.duration),
         }
-        main = self.reader.main_metric(row)
+        name = self.reader.main_metric(row) if main is None else (None if main[0] is None else main[0].metric)
         undone = self.reader.rolled_back(row.id)
-        run.update(main=main, higher_is_better=None, last_step=None, last_value=None, best_value=None)
+        run.update(main=name, higher_is_better=None, last_step=None, last_value=None, best_value=None)
         run.update(min_value=None, max_value=None, rolled_back=[[r.start, r.stop - 1] for r in undone])
-        if main is not None:
-            s = self.reader.summary(row.id, main, undone=undone)
+        if name is not None:
+            s = self.reader.summary(row.id, name, undone=undone) if main is None else main[0]
+            assert s is not None
             run.update(
                 higher_is_better=s.higher_is_better,
                 last_step=s.last_step,
@@ -342,7 +383,7 @@ class ReadOnlyStore:
         A window over the key order (an epoch starts where the stored epoch changes) reads the
         same rows but costs about five times as much in SQLite."""
         try:
-            row = self.reader.run(ref)
+            row = self._kept_row(self.reader.run_id(ref))
         except RunNotFound:
             return []
         metric = self.reader.main_metric(row)

@@ -8,23 +8,45 @@ stream and every run page asked for it again. A run that has ended stores no mor
 row and summary are kept, keyed by a fingerprint of what can still change about it: its row in the
 runs table (status, end, stop reason, environment with tags and notes, declared names) and its
 event count. A resumed run is running again (its fingerprint moves), and a run that is running is
-read again on every request. Requests that want the same run at the same time wait for one read
-(a lock per run) instead of each scanning the store.
+read again on every request (incrementally: :mod:`batchtap.ui.running`). Requests that want the
+same run at the same time wait for one read (a lock per run) instead of each scanning the store.
+
+What is kept is bounded by a byte budget (:data:`ENDED_BYTES`, ``ReadOnlyStore(ended_bytes=)``): each
+entry is counted as its summary's JSON length x 3 + 2 KiB (Python objects take about that; the row
+shares the summary's config and environment), and past the budget the least recently used runs are
+dropped (read again when asked for). No values are kept: a run's row and summary are a few KiB
+whatever its length.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
 from batchtap.store.rows import RunRow
 
-__all__ = ["EndedRuns"]
+__all__ = ["EndedRuns", "ENDED_BYTES", "entry_bytes"]
+
+#: Bytes of rows and summaries kept, all ended runs together (see the module's text).
+ENDED_BYTES = 64 << 20
+
+
+def entry_bytes(summary: dict[str, Any]) -> int:
+    """What one kept run is counted as: its summary's JSON length x 3 + 2 KiB.
+
+    Example:
+        >>> entry_bytes({"id": "a"})
+        2081
+    """
+    return 3 * len(json.dumps(summary, default=str)) + 2048
 
 
 class EndedRuns:
-    """Kept ``(row, summary)`` pairs of ended runs, by run id.
+    """Kept ``(row, summary)`` pairs of ended runs, by run id, least recently used dropped first
+    past ``budget`` bytes (:func:`entry_bytes`; the newest entry is kept even when it alone is larger).
 
     Example:
         >>> kept, reads = EndedRuns(), []
@@ -41,10 +63,19 @@ class EndedRuns:
         False
     """
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int = ENDED_BYTES) -> None:
         self._guard = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
-        self._kept: dict[str, tuple[Hashable, RunRow, dict[str, Any]]] = {}
+        self._kept: collections.OrderedDict[str, tuple[Hashable, RunRow, dict[str, Any], int]] = (
+            collections.OrderedDict()
+        )
+        self.budget = budget
+        #: bytes counted for what is kept now, and how many entries the budget dropped so far.
+        self.bytes = 0
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
     def __contains__(self, run_id: object) -> bool:
         return run_id in self._kept
@@ -62,15 +93,29 @@ class EndedRuns:
         with self._guard:
             lock = self._locks.setdefault(run_id, threading.Lock())
         with lock:  # one read per run at a time: a second request waits for it, then finds it kept
-            kept = self._kept.get(run_id)
-            if kept is not None and kept[0] == fingerprint:
-                return kept[1], kept[2]
+            with self._guard:
+                kept = self._kept.get(run_id)
+                if kept is not None and kept[0] == fingerprint:
+                    self._kept.move_to_end(run_id)
+                    return kept[1], kept[2]
             row, summary = read(run_id)
-            if ended:
-                self._kept[run_id] = (fingerprint, row, summary)
-            else:
-                self._kept.pop(run_id, None)
+            with self._guard:
+                self._drop(run_id)
+                if ended:
+                    size = entry_bytes(summary)
+                    self._kept[run_id] = (fingerprint, row, summary, size)
+                    self.bytes += size
+                    while self.bytes > self.budget and len(self._kept) > 1:
+                        oldest = next(iter(self._kept))
+                        self._drop(oldest)
+                        self._locks.pop(oldest, None)
+                        self.evicted += 1
             return row, summary
+
+    def _drop(self, run_id: str) -> None:
+        gone = self._kept.pop(run_id, None)
+        if gone is not None:
+            self.bytes -= gone[3]
 
     def summary_of(self, row: RunRow) -> dict[str, Any] | None:
         """The kept summary made with this very row (``None`` when it is not the kept one)."""
@@ -81,5 +126,5 @@ class EndedRuns:
         """Drop what is kept of runs not in ``keep`` (deleted from the store)."""
         with self._guard:
             for run_id in [r for r in self._kept if r not in keep]:
-                self._kept.pop(run_id, None)
+                self._drop(run_id)
                 self._locks.pop(run_id, None)

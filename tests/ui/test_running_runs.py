@@ -1,0 +1,252 @@
+"""A running run's runs-table figures are read incrementally (batchtap/ui/running.py): a poll after N
+new steps fetches about N rows per metric, and what it gives equals a full read of the store, when a
+metric is written a flush late, when a block is delivered twice, when a row lands below what was
+read, when a rollback undoes steps, when a value is logged with ``Tap.log()``, and on PostgreSQL.
+The ended runs' cache stays within its byte budget. Real stores written by the real sinks."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette")
+
+from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus  # noqa: E402
+from batchtap.sinks.sqlite import SQLite  # noqa: E402
+from batchtap.ui.data import ReadOnlyStore  # noqa: E402
+from batchtap.ui.endedruns import EndedRuns, entry_bytes  # noqa: E402
+from tests.store._helpers import PG_DSN, pg_schema_fixture  # noqa: E402
+
+RUN = "live0000cccc"
+METRICS = ("loss", "accuracy", "lr")
+
+
+def _records(steps: range, metrics: tuple[str, ...] = METRICS, *, scale: float = 1.0) -> list[Record]:
+    return [
+        Record(
+            RUN,
+            step=s,
+            epoch=s // 100,
+            batch=s % 100,
+            rank=0,
+            wall_time=1000.0 + s,
+            values={m: scale * (1.0 + ((s * 7 + i) % 13) / (s + 1)) for i, m in enumerate(metrics)},
+        )
+        for s in steps
+    ]
+
+
+def _start(sink: Any) -> None:
+    sink.start_run(RunInfo(RUN, "live", {"lr": 0.1}, started_at=1000.0, metrics=METRICS))
+
+
+def _full(store: ReadOnlyStore) -> dict[str, Any]:
+    """The running run as a full read of the store gives it (what the view did on every poll)."""
+    return store._summarise(store.reader.run(RUN))
+
+
+def _polled(store: ReadOnlyStore) -> dict[str, Any]:
+    return {r["id"]: r for r in store.runs()}[RUN]
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[tuple[SQLite, ReadOnlyStore]]:
+    db = tmp_path / "s.db"
+    sink = SQLite(db)
+    _start(sink)
+    sink.write(_records(range(0, 1000)))
+    store = ReadOnlyStore(db, verify_s=1e9)
+    try:
+        yield sink, store
+    finally:
+        store.close()
+        sink.close()
+
+
+def test_a_poll_after_n_new_steps_fetches_about_n_rows_per_metric(live: tuple[SQLite, ReadOnlyStore]) -> None:
+    sink, store = live
+    assert _polled(store) == _full(store) and store.running.builds == 1
+    for _ in range(3):
+        sink.write(_records(range(store.running._runs[RUN].last + 1, store.running._runs[RUN].last + 51)))
+        before = store.rows_read
+        got = _polled(store)
+        fetched = store.rows_read - before
+        # 50 new steps: one row per step for each of the 3 metrics, 50 rows of the main line, and a
+        # few dozen rows of the runs table, names, ranks and events; a full read would be 3,000+
+        assert 200 <= fetched <= 260, fetched
+        assert got == _full(store)
+    assert store.running.builds == 1
+    assert _polled(store)["steps"] == 1150 and _polled(store)["last_step"] == 1149
+
+
+def test_a_poll_does_work_in_proportion_to_the_new_rows_not_to_the_run(tmp_path: Path) -> None:
+    """What the database does for a poll, counted in SQLite virtual-machine instructions (its
+    progress handler): a run of 20,000 steps read in full once, then polls of 50 new steps."""
+    db = tmp_path / "s.db"
+    sink = SQLite(db)
+    _start(sink)
+    for start in range(0, 20_000, 5000):
+        sink.write(_records(range(start, start + 5000)))
+    store = ReadOnlyStore(db, connections=1, idle_s=1e9, verify_s=1e9)
+    work = [0]
+
+    def count() -> int:
+        work[0] += 1
+        return 0
+
+    try:
+        with store.reader._pool.connection() as conn:  # the one connection every read takes
+            conn.set_progress_handler(count, 100)
+        _polled(store)
+        built = work[0]
+        for start in range(20_000, 20_150, 50):
+            sink.write(_records(range(start, start + 50)))
+            work[0] = 0
+            assert _polled(store) == {**_full(store), "duration": _polled(store)["duration"]}
+        work[0] = 0
+        _polled(store)
+        sink.write(_records(range(20_150, 20_200)))
+        work[0] = 0
+        _polled(store)
+        assert work[0] * 20 < built, (work[0], built)
+    finally:
+        store.close()
+        sink.close()
+
+
+def test_a_metric_written_a_flush_late_and_one_that_appears_mid_run_count_each_step_once(
+    live: tuple[SQLite, ReadOnlyStore],
+) -> None:
+    sink, store = live
+    _polled(store)
+    sink.write(_records(range(1000, 1100), ("loss", "lr")))  # accuracy comes a flush later
+    assert _polled(store) == _full(store)
+    sink.write(_records(range(1000, 1100), ("accuracy",)) + _records(range(1100, 1120)))
+    assert _polled(store) == _full(store)
+    # a metric that starts at step 1050 (steps it has are already counted) and one step only it has
+    sink.write(_records(range(1050, 1125), ("grad_norm",)))
+    got = _polled(store)
+    assert got == _full(store) and got["steps"] == 1125
+    assert store.running.builds == 1
+
+
+def test_a_block_delivered_twice_changes_nothing_and_a_row_below_the_mark_is_picked_up(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    sink = SQLite(db)
+    _start(sink)
+    sink.write(_records(range(0, 500)))
+    store = ReadOnlyStore(db, verify_s=0.0)  # count the rows below the marks on every poll
+    try:
+        _polled(store)
+        sink.write(_records(range(100, 200)))  # a spool replay: the same rows again
+        assert _polled(store) == _full(store) and store.running.builds == 1
+        # a row that lands below what was read (a writer out of step order): seen, read again
+        sink.write(_records(range(600, 610)))
+        _polled(store)
+        sink.write([Record(RUN, step=550, epoch=5, batch=50, rank=0, wall_time=1e9, values={"loss": -5.0})])
+        got = _polled(store)
+        assert store.running.builds == 2
+        assert got == _full(store) and got["steps"] == 511 and got["min_value"] == -5.0
+        assert got["last_wall"] == 1e9
+    finally:
+        store.close()
+        sink.close()
+
+
+def test_a_rollback_and_a_tap_log_value_mid_run_match_a_full_read(live: tuple[SQLite, ReadOnlyStore]) -> None:
+    sink, store = live
+    _polled(store)
+    sink.write(_records(range(1000, 1050)))
+    sink.write([], [Event(RUN, 1049, EventKind.ACTION, "rollback: undone steps 1020..1049", 2049.0)])
+    sink.write(_records(range(1050, 1060), scale=0.001))
+    got = _polled(store)
+    assert got == _full(store) and got["rolled_back"] == [[1020, 1049]]
+    # an evaluation value logged with Tap.log() at a step of its own: not a step of the run
+    sink.write([Record(RUN, step=5000, epoch=0, batch=-1, rank=0, wall_time=3000.0, values={"val": 0.5}, sparse=True)])
+    sink.write(_records(range(1060, 1070)))
+    got = _polled(store)
+    assert got == _full(store) and got["last_step"] == 1069 and got["steps"] == 1070
+
+
+def test_polls_from_many_threads_while_the_run_is_written_end_equal_to_a_full_read(
+    live: tuple[SQLite, ReadOnlyStore],
+) -> None:
+    sink, store = live
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                store.runs()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=poll) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for start in range(1000, 2000, 20):
+            sink.write(_records(range(start, start + 20)))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors
+    assert _polled(store) == _full(store) and _polled(store)["steps"] == 2000
+    # it ends: read once in full and kept with the ended runs
+    sink.end_run(RunInfo(RUN, "live", {}, started_at=1000.0, status=RunStatus.FINISHED, ended_at=3000.0))
+    assert _polled(store)["status"] == "finished" and RUN not in store.running and RUN in store.ended
+
+
+@pytest.fixture
+def pg_schema() -> Iterator[str]:
+    yield from pg_schema_fixture()
+
+
+def test_postgresql_running_run_is_read_incrementally(pg_schema: str) -> None:
+    from batchtap.sinks.postgres import Postgres
+
+    sink = Postgres(PG_DSN, schema=pg_schema)
+    store = None
+    try:
+        _start(sink)
+        sink.write(_records(range(0, 300)))
+        store = ReadOnlyStore(PG_DSN, schema=pg_schema, verify_s=0.0)
+        assert _polled(store) == _full(store)
+        sink.write(_records(range(300, 350), ("loss",)) + _records(range(250, 260)))
+        before = store.rows_read
+        got = _polled(store)
+        assert store.rows_read - before < 300 and got == _full(store) and got["steps"] == 350
+        assert store.running.builds == 1
+    finally:
+        if store is not None:
+            store.close()
+        sink.close()
+
+
+def test_the_ended_runs_kept_stay_within_their_byte_budget() -> None:
+    summary = {"id": "xxx", "config": {"k": "v" * 1000}}
+    size = entry_bytes(summary)
+    kept = EndedRuns(budget=3 * size)
+    reads: list[str] = []
+
+    def read(run_id: str) -> tuple[Any, dict[str, Any]]:
+        reads.append(run_id)
+        return object(), dict(summary, id=run_id)
+
+    for i in range(10):
+        kept.get(f"r{i:02d}", ("finished",), ended=True, read=read)  # ids as long as "xxx": same size
+        assert kept.bytes <= kept.budget
+    assert len(kept) == 3 and kept.evicted == 7 and kept.bytes == 3 * size
+    kept.get("r07", ("finished",), ended=True, read=read)  # used: now the most recent
+    kept.get("r10", ("finished",), ended=True, read=read)  # drops r08, the least recently used
+    assert "r07" in kept and "r08" not in kept and "r09" in kept
+    reads.clear()
+    kept.get("r08", ("finished",), ended=True, read=read)
+    assert reads == ["r08"]  # dropped: read again
