@@ -502,6 +502,7 @@ def open(  # noqa: A001 - the API name
     migrate: bool = True,
     connections: int = 8,
     idle_s: float = 10.0,
+    mmap_bytes: int = MMAP_BYTES,
 ) -> Store:
     """Open a batchtap store for reading.
 
@@ -513,6 +514,8 @@ def open(  # noqa: A001 - the API name
             ``False`` refuses such a store and every connection is read-only (the browser view).
         connections: most connections open at once (threads past that wait for one).
         idle_s: an unused connection is closed after this many seconds.
+        mmap_bytes: for SQLite, how much of the file each connection maps into memory (``PRAGMA
+            mmap_size``; counted in the process's RSS once per connection; 0: none).
 
     Raises:
         StoreError: the store does not exist, is not a batchtap store, has a newer schema version,
@@ -524,7 +527,7 @@ def open(  # noqa: A001 - the API name
 
         def sqlite_conn() -> Any:
             conn = connect_sqlite(target, create=False, migrate=migrate)
-            conn.execute(f"PRAGMA mmap_size = {MMAP_BYTES}")
+            conn.execute(f"PRAGMA mmap_size = {int(mmap_bytes)}")
             return conn
 
         return _opened(ConnectionPool(sqlite_conn, size=connections, idle_s=idle_s), SQLITE, loc.display())
