@@ -323,7 +323,9 @@ are sampled from /proc every 50 ms.
     .venv/bin/python bench/ui_load.py server-load            # 4 runs x 50k steps x 6 metrics
     .venv/bin/python bench/ui_load.py server-load --steps 1000000 --runs 4   # 24M rows, ~1.5 GB
 
-Prints one table: store size, rows, RSS and fds before/peak/after, requests/s and error count.
+Prints one table: store size, rows, RSS (with its anonymous and file-backed parts) and fds
+before/peak/after, requests/s, error count, and the time of a runs-table poll of the running run
+after 100 new steps (``--polls``; this appends to the store's running run).
 """
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -364,6 +366,45 @@ def build_load_store(db: Path, runs: int, steps: int) -> list[str]:
     return ids
 
 
+def running_run_polls(db: Path, base: str, run_id: str, polls: int) -> dict[str, object]:
+    """What the runs table's poll of the running run costs: ``polls`` times, 100 new steps appended
+    to it by the SQLite sink, then ``GET /api/runs`` timed (the live runs table reads the same
+    figures every second). The first poll after the load may still read the run in full; the
+    median is of the others. Appends ``polls`` x 100 steps to the store's running run."""
+    import batchtap.store
+
+    with batchtap.store.open(db, migrate=False) as st:
+        last = st.run(run_id).last_step
+    step = 0 if last is None else last + 1
+    sink = SQLite(db)
+    rng = random.Random(1)
+    times = []
+    try:
+        for _ in range(polls + 1):
+            sink.write(
+                [
+                    Record(
+                        run_id,
+                        step=s,
+                        epoch=s // 1000,
+                        batch=s % 1000,
+                        rank=0,
+                        wall_time=1e9 + s * 0.01,
+                        values={m: rng.random() * (1 + i) for i, m in enumerate(LOAD_METRICS)},
+                    )
+                    for s in range(step, step + 100)
+                ]
+            )
+            step += 100
+            t = time.perf_counter()
+            with urllib.request.urlopen(f"{base}/api/runs", timeout=300) as r:
+                r.read()
+            times.append(time.perf_counter() - t)
+    finally:
+        sink.close()
+    return {"first": round(times[0], 3), "median_after": round(statistics.median(times[1:]), 4) if polls else None}
+
+
 def proc_figures(pid: int) -> tuple[float, int, float, float]:
     """RSS in MB, open descriptors, and the RSS's anonymous part (the heap: Python objects,
     SQLite's page caches) and file-backed part (the store's pages mapped by ``PRAGMA mmap_size``,
@@ -399,6 +440,9 @@ def server_load(argv: list[str]) -> None:
     p.add_argument("--bursts", type=int, default=3)
     p.add_argument("--idle", type=float, default=12.0, help="seconds between bursts (server idle timeout: 10)")
     p.add_argument("--db", type=Path, default=None, help="reuse this store instead of building one")
+    p.add_argument(
+        "--polls", type=int, default=5, help="polls of the running run timed after the load (each after 100 new steps)"
+    )
     args = p.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="bt-uiload-"))
@@ -474,6 +518,7 @@ def server_load(argv: list[str]) -> None:
         busy = time.perf_counter() - t0 - args.idle * (args.bursts - 1)
         for s in streams:
             s.close()
+        polls = running_run_polls(db, base, ids[0], args.polls)
         time.sleep(1.0)
         after = proc_figures(server.pid)
         stop.set()
@@ -491,6 +536,7 @@ def server_load(argv: list[str]) -> None:
                     "rss_anon_mb": {"before": round(before[2]), "peak": round(peak[2]), "after": round(after[2])},
                     "rss_file_mb": {"before": round(before[3]), "peak": round(peak[3]), "after": round(after[3])},
                     "fds": {"before": before[1], "peak": peak[1], "after": after[1]},
+                    "running_run_poll_s": polls,
                     "load": os.getloadavg(),
                 },
                 indent=1,

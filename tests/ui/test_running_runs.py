@@ -2,7 +2,7 @@
 new steps fetches about N rows per metric, and what it gives equals a full read of the store, when a
 metric is written a flush late, when a block is delivered twice, when a row lands below what was
 read, when a rollback undoes steps, when a value is logged with ``Tap.log()``, and on PostgreSQL.
-The ended runs' cache stays within its byte budget. Real stores written by the real sinks."""
+Real stores written by the real sinks; the memory bounds are in tests/ui/test_memory_bound.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ pytest.importorskip("starlette")
 from batchtap.records import Event, EventKind, Record, RunInfo, RunStatus  # noqa: E402
 from batchtap.sinks.sqlite import SQLite  # noqa: E402
 from batchtap.ui.data import ReadOnlyStore  # noqa: E402
-from batchtap.ui.endedruns import EndedRuns, entry_bytes  # noqa: E402
 from tests.store._helpers import PG_DSN, pg_schema_fixture  # noqa: E402
 
 RUN = "live0000cccc"
@@ -228,25 +227,3 @@ def test_postgresql_running_run_is_read_incrementally(pg_schema: str) -> None:
         if store is not None:
             store.close()
         sink.close()
-
-
-def test_the_ended_runs_kept_stay_within_their_byte_budget() -> None:
-    summary = {"id": "xxx", "config": {"k": "v" * 1000}}
-    size = entry_bytes(summary)
-    kept = EndedRuns(budget=3 * size)
-    reads: list[str] = []
-
-    def read(run_id: str) -> tuple[Any, dict[str, Any]]:
-        reads.append(run_id)
-        return object(), dict(summary, id=run_id)
-
-    for i in range(10):
-        kept.get(f"r{i:02d}", ("finished",), ended=True, read=read)  # ids as long as "xxx": same size
-        assert kept.bytes <= kept.budget
-    assert len(kept) == 3 and kept.evicted == 7 and kept.bytes == 3 * size
-    kept.get("r07", ("finished",), ended=True, read=read)  # used: now the most recent
-    kept.get("r10", ("finished",), ended=True, read=read)  # drops r08, the least recently used
-    assert "r07" in kept and "r08" not in kept and "r09" in kept
-    reads.clear()
-    kept.get("r08", ("finished",), ended=True, read=read)
-    assert reads == ["r08"]  # dropped: read again

@@ -81,6 +81,13 @@ MIN_WIDTH = 10
 MAX_WIDTH = 4000
 #: Raw points are sent while a range holds at most this many points per bucket.
 RAW_PER_BUCKET = 2
+#: How much of a SQLite store each of the view's connections maps into memory (``PRAGMA
+#: mmap_size``): the mapped pages count in the server's RSS once per connection, so the view's
+#: share is ``connections x MMAP_BYTES`` (4 x 32 MiB) whatever the store's size; past it pages are
+#: read through SQLite's page cache (2 MiB per connection) from the OS file cache.
+MMAP_BYTES = 32 << 20
+#: Rows of the ranks' lines read per statement by :meth:`ReadOnlyStore.rank_spread`.
+RANK_PAGE = 100_000
 #: Events sent for one run at most (the newest are dropped past it, and the page says so).
 MAX_EVENTS = 20_000
 
@@ -116,6 +123,7 @@ class ReadOnlyStore:
         connections: most connections open at once (the server's threads share them; more than
             the cores the database reads can use only adds memory).
         idle_s: an unused connection is closed after this many seconds.
+        mmap_bytes: SQLite only: bytes of the file each connection maps (:data:`MMAP_BYTES`; 0: none).
         cache_points: points of decimated lines kept in memory, all lines together (:class:`LineCache`).
         ended_bytes: bytes of ended runs' rows and summaries kept in memory (:class:`EndedRuns`).
         verify_s: seconds between two checks of a running run's rows below what was read
@@ -132,6 +140,7 @@ class ReadOnlyStore:
         schema: str | None = None,
         connections: int = 4,
         idle_s: float = 10.0,
+        mmap_bytes: int = MMAP_BYTES,
         cache_points: int = CACHE_POINTS,
         ended_bytes: int = ENDED_BYTES,
         verify_s: float = VERIFY_S,
@@ -140,7 +149,7 @@ class ReadOnlyStore:
 
         #: the one reader; every read below goes through it.
         self.reader: Store = batchtap.store.open(
-            url, schema=schema, migrate=False, connections=connections, idle_s=idle_s
+            url, schema=schema, migrate=False, connections=connections, idle_s=idle_s, mmap_bytes=mmap_bytes
         )
         self.where = self.reader.where
         self.dialect: Dialect = self.reader.dialect
@@ -485,40 +494,68 @@ class ReadOnlyStore:
     def rank_spread(self, run_id: str, metric: str, *, width: int = 1000) -> dict[str, Any]:
         """Per step, over the ranks' own rows (``per_rank_rows``): the slowest (largest) rank, the
         largest and smallest value and their spread; bucketed to ``width`` by the step's largest
-        spread, so a straggler step is never averaged away."""
+        spread, so a straggler step is never averaged away.
+
+        The rows are read in pages of :data:`RANK_PAGE` (whole steps, in key order) and only each
+        bucket's chosen step is kept: memory in proportion to ``width``, not to the run (a run of
+        10^6 steps x 8 ranks read at once was ~1.5 GB of Python objects). The buckets cut the steps
+        counted first; steps stored after that count are left for the next request."""
         import numpy as np
 
-        rows = self._all(
-            "SELECT step, rank, value FROM metrics WHERE run_id = ? AND metric = ? AND rank >= 0 ORDER BY step, rank",
-            (run_id, metric),
+        key = (run_id, metric)
+        counted = self._one(
+            "SELECT COUNT(DISTINCT step) FROM metrics WHERE run_id = ? AND metric = ? AND rank >= 0", key
         )
-        if not rows:
+        total = int(counted[0]) if counted and counted[0] is not None else 0
+        if not total:
             return {"step": [], "max": [], "min": [], "spread": [], "slowest": [], "ranks": []}
-        arr = np.array([(s, r, np.nan if v is None else v) for s, r, v in rows], dtype=float)
-        steps, index = np.unique(arr[:, 0], return_inverse=True)
-        ranks = np.unique(arr[:, 1]).astype(int)
-        grid = np.full((len(steps), len(ranks)), np.nan)
-        grid[index, np.searchsorted(ranks, arr[:, 1].astype(int))] = arr[:, 2]
-        with np.errstate(all="ignore"):
-            high = np.nanmax(np.where(np.isnan(grid), -np.inf, grid), axis=1)
-            low = np.nanmin(np.where(np.isnan(grid), np.inf, grid), axis=1)
-        slowest = ranks[np.argmax(np.where(np.isnan(grid), -np.inf, grid), axis=1)]
-        spread = high - low
-        keep = np.arange(len(steps))
         width = max(MIN_WIDTH, min(MAX_WIDTH, int(width)))
-        if len(steps) > RAW_PER_BUCKET * width:
-            # one step per bucket: the one with the largest spread
-            edges = np.linspace(0, len(steps), width + 1).astype(int)
-            keep = np.array(
-                [a + int(np.nanargmax(np.nan_to_num(spread[a:b], nan=-1))) for a, b in zip(edges, edges[1:]) if b > a]
+        edges = np.linspace(0, total, width + 1).astype(int) if total > RAW_PER_BUCKET * width else None
+        chosen: dict[int, tuple[float, int, float, float, int, float]] = {}  # bucket (or step index) -> point
+        ranks_seen: set[int] = set()
+        index, after = 0, -(2**62) - 1
+        while index < total:
+            rows = self._all(
+                "SELECT step, rank, value FROM metrics WHERE run_id = ? AND metric = ? AND rank >= 0 AND step > ?"
+                " ORDER BY step, rank LIMIT ?",
+                (*key, after, RANK_PAGE),
             )
+            if not rows:
+                break
+            arr = np.array([(st, r, np.nan if v is None else v) for st, r, v in rows], dtype=float)
+            if len(rows) == RANK_PAGE and (arr[:, 0] < arr[-1, 0]).any():
+                arr = arr[arr[:, 0] < arr[-1, 0]]  # the page's last step may go on in the next page
+            steps, where = np.unique(arr[:, 0], return_inverse=True)
+            ranks = np.unique(arr[:, 1]).astype(int)
+            ranks_seen.update(int(r) for r in ranks)
+            grid = np.full((len(steps), len(ranks)), np.nan)
+            grid[where, np.searchsorted(ranks, arr[:, 1].astype(int))] = arr[:, 2]
+            high_grid = np.where(np.isnan(grid), -np.inf, grid)
+            high = high_grid.max(axis=1)
+            low = np.where(np.isnan(grid), np.inf, grid).min(axis=1)
+            slowest = np.where(high == -np.inf, -1, ranks[np.argmax(high_grid, axis=1)])  # -1: no value
+            with np.errstate(all="ignore"):
+                spread = high - low
+            score = np.nan_to_num(spread, nan=-1)
+            for i in range(len(steps)):
+                at = index + i
+                if at >= total:
+                    break
+                slot = at if edges is None else int(np.searchsorted(edges, at, side="right")) - 1
+                got = chosen.get(slot)
+                if got is None or score[i] > got[0]:
+                    chosen[slot] = (score[i], int(steps[i]), high[i], low[i], int(slowest[i]), spread[i])
+            index += len(steps)
+            after = int(steps[-1])
+        first_rank = min(ranks_seen)
+        points = [chosen[k] for k in sorted(chosen)]
         return {
-            "step": [int(s) for s in steps[keep]],
-            "max": [clean(v) for v in high[keep]],
-            "min": [clean(v) for v in low[keep]],
-            "spread": [clean(v) for v in spread[keep]],
-            "slowest": [int(r) for r in slowest[keep]],
-            "ranks": [int(r) for r in ranks],
+            "step": [p[1] for p in points],
+            "max": [clean(p[2]) for p in points],
+            "min": [clean(p[3]) for p in points],
+            "spread": [clean(p[5]) for p in points],
+            "slowest": [first_rank if p[4] == -1 else p[4] for p in points],
+            "ranks": sorted(ranks_seen),
         }
 
     # -- events ----------------------------------------------------------------------------
