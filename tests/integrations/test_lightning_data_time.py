@@ -96,3 +96,68 @@ def test_step_time_leaves_the_wait_out() -> None:
     records, _ = _fit(0.05, n=3 * BATCH, epochs=1)
     timed = [r for r in records if "step_time" in r.values]
     assert timed and all(r.values["step_time"] < r.values["data_time"] for r in timed)
+
+
+class _SlowStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """A stream without a length: the batches whose index is in ``slow`` take ``SLOW_BATCH`` s to fetch."""
+
+    def __init__(self, batches: int, slow: set[int]) -> None:
+        self.batches, self.slow = batches, slow
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for i in range(self.batches * BATCH):
+            if i // BATCH in self.slow:
+                time.sleep(SLOW_BATCH / BATCH)
+            yield torch.randn(8, generator=torch.Generator().manual_seed(i)), i % 4
+
+
+SLOW_BATCH = 0.3
+
+
+def _fit_stream(slow: set[int], accumulate: int = 1) -> tuple[list, pl.Trainer]:  # type: ignore[type-arg]
+    sink = ListSink()
+    tap = bt.Tap(sinks=[sink], flush_every=4)
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=accumulate,
+        callbacks=[BatchtapCallback(tap)],
+    )
+    trainer.fit(_Module(), DataLoader(_SlowStream(5, slow), batch_size=BATCH))
+    tap.close()
+    return [r for r in sink.records if not r.sparse], trainer
+
+
+@pytest.mark.parametrize("slow", [{0, 2}, {1, 4}], ids=["first-and-middle", "second-and-last"])
+def test_a_loader_without_a_length_gives_each_step_its_own_batchs_wait(slow: set[int]) -> None:
+    # Lightning's fetcher fetches one batch ahead of what it hands out when the loader has no length
+    # (the first epoch's first batch inside fit()'s set-up, before any hook): the slow batches' waits
+    # are stored at their own steps in both epochs, not one step early
+    records, trainer = _fit_stream(slow)
+    assert [(r.epoch, r.batch) for r in records] == [(e, b) for e in range(2) for b in range(5)]
+    for r in records:
+        if r.batch in slow:
+            assert r.values["data_time"] >= SLOW_BATCH, [(r.epoch, r.batch, r.values["data_time"]) for r in records]
+    for epoch in range(2):
+        waits = {r.batch: r.values["data_time"] for r in records if r.epoch == epoch}
+        assert max(w for b, w in waits.items() if b not in slow) < min(w for b, w in waits.items() if b in slow), waits
+    # the fit loop and its fetcher are Lightning's own again after fit()
+    assert type(trainer.fit_loop).__name__ == "_FitLoop" and type(trainer.fit_loop).__module__.startswith("lightning.")
+    assert "_data_fetcher" in vars(trainer.fit_loop)
+
+
+def test_a_loader_without_a_length_under_accumulation_sums_its_own_micro_batches() -> None:
+    # 2 micro-batches a step: steps end at batches 1, 3 and the one-batch step at 4; batch 2 slow (its
+    # fetch runs while batch 1 is handed out: the step of batches 0-1 must not get it)
+    records, _ = _fit_stream({2}, accumulate=2)
+    assert [(r.epoch, r.batch) for r in records] == [(e, b) for e in range(2) for b in (1, 3, 4)]
+    for r in records:
+        if r.batch == 3:
+            assert r.values["data_time"] >= SLOW_BATCH, r.values
+        else:
+            assert r.values["data_time"] < SLOW_BATCH, (r.epoch, r.batch, r.values)

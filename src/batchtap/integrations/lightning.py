@@ -11,11 +11,15 @@ Needs ``pip install 'batchtap[lightning]'`` (the unified ``lightning`` package).
 
 from __future__ import annotations
 
+import math
+import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from batchtap._fetches import timed_fetches
 from batchtap._optional import require
 from batchtap.errors import InputError
 from batchtap.integrations._lifecycle import finish_as
@@ -99,7 +103,10 @@ class _Fetches:
     """The fetches of one epoch from Lightning's training fetcher, as an iterator ``tap.watch`` can time.
 
     Each ``next`` is the fetcher's own ``__next__`` (what Lightning's profiler times as
-    ``train_dataloader_next``): the loop's wait for its batch, not its hooks or validation.
+    ``train_dataloader_next``): the loop's wait for its batch, not its hooks or validation. For a
+    loader without a length the fetcher hands out a batch it fetched one call earlier, so that
+    ``next`` times the *following* batch's fetch; the fetcher then keeps each batch's own wait
+    (``_WatchedFetcher.batchtap_wait``), which the callback passes to the Tap instead.
     """
 
     def __init__(self, fetcher: Any) -> None:
@@ -111,7 +118,11 @@ class _Fetches:
         return self
 
     def __next__(self) -> Any:
-        return _fetchers._PrefetchDataFetcher.__next__(self.fetcher)
+        fetcher = self.fetcher
+        batch = _fetchers._PrefetchDataFetcher.__next__(fetcher)
+        waits = fetcher._batchtap_waits
+        fetcher.batchtap_wait = waits.popleft() if waits else math.nan  # the wait of the batch handed out
+        return batch
 
     def __len__(self) -> int:
         if self.length is None:
@@ -120,21 +131,88 @@ class _Fetches:
 
 
 class _WatchedFetcher(_fetchers._PrefetchDataFetcher):  # type: ignore[misc]
-    """Lightning's training fetcher with each epoch's fetches going through ``tap.watch``.
+    """Lightning's training fetcher with each epoch's fetches going through ``tap.watch``, and each
+    fetch from the loader timed.
 
-    The fit loop makes the fetcher before any callback hook that could wrap its iterator, and makes
-    each epoch's iterator after ``on_train_epoch_start``; so the callback gives the fetcher this
-    class (``__next__`` only) for the fit and takes it back at its end.
+    The fit loop makes the fetcher and starts its first epoch's iteration (prefetching the first
+    batch of a loader without a length) before any callback hook; the callback therefore watches
+    the fit loop's ``_data_fetcher`` being set (``_watching_loop``) and gives the new fetcher this
+    class (``__next__``, and ``iterator``: each fetch from the loader's iterator timed, in the order
+    the batches are handed out) for the fit, and takes it back at its end.
     """
 
-    _batchtap_watch: Callable[[_Fetches], Iterator[Any]]
+    _batchtap_watch: Callable[[_Fetches], Iterator[Any]] | None
     _batchtap_watched: Iterator[Any] | None
+    _batchtap_waits: deque[float]  # fetched, not yet handed out: one wait per batch, oldest first
+    _batchtap_raw: Iterator[Any] | None
+    _batchtap_timed: Iterator[Any] | None
+    batchtap_wait: float  # the wait of the batch handed out last (NaN: fetched before it was watched)
+
+    @property  # type: ignore[override]
+    def iterator(self) -> Iterator[Any] | None:
+        return self._batchtap_timed
+
+    @iterator.setter
+    def iterator(self, raw: Iterator[Any] | None) -> None:  # each epoch: iter(combined_loader)
+        self._batchtap_waits.clear()
+        self._batchtap_raw = raw
+        self._batchtap_timed = (
+            None if raw is None else timed_fetches(raw, self._batchtap_waits.append, time.perf_counter)
+        )
 
     def __next__(self) -> Any:
+        watch = self._batchtap_watch
+        if watch is None:  # before the epoch's hook (not in a fit this callback runs)
+            return _Fetches(self).__next__()
         watched = self._batchtap_watched
         if watched is None:
-            watched = self._batchtap_watched = self._batchtap_watch(_Fetches(self))
+            watched = self._batchtap_watched = watch(_Fetches(self))
         return next(watched)
+
+
+def _adopt(fetcher: Any) -> None:
+    """Give a fresh training fetcher ``_WatchedFetcher``'s class and state (its current iteration
+    kept: batches it prefetched before are handed out with an unknown wait, NaN)."""
+    if type(fetcher) is not _fetchers._PrefetchDataFetcher:
+        return  # a training_step taking dataloader_iter fetches by itself
+    raw = fetcher.__dict__.pop("iterator", None)
+    fetcher.__class__ = _WatchedFetcher
+    fetcher._batchtap_waits = deque()
+    fetcher._batchtap_watch = None
+    fetcher._batchtap_watched = None
+    fetcher.batchtap_wait = math.nan
+    fetcher.iterator = raw
+    fetcher._batchtap_waits.extend(math.nan for _ in fetcher.batches)
+
+
+def _release(fetcher: Any) -> None:
+    if type(fetcher) is not _WatchedFetcher:
+        return
+    raw = fetcher._batchtap_raw
+    fetcher.__class__ = _fetchers._PrefetchDataFetcher
+    for name in ("_batchtap_watch", "_batchtap_watched", "_batchtap_waits", "_batchtap_raw", "_batchtap_timed"):
+        fetcher.__dict__.pop(name, None)
+    fetcher.__dict__.pop("batchtap_wait", None)
+    fetcher.iterator = raw
+
+
+_LOOPS: dict[type, type] = {}
+
+
+def _watching_loop(kind: type) -> type:
+    """A subclass of the fit loop's class whose ``_data_fetcher``, when set, is adopted at once:
+    ``FitLoop.setup_data`` makes the fetcher and iterates it in one go, with no hook between."""
+    if kind not in _LOOPS:
+
+        def get(loop: Any) -> Any:
+            return loop.__dict__.get("_batchtap_data_fetcher")
+
+        def put(loop: Any, fetcher: Any) -> None:
+            _adopt(fetcher)
+            loop.__dict__["_batchtap_data_fetcher"] = fetcher
+
+        _LOOPS[kind] = type(kind.__name__, (kind,), {"_data_fetcher": property(get, put), "_batchtap_loop": True})
+    return _LOOPS[kind]
 
 
 def _second_item(batch: Any) -> Any:
@@ -216,6 +294,7 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         self._lr: dict[str, float] = {}  # learning rates read before this optimizer step
         self._logged: dict[str, torch.Tensor] = {}  # the self.log tensor last stored per name
         self._fetcher: Any = None  # the fit loop's training fetcher while its fetches are watched
+        self._loop: Any = None  # the fit loop while its _data_fetcher is watched (_watching_loop)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         # The optimizers exist from here on (configure_optimizers ran in strategy.setup).
@@ -228,22 +307,28 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         self.tap.start(name=self.name or type(pl_module).__name__, config=config)
         self._running = True
         self._logged = {}
+        # the fit loop makes its training fetcher and prefetches from it before any later hook:
+        # adopt the fetcher as it is set (restored in _end)
+        loop = getattr(trainer, "fit_loop", None)
+        if loop is not None and not getattr(type(loop), "_batchtap_loop", False) and "_data_fetcher" in vars(loop):
+            fetcher = loop.__dict__.pop("_data_fetcher")
+            loop.__class__ = _watching_loop(type(loop))
+            loop._data_fetcher = fetcher
+            self._loop = loop
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._global_step = trainer.global_step  # restored from a checkpoint after on_fit_start
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         # After the loop made (or remade, reload_dataloaders_every_n_epochs) this epoch's fetcher
-        # and before its first fetch.
+        # and before its first hand-out.
         self._unwatch()  # the last epoch's watch stays suspended after its last batch: end it
         fetcher: Any = getattr(trainer.fit_loop, "_data_fetcher", None)
-        if (
-            self.tap is None
-            or not self._running
-            or type(fetcher) not in (_fetchers._PrefetchDataFetcher, _WatchedFetcher)
-        ):
+        if self.tap is None or not self._running:
+            return
+        _adopt(fetcher)  # the loop's own fetcher where its _data_fetcher was not watched (see _watching_loop)
+        if type(fetcher) is not _WatchedFetcher:
             return  # a training_step taking dataloader_iter fetches by itself
-        fetcher.__class__ = _WatchedFetcher
         fetcher._batchtap_watched = None
         epoch = trainer.current_epoch
         fetcher._batchtap_watch = lambda fetches: self._watch(fetches, epoch)
@@ -255,18 +340,32 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
             return fetches  # without a length, sampling would fetch one batch ahead of the loop
         return tap.watch(fetches, epoch=epoch)
 
+    def _own_wait(self) -> float | None:
+        """The wait of the batch just handed out where the fetcher fetched it one call ahead (a loader
+        without a length), else None (``tap.watch``'s own timing of the hand-out is that wait)."""
+        fetcher = self._fetcher
+        if fetcher is None or fetcher.length is not None or fetcher._batchtap_watched is None:
+            return None
+        wait = fetcher.batchtap_wait
+        return None if math.isnan(wait) else wait
+
     def _unwatch(self, *, restore: bool = False) -> None:
         fetcher = self._fetcher
-        if fetcher is None:
-            return
-        watched, fetcher._batchtap_watched = fetcher._batchtap_watched, None
-        close = getattr(watched, "close", None)
-        if close is not None:
-            close()
+        if fetcher is not None:
+            watched, fetcher._batchtap_watched = fetcher._batchtap_watched, None
+            fetcher._batchtap_watch = None
+            close = getattr(watched, "close", None)
+            if close is not None:
+                close()
         if restore:
-            fetcher.__class__ = _fetchers._PrefetchDataFetcher
-            del fetcher._batchtap_watched, fetcher._batchtap_watch
             self._fetcher = None
+            loop = self._loop
+            self._loop = None
+            if loop is not None and getattr(type(loop), "_batchtap_loop", False):
+                fetcher = loop.__dict__.pop("_batchtap_data_fetcher", None)
+                loop.__class__ = type(loop).__mro__[1]
+                loop._data_fetcher = fetcher
+            _release(fetcher)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if not self._running:
@@ -301,7 +400,8 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
         stepped = trainer.global_step != self._global_step  # the optimizer ran in this batch
         accumulate = trainer.accumulate_grad_batches
         extra, self._lr = (self._lr, {}) if stepped and self._own_lr else ({}, self._lr)
-        if accumulate == 1 and stepped:
+        wait = self._own_wait()
+        if accumulate == 1 and stepped and wait is None:
             tap.step(
                 loss=loss,
                 outputs=scores,
@@ -313,7 +413,7 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
             )
         else:
             # Lightning hands back the loss it divided by accumulate_grad_batches for backward()
-            tap.accumulate(loss=loss.detach() * accumulate, outputs=scores, targets=targets)
+            tap.accumulate(loss=loss.detach() * accumulate, outputs=scores, targets=targets, data_time=wait)
             if stepped:
                 tap.step(extra=extra, grad_norm=self._take_grad_norm(), epoch=trainer.current_epoch, batch=batch_idx)
         self._global_step = trainer.global_step
@@ -346,6 +446,9 @@ class BatchtapCallback(_pl.Callback):  # type: ignore[misc]
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._end(None)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._unwatch(restore=True)  # a fit that never trained (no on_train_end) leaves the loop as it was too
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._end(exception)
