@@ -175,11 +175,15 @@ def _shard(net: torch.nn.Module, mesh: Any) -> None:
 # ---------------------------------------------------------------------------------------- HF Trainer
 
 
-def run_hf(scenario: str, workdir: Path) -> Outcome:
+def run_hf(scenario: str, workdir: Path, *, autolog: bool = False) -> Outcome:
+    """The scenario under ``BatchtapTrainer``, or (``autolog``) under ``bt.autolog()`` over the plain
+    ``transformers.Trainer`` (what ``batchtap run`` records of a Trainer script)."""
     import transformers as tf
 
     from batchtap.integrations.transformers import BatchtapTrainer
     from tests.integrations.test_transformers import _args, _bert, _Data, _gpt2
+
+    base: Any = tf.Trainer if autolog else BatchtapTrainer
 
     opts = OPTIONS[scenario]
     lm = opts.pad is not None  # a causal LM on -100-padded labels (the Trainer's token-normalised path)
@@ -192,7 +196,7 @@ def run_hf(scenario: str, workdir: Path) -> Outcome:
     truth: list[dict[str, float]] = []
     batch_index = [-1]
 
-    class Trainer(BatchtapTrainer):  # type: ignore[misc, valid-type]
+    class Trainer(base):  # type: ignore[misc, valid-type]
         def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):  # type: ignore[no-untyped-def]
             labels = inputs["labels"].clone()
             loss, outputs = super().compute_loss(
@@ -218,8 +222,12 @@ def run_hf(scenario: str, workdir: Path) -> Outcome:
         num_train_epochs=EPOCHS,
         **({"fsdp": "full_shard", "fsdp_config": {"version": 2}} if opts.dist == "fsdp2" else {}),
     )
-    tap = _tap(workdir / "store.db", opts)
-    trainer = Trainer(model=model, args=args, train_dataset=_Data(n, lm=lm), tap=tap)
+    if autolog:
+        bt.autolog(sinks=[bt.sinks.SQLite(str(workdir / "store.db"))], name=scenario, flush_every=3)
+        trainer = Trainer(model=model, args=args, train_dataset=_Data(n, lm=lm))
+    else:
+        tap = _tap(workdir / "store.db", opts)
+        trainer = Trainer(model=model, args=args, train_dataset=_Data(n, lm=lm), tap=tap)
     if scenario == "divided-accum":
         trainer.model_accepts_loss_kwargs = False  # the Trainer divides each micro-batch's loss by the count
     micro_per_epoch = math.ceil(n / world / BATCH)
@@ -247,8 +255,13 @@ def run_hf(scenario: str, workdir: Path) -> Outcome:
 
     trainer.accelerator.clip_grad_norm_ = clip_with_truth
     del tf
-    trainer.train()
-    tap.close()
+    try:
+        trainer.train()
+    finally:
+        if autolog:
+            bt.autolog(enabled=False)
+        else:
+            tap.close()
     _assert_engine(
         opts, trainer.model_wrapped, f"the Trainer's Accelerate made a {trainer.accelerator.distributed_type}"
     )
@@ -367,9 +380,14 @@ def run_lightning_autolog(scenario: str, workdir: Path) -> Outcome:
     return run_lightning(scenario, workdir, autolog=True)
 
 
+def run_hf_autolog(scenario: str, workdir: Path) -> Outcome:
+    return run_hf(scenario, workdir, autolog=True)
+
+
 RUNNERS: dict[str, Callable[[str, Path], Outcome]] = {
     "lightning": run_lightning,
     "lightning-autolog": run_lightning_autolog,
     "hf": run_hf,
+    "hf-autolog": run_hf_autolog,
     "accelerate": run_accelerate,
 }

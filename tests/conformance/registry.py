@@ -123,6 +123,11 @@ FRONTENDS: list[FrontEnd] = [
         "bt.autolog() over a real lightning.Trainer, no callback (what batchtap run records of a Lightning script)",
     ),
     FrontEnd("hf", _framework("hf"), "BatchtapTrainer (a real transformers.Trainer)"),
+    FrontEnd(
+        "hf-autolog",
+        _framework("hf-autolog"),
+        "bt.autolog() over the plain transformers.Trainer (what batchtap run records of a Trainer script)",
+    ),
     FrontEnd("accelerate", _framework("accelerate"), "BatchtapTracker + tap calls in a real Accelerate loop"),
 ]
 
@@ -172,8 +177,9 @@ MARKS: dict[tuple[str, str], NA | XFAIL] = {
     ),
 }
 
-# the Lightning scenarios are the same with or without the callback
+# the Lightning scenarios are the same with or without the callback, the Trainer's with or without BatchtapTrainer
 MARKS.update({(s, "lightning-autolog"): m for (s, f), m in list(MARKS.items()) if f == "lightning"})
+MARKS.update({(s, "hf-autolog"): m for (s, f), m in list(MARKS.items()) if f == "hf"})
 
 #: modules that add entries of their own (imported when they exist)
 CELL_MODULES: tuple[str, ...] = ("tests.conformance.keras_cells",)
