@@ -25,8 +25,10 @@ __all__ = ["stream_run", "stream_runs", "sse"]
 INTERVAL = 0.2
 #: Points of one line sent per poll at most: a page that opens its stream far behind catches up
 #: over a few polls instead of one response holding the whole run (50 such streams at once held
-#: ~1.2 GB of Python objects on a 96 MB store).
-CATCH_UP = 10_000
+#: ~1.2 GB of Python objects on a 96 MB store). 2,000 points per 0.2 s poll is 10,000 steps a
+#: second per line, far more than a run writes; what one poll holds is bounded by it (~100 B a
+#: point: 50 streams x 7 lines x 2,000 points ~70 MB at worst).
+CATCH_UP = 2_000
 #: A comment line this often keeps proxies from closing an idle stream.
 KEEPALIVE = 15.0
 #: Seconds between two reads of the runs table by the live runs table (a read of every run's row
