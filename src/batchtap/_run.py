@@ -298,23 +298,28 @@ class ActiveRun:
         """See ``Tap.accumulate``."""
         self.owner.check("accumulate()")
         self.raise_pipeline_error()
-        check_device_context(self.capture, loss, outputs)
+        capture = self.capture
+        if capture is None or capture.cuda:  # nothing to check on a capture known to be off CUDA
+            check_device_context(capture, loss, outputs)
         if self.step % self.settings.sample_every != 0:
             return  # this optimizer step is not sampled
         samples = samples_of(batch_size, outputs, targets)
         if tokens is not None:
             check_count("tokens", tokens)
-        inputs = StepInputs(loss, outputs, targets, samples, {})
-        capture = self.capture
         micro = capture.micro if capture is not None else self.micro
         if micro is None:
-            inputs = dataclasses.replace(inputs, device=device_of(inputs))
-            micro = self.micro = MicroBatches(self._choose(inputs, micro=True), inputs.device)  # type: ignore[arg-type]
+            first = StepInputs(loss, outputs, targets, samples, {})
+            device = device_of(first)
+            first = StepInputs(loss, outputs, targets, samples, {}, None, device)
+            micro = self.micro = MicroBatches(self._choose(first, micro=True), device)
+        wait = self.data_time if self.watching else math.nan
+        if data_time is not None:
+            wait = loader_wait(data_time, wait)
         accumulate_micro_batch(
             micro,
-            dataclasses.replace(inputs, device=micro.device),
+            StepInputs(loss, outputs, targets, samples, {}, None, micro.device),
             tokens=tokens,
-            data_time=loader_wait(data_time, self.data_time if self.watching else math.nan),
+            data_time=wait,
             capture=capture,
         )
 

@@ -332,3 +332,18 @@ def test_an_ignore_index_at_the_edge_of_the_target_dtype_is_ignored(dtype: torch
     expected = float((outputs.argmax(1)[kept] == targets.long()[kept]).float().mean())
     assert step(metric, inputs) == [expected]
     assert metric.input_error(raw(metric, inputs)) is None  # the ignored value is no bad index
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(8, 64, 65), (4, 65, 64), (32, 10), (2, 3000)])
+def test_top1_indices_are_argmax_ties_nans_and_infinities_included(shape, dtype) -> None:
+    """The CPU path past ``CPU_MAX_FROM`` scores takes ``max(dim).indices``: the first highest score,
+    a NaN counting as the highest, as ``argmax`` says."""
+    g = torch.Generator().manual_seed(sum(shape))
+    for trial in range(12):
+        scores = torch.randint(-2, 3, shape, generator=g).to(dtype)  # many ties
+        for value, fraction in ((float("nan"), 0.03 * (trial % 3)), (float("-inf"), 0.2), (float("inf"), 0.02)):
+            scores[torch.rand(shape, generator=g) < fraction] = value
+        for dim in (1, -1):
+            assert torch.equal(F.top1_indices(scores, dim), scores.argmax(dim))
+    assert (math.prod(shape) >= F.CPU_MAX_FROM) == (shape != (32, 10))

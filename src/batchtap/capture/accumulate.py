@@ -10,11 +10,17 @@ as such. Nothing is read on the host; the step's row is written once, by ``Tap.s
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from batchtap.metrics.base import Combine, Metric
+
+
+def autocast_device(device: torch.device) -> str:
+    """The device type ``torch.autocast`` knows for ``device`` ('' when it has none)."""
+    return device.type if device.type in ("cuda", "cpu", "xpu", "mps") else ""
+
 
 __all__ = ["MicroBatches"]
 
@@ -29,6 +35,7 @@ class MicroBatches:
 
     def __init__(self, metrics: Sequence[Metric], device: torch.device) -> None:
         self.metrics = list(metrics)
+        self.host_readers = [m for m in self.metrics if m.host_width]  #: metrics with host columns
         self.device = device
         kinds = [kind for m in self.metrics for kind in m.combine()]
         self.width = len(kinds)
@@ -38,6 +45,10 @@ class MicroBatches:
         self._mean = self._mask(kinds, Combine.MEAN)
         self._min = self._mask(kinds, Combine.MIN)
         self._max = self._mask(kinds, Combine.MAX)
+        self._folds = self._fold_plan(kinds)
+        self._weight = math.nan  # the weight self._scale was made for (micro-batches repeat their size)
+        self._scale: torch.Tensor | None = None  # weight in the mean columns, 1 elsewhere
+        self.autocast_device = autocast_device(device)  #: what ``torch.autocast`` calls the device ('' none)
         self.host: dict[int, Sequence[float]] = {}  #: id(metric) -> its host columns (last micro-batch)
         self.reset()
 
@@ -45,6 +56,27 @@ class MicroBatches:
         if kind not in kinds:
             return None
         return torch.tensor([k is kind for k in kinds], dtype=torch.bool, device=self.device)
+
+    def _fold_plan(self, kinds: list[Combine]) -> list[tuple[Callable[..., object], torch.Tensor, torch.Tensor]] | None:
+        """How a micro-batch's row folds into the sums through views of the two buffers, made once:
+        one in-place op per run of adjacent columns that combine alike (means and counts add up,
+        minima, maxima). None where the masked fold of :meth:`_combine` takes fewer ops (many
+        interleaved kinds)."""
+        ops = {Combine.MIN: torch.minimum, Combine.MAX: torch.maximum}
+        runs: list[tuple[Combine, int, int]] = []  # (kind, start, length); MEAN and SUM both add
+        for i, kind in enumerate(kinds):
+            kind = Combine.SUM if kind is Combine.MEAN else kind
+            if runs and runs[-1][0] is kind:
+                runs[-1] = (kind, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((kind, i, 1))
+        masked_ops = 1 + 2 * (self._min is not None) + 2 * (self._max is not None)  # see _combine
+        if len(runs) > masked_ops:
+            return None
+        return [
+            (ops.get(kind, torch.add), self._acc.narrow(0, start, n), self._scratch.narrow(0, start, n))
+            for kind, start, n in runs
+        ]
 
     def reset(self) -> None:
         """Forget the sums (the step was written); the device buffers are reused."""
@@ -65,9 +97,16 @@ class MicroBatches:
             row = acc if first else self._scratch
             torch.stack(list(values), out=row)  # casts to float32 on the way in
             if self._mean is not None:
-                row.mul_(torch.where(self._mean, weight, 1.0))  # means are summed as value * samples
+                if weight != self._weight:  # made once while the micro-batches keep their size
+                    self._scale, self._weight = torch.where(self._mean, weight, 1.0), weight
+                row.mul_(self._scale)  # means are summed as value * samples
             if not first:
-                self._combine(acc, row)
+                folds = self._folds
+                if folds is None:
+                    self._combine(acc, row)
+                else:
+                    for op, into, part in folds:
+                        op(into, part, out=into)  # in place, on views made once
         self.count += 1
         self.samples += samples
         self.weight += weight

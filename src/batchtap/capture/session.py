@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from batchtap.capture.accumulate import MicroBatches
+from batchtap.capture.accumulate import MicroBatches, autocast_device
 from batchtap.capture.clock import StepClock, clock_for
 from batchtap.capture.flush import Block, Flusher
 from batchtap.capture.guard import LossGuard
@@ -351,11 +351,6 @@ def compute_values(metrics: Sequence[Metric], inputs: StepInputs, device_type: s
     return [v for m in metrics for v in m.compute(inputs)]
 
 
-def autocast_device(device: torch.device) -> str:
-    """The device type ``torch.autocast`` knows for ``device`` ('' when it has none)."""
-    return device.type if device.type in ("cuda", "cpu", "xpu", "mps") else ""
-
-
 def choose_metrics(metrics: Sequence[Metric], inputs: StepInputs, *, micro: bool, auto: bool) -> list[Metric]:
     """The per-micro-batch (``micro``) or per-step metrics of a run. With default metrics (``auto``),
     those whose inputs the first call lacks (or that do not fit them, e.g. accuracy of float targets)
@@ -390,9 +385,12 @@ def accumulate_micro_batch(
         if capture is not None:
             capture.checked_micro = key
     micro.add_data_time(data_time)
-    with torch.no_grad():
-        values = compute_values(micro.metrics, inputs, autocast_device(micro.device))
-        for metric in micro.metrics:
-            if metric.host_width:
-                micro.host[id(metric)] = metric.read_host(inputs)
+    grad_was = torch.is_grad_enabled()
+    set_grad_enabled(False)  # the bare switch: torch.no_grad() costs a context manager per call
+    try:
+        values = compute_values(micro.metrics, inputs, micro.autocast_device)
+        for metric in micro.host_readers:
+            micro.host[id(metric)] = metric.read_host(inputs)
         micro.add(values, samples=inputs.batch_size, tokens=tokens)
+    finally:
+        set_grad_enabled(grad_was)
