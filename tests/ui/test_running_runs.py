@@ -227,3 +227,44 @@ def test_postgresql_running_run_is_read_incrementally(pg_schema: str) -> None:
         if store is not None:
             store.close()
         sink.close()
+
+
+def test_a_running_runs_epochs_are_read_incrementally(tmp_path: Path) -> None:
+    """Epochs (x by epoch; a live page asks every 5 s): equal to the full aggregate, and the
+    database's work for a read after 30 new steps (SQLite VM instructions) a small part of it."""
+    db = tmp_path / "s.db"
+    sink = SQLite(db)
+    _start(sink)
+    sink.write(_records(range(0, 10_000)))
+    store = ReadOnlyStore(db, connections=1, idle_s=1e9, verify_s=1e9)
+    work = [0]
+
+    def count() -> int:
+        work[0] += 1
+        return 0
+
+    def full() -> list[list[int]]:
+        rows = store._all(
+            "SELECT epoch, MIN(step), MAX(step) FROM metrics WHERE run_id = ? AND metric = 'loss' AND rank = 0"
+            " GROUP BY epoch ORDER BY MIN(step)",
+            (RUN,),
+        )
+        return [list(r) for r in rows]
+
+    try:
+        with store.reader._pool.connection() as conn:
+            conn.set_progress_handler(count, 100)
+        assert store.epochs(RUN) == full() and len(full()) == 100  # epochs of 100 steps
+        for start in (10_000, 10_030, 10_100):  # within epoch 100, then on into epoch 101
+            sink.write(_records(range(start, start + 30)))
+            work[0] = 0
+            full()
+            whole = work[0]
+            work[0] = 0
+            got = store.epochs(RUN)
+            assert work[0] * 5 < whole, (work[0], whole)
+            assert got == full()
+        assert store.epochs(RUN)[-1] == [101, 10_100, 10_129]
+    finally:
+        store.close()
+        sink.close()

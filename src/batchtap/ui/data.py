@@ -397,8 +397,10 @@ class ReadOnlyStore:
             return []
         metric = self.reader.main_metric(row)
         rank = None if metric is None else self._first_rank(row.id, metric)
-        if rank is None:
+        if rank is None or metric is None:
             return []
+        if row.status.value == "running":  # read incrementally (RunningRuns.epochs)
+            return self.running.epochs(row.id, metric, rank)
         rows = self._all(
             "SELECT epoch, MIN(step), MAX(step) FROM metrics WHERE run_id = ? AND metric = ? AND rank = ?"
             " GROUP BY epoch ORDER BY MIN(step)",

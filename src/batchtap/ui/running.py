@@ -78,6 +78,10 @@ _LINE_AGG = (
 _LINE_NEW = (
     "SELECT step, value, wall_time FROM metrics WHERE run_id = ? AND metric = ? AND rank = ? AND step > ? ORDER BY step"
 )
+_EPOCHS = (
+    "SELECT epoch, MIN(step), MAX(step), COUNT(*) FROM metrics WHERE run_id = ? AND metric = ? AND rank = ?"
+    " AND step > ? GROUP BY epoch"
+)
 _COUNT_BELOW = "SELECT COUNT(*) FROM metrics WHERE run_id = ? AND metric = ? AND step <= ?"
 _COUNT_LINE_BELOW = "SELECT COUNT(*) FROM metrics WHERE run_id = ? AND metric = ? AND rank = ? AND step <= ?"
 
@@ -118,6 +122,17 @@ class _Line:
             max=self.high,
             higher_is_better=best_is_max(self.metric),
         )
+
+
+@dataclasses.dataclass
+class _Epochs:
+    """A line's epochs: epoch -> [first step, last step], read up to ``hwm``."""
+
+    key: tuple[str, str, int]
+    hwm: int
+    rows: int
+    spans: dict[int, list[int]]
+    verified_at: float
 
 
 @dataclasses.dataclass
@@ -170,6 +185,7 @@ class RunningRuns:
         self.verify_s = verify_s
         self._clock = clock
         self._runs: dict[str, _Run] = {}
+        self._epochs: dict[str, _Epochs] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         #: full reads of a run's figures (the first poll, and each time a count check or the sparse
@@ -183,14 +199,42 @@ class RunningRuns:
         """Drop what is kept of a run (it ended, or is gone)."""
         with self._guard:
             self._runs.pop(run_id, None)
+            self._epochs.pop(run_id, None)
             self._locks.pop(run_id, None)
 
     def keep_only(self, run_ids: set[str]) -> None:
         """Drop what is kept of every run not in ``run_ids``."""
         with self._guard:
-            for rid in [r for r in self._runs if r not in run_ids]:
+            for rid in [r for r in {*self._runs, *self._epochs} if r not in run_ids]:
                 self._runs.pop(rid, None)
+                self._epochs.pop(rid, None)
                 self._locks.pop(rid, None)
+
+    def epochs(self, run_id: str, metric: str, rank: int) -> list[list[int]]:
+        """A running run's epochs from one line, as :meth:`batchtap.ui.data.ReadOnlyStore.epochs`
+        gives them (``[[epoch, first step, last step], ...]`` by first step), the line's rows after
+        the last step read added to what was read (an epoch's span grows, a new epoch appears);
+        the rows below it counted every ``verify_s`` as for the figures."""
+        with self._guard:
+            lock = self._locks.setdefault(run_id, threading.Lock())
+        with lock:
+            key = (run_id, metric, rank)
+            kept = self._epochs.get(run_id)
+            if kept is not None and kept.key == key and self._clock() - kept.verified_at >= self.verify_s:
+                (got,) = self._q(_COUNT_LINE_BELOW, (run_id, metric, rank, kept.hwm))
+                if int(got[0]) == kept.rows:
+                    kept.verified_at = self._clock()
+                else:
+                    kept = None
+            if kept is None or kept.key != key:
+                self.builds += 1
+                kept = self._epochs[run_id] = _Epochs(key, -(2**62) - 1, 0, {}, self._clock())
+            for epoch, first, last, n in self._q(_EPOCHS, (*key, kept.hwm)):
+                span = kept.spans.setdefault(int(epoch), [int(first), int(last)])
+                span[0], span[1] = min(span[0], int(first)), max(span[1], int(last))
+                kept.rows += int(n)
+            kept.hwm = max([kept.hwm, *(span[1] for span in kept.spans.values())])
+            return [[e, a, b] for e, (a, b) in sorted(kept.spans.items(), key=lambda item: item[1][0])]
 
     def poll(self, run_id: str, main_metric: Callable[[RunRow], str | None]) -> tuple[RunRow, MetricSummary | None]:
         """The run's row (its figures read incrementally) and its main metric's summary on the kept
