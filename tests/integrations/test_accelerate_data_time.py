@@ -8,8 +8,13 @@ of waits are asserted, never a wall-clock time.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +24,8 @@ import batchtap as bt
 from tests.conftest import ListSink
 
 accelerate = pytest.importorskip("accelerate")
+
+ROOT = Path(__file__).resolve().parents[2]
 
 BATCH = 4
 SLOW = 0.3  # seconds a slow batch waits (a sleep per sample, BATCH of them)
@@ -52,22 +59,33 @@ class _SleepyStream(torch.utils.data.IterableDataset[tuple[torch.Tensor, torch.T
         return (self.data[i] for i in range(len(self.data)))
 
 
-def _waits(slow: set[int], batches: int = 5, *, skip: int = 0, stream: bool = False) -> list[tuple[int, float]]:
-    """(batch, data_time) of every stored step of one epoch under ``tap.watch``."""
-    # a stream is dispatched from the main process by default (DataLoaderDispatcher); each process
-    # fetching its own shard is the DataLoaderShard this file is about
-    config = accelerate.DataLoaderConfiguration(dispatch_batches=False)
+def _waits(
+    slow: set[int], batches: int = 5, *, skip: int = 0, stream: bool = False, dispatch: bool = False
+) -> list[tuple[int, float]]:
+    """(batch, data_time) of every stored step of one epoch under ``tap.watch`` (one process)."""
+    return [(batch, waited) for _, batch, waited in _rows(slow, batches, skip=skip, stream=stream, dispatch=dispatch)]
+
+
+def _rows(
+    slow: set[int], batches: int = 5, *, skip: int = 0, stream: bool = False, dispatch: bool = False
+) -> list[tuple[int, int, float]]:
+    """(rank, batch, data_time) of every stored step of one epoch under ``tap.watch``: each process fetching
+    its own shard (``DataLoaderShard``), or (``dispatch``) the main process fetching and dispatching
+    every batch (``DataLoaderDispatcher``: ``dispatch_batches=True``, a stream's default). In a process
+    group each rank's own rows too (rank 0's sinks get them all)."""
+    config = accelerate.DataLoaderConfiguration(dispatch_batches=dispatch)
     accelerator = accelerate.Accelerator(cpu=True, dataloader_config=config)
+    torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = _SleepyStream(batches, slow) if stream else _Sleepy(batches, slow)
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
     model, opt, loader = accelerator.prepare(model, opt, loader)
-    assert type(loader).__name__ == "DataLoaderShard"
+    assert type(loader).__name__ == ("DataLoaderDispatcher" if dispatch else "DataLoaderShard")
     if skip:
         loader = accelerator.skip_first_batches(loader, skip)
     sink = ListSink()
-    tap = bt.Tap(sinks=[sink])
+    tap = bt.Tap(sinks=[sink], per_rank_rows=accelerator.num_processes > 1)
     with tap.run(name="accelerate-data-time"):
         for x, y in tap.watch(loader, epoch=0):
             loss = F.cross_entropy(model(x), y)
@@ -76,8 +94,7 @@ def _waits(slow: set[int], batches: int = 5, *, skip: int = 0, stream: bool = Fa
             opt.zero_grad()
             tap.step(loss)
     tap.close()
-    rows = [r for r in sink.records if not r.sparse]
-    return [(r.batch, r.values["data_time"]) for r in rows]
+    return [(r.rank, r.batch, r.values["data_time"]) for r in sink.records if not r.sparse]
 
 
 @pytest.mark.parametrize("slow", [{0, 2}, {1, 4}], ids=["first-and-middle", "second-and-last"])
@@ -112,3 +129,49 @@ def test_the_loader_is_left_as_it_was() -> None:
     tap.close()
     assert "__iter__" not in vars(loader.base_dataloader)
     assert len(list(loader)) == 2
+
+
+#: capture/loader.py (H2's file) times a DataLoaderDispatcher's next() alone: each batch gets the next batch's
+#: fetch. The fix (time its _fetch_batches calls beneath, as the shard's base fetches are) is proposed to the
+#: lead as /tmp/h6/loader_dispatcher.patch; delete this mark when it lands
+_DISPATCHER_SHIFT = pytest.mark.xfail(
+    strict=True, reason="capture/loader.py times a DataLoaderDispatcher's next(): its waits are one batch early"
+)
+
+
+@_DISPATCHER_SHIFT
+@pytest.mark.parametrize("stream", [False, True], ids=["map-style", "stream"])
+@pytest.mark.parametrize("slow", [{0, 2}, {1, 4}], ids=["first-and-middle", "second-and-last"])
+def test_a_dispatched_batch_gets_its_own_fetch(slow: set[int], stream: bool) -> None:
+    waits = _waits(slow, dispatch=True, stream=stream)
+    assert [b for b, _ in waits] == [0, 1, 2, 3, 4]
+    for batch, waited in waits:
+        if batch in slow:
+            assert waited >= SLOW, (batch, waits)
+    assert max(w for b, w in waits if b not in slow) < min(w for b, w in waits if b in slow), waits
+
+
+WORKER = Path(__file__).with_name("accelerate_data_time_worker.py")
+
+
+@_DISPATCHER_SHIFT
+@pytest.mark.parametrize("slow", [{0, 2}, {1, 3}], ids=["first-and-middle", "second-and-last"])
+def test_two_gloo_ranks_each_store_the_dispatched_batchs_own_wait(slow: set[int], tmp_path: Path) -> None:
+    # the main process fetches 2 batches per dispatched batch (one per process) and broadcasts them; the
+    # other rank waits in that broadcast: on both ranks the wait belongs to the batch it brought
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # torchrun sets them for each rank
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER)]
+    raw_slow = ",".join(str(2 * b + i) for b in sorted(slow) for i in range(2))  # the raw batches of each
+    done = subprocess.run(
+        [*command, raw_slow, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    for rank in range(2):
+        waits = [tuple(w) for w in json.loads((tmp_path / f"waits{rank}.json").read_text())]
+        assert [b for b, _ in waits] == [0, 1, 2, 3], (rank, waits)
+        for batch, waited in waits:
+            if batch in slow:
+                assert waited >= SLOW, (rank, batch, waits)
+        assert max(w for b, w in waits if b not in slow) < min(w for b, w in waits if b in slow), (rank, waits)
