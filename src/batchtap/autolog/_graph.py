@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -102,7 +101,7 @@ def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Te
         ('x constant', 'x constant')
     """
     node = tensor.grad_fn
-    factors: list[tuple[str, Any]] = []  # (op, constant) from the root down
+    factors: list[tuple[str, Any, float | None]] = []  # (op, constant, its host value) from the root down
     names: list[str] = []
     for _ in range(_MAX_NODES):
         if node is None:
@@ -125,10 +124,11 @@ def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Te
             constant, node = node._saved_self, second  # type: ignore[attr-defined]
         else:  # both sides need gradients, or a constant divided by the loss: not a constant factor
             break
-        if not _is_one(constant):  # x 1 changes nothing: (loss * 1).backward() is loss.backward()
-            factors.append((name, constant))
+        number = host_number(constant)  # read once: both "is it 1" and the factor's value
+        if number != 1:  # x 1 changes nothing: (loss * 1).backward() is loss.backward()
+            factors.append((name, constant, number))
     value = tensor.detach()
-    for op, constant in reversed(factors):  # innermost factor last applied: undo from the root down
+    for op, constant, _ in reversed(factors):  # innermost factor last applied: undo from the root down
         value = value / constant if op == _MUL else value * constant
     return _resolved(value, None, factors, scale, names, tensor)
 
@@ -136,33 +136,40 @@ def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Te
 def _resolved(
     value: torch.Tensor,
     call: LossCall | None,
-    factors: list[tuple[str, Any]],
+    factors: list[tuple[str, Any, float | None]],
     scale: torch.Tensor | None,
     names: list[str],
     root: torch.Tensor,
 ) -> Resolved:
-    scaled = [_is_scale(c, scale) for _, c in factors]
-    normalised = (
-        call is not None
-        and call.reduction == "sum"
-        and any(op == _DIV and not s for (op, _), s in zip(factors, scaled))
-    )
+    # one pass over the factors (this runs at every backward(): no generator per field)
+    if not factors:  # loss.backward() itself (or through x 1): nothing undone
+        return Resolved(value, call, (), shape=tuple(names))
+    undone: list[str] = []
+    kept: list[float | None] = []  # the factors but the scale, as multipliers
+    scaled = divides = False
+    for op, constant, number in factors:
+        if scale is not None and _is_scale(constant, scale):
+            undone.append(_WORDS[op, True])
+            scaled = True
+        else:
+            undone.append(_WORDS[op, False])
+            kept.append(number if op == _MUL else _inverse(number))
+            divides = divides or op == _DIV
+    normalised = divides and call is not None and call.reduction == "sum"
     if normalised:  # what backward() got, the scale undone: sums to sum(CE) / N over the step
         value = root.detach()
-        for (op, constant), is_scale in zip(factors, scaled):
-            if is_scale:
+        for op, constant, _ in factors:
+            if scale is not None and _is_scale(constant, scale):
                 value = value / constant if op == _MUL else value * constant
     return Resolved(
         value,
         call,
-        tuple(_describe(op, c, scale) for op, c in factors),
-        scale=scale if any(scaled) else None,
-        divided=not all(scaled),
+        tuple(undone),
+        scale=scale if scaled else None,
+        divided=bool(kept),
         shape=tuple(names),
         normalised=normalised,
-        factors=tuple(
-            (host_number(c) if op == _MUL else _inverse(host_number(c))) for (op, c), s in zip(factors, scaled) if not s
-        ),
+        factors=tuple(kept),
     )
 
 
@@ -170,35 +177,40 @@ def _inverse(value: float | None) -> float | None:
     return None if value is None or value == 0 else 1.0 / value
 
 
-#: dtypes of the 0-dim CPU tensors a Python number becomes in an op, and how their bytes read
-_SCALAR_FORMATS = {torch.int64: "<q", torch.float64: "<d", torch.float32: "<f", torch.int32: "<i"}
-
-
-def _is_one(constant: Any) -> bool:
-    """Whether a constant factor is exactly 1 (known without a device read, see :func:`host_number`)."""
-    return host_number(constant) == 1
+#: dtypes of the 0-dim CPU tensors a Python number becomes in an op, and the ctypes type their bytes read as
+_SCALAR_TYPES = {
+    torch.int64: ctypes.c_int64,
+    torch.float64: ctypes.c_double,
+    torch.float32: ctypes.c_float,
+    torch.int32: ctypes.c_int32,
+}
 
 
 def host_number(constant: Any) -> float | None:
     """A constant factor's value when it is known without a device read: a Python number, or a
     0-dim CPU tensor (what a Python number in ``loss * 1`` becomes) read from its host bytes, not
     through an op (it is host memory: no device is involved, on a GPU run as on the CPU). A device
-    tensor is never read: None, whatever its value."""
+    tensor is never read: None, whatever its value.
+
+    Called at every ``backward()`` (once per constant factor): kept to attribute reads and one
+    ``ctypes`` load (``from_address``, no foreign-function call and no ``torch.device`` made).
+    """
     if isinstance(constant, (int, float)):
         return float(constant)
-    if not isinstance(constant, torch.Tensor) or constant.device.type != "cpu" or constant.dim() != 0:
+    if not isinstance(constant, torch.Tensor) or not constant.is_cpu or constant.dim() != 0:
         return None
-    fmt = _SCALAR_FORMATS.get(constant.dtype)
-    if fmt is None:
+    kind = _SCALAR_TYPES.get(constant.dtype)
+    if kind is None:
         return None
     try:
         # its bytes straight from host memory: an op (item, indexing the storage) would go through
         # the dispatcher, which is what a device read looks like
-        raw = ctypes.string_at(constant.data_ptr(), constant.element_size())
+        address = constant.data_ptr()
     except Exception:  # noqa: BLE001 - a tensor without host bytes (a fake or lazy one): not known
         return None
-    (value,) = struct.unpack(fmt, raw)
-    return float(value)
+    if not address:
+        return None
+    return float(kind.from_address(address).value)
 
 
 def _is_scale(constant: Any, scale: torch.Tensor | None) -> bool:
@@ -215,8 +227,10 @@ def _value_of(call: LossCall) -> torch.Tensor:
     return loss
 
 
-def _describe(op: str, constant: Any, scale: torch.Tensor | None) -> str:
-    sign = "x" if op == _MUL else "/"
-    if _is_scale(constant, scale):
-        return f"{sign} GradScaler scale"
-    return f"{sign} constant"
+#: what undoing a factor is called, by (node, whether the factor is the GradScaler scale)
+_WORDS = {
+    (_MUL, True): "x GradScaler scale",
+    (_DIV, True): "/ GradScaler scale",
+    (_MUL, False): "x constant",
+    (_DIV, False): "/ constant",
+}

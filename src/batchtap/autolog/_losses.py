@@ -64,8 +64,9 @@ class LossCalls:
 
         def loss_function(*args: Any, **kwargs: Any) -> torch.Tensor:
             out = original(*args, **kwargs)
-            if out.grad_fn is not None and not is_compiling():
-                record(out, args, kwargs)
+            node = out.grad_fn
+            if node is not None and not is_compiling():
+                record(out, node, args, kwargs)
             return out
 
         loss_function.__name__ = original.__name__
@@ -74,29 +75,37 @@ class LossCalls:
         loss_function.__wrapped__ = original  # type: ignore[attr-defined]
         return loss_function
 
-    def _record(self, out: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _record(self, out: torch.Tensor, node: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # runs at every training loss call: plain reads, no helper calls
         if out.dim() != 0:
             return  # reduction="none": the loop reduces it itself; the graph walk sees its own nodes
-        logits = args[0] if args else kwargs.get("input")
-        targets = args[1] if len(args) > 1 else kwargs.get("target")
-        ignore = args[_IGNORE_AT] if len(args) > _IGNORE_AT else kwargs.get("ignore_index", -100)
-        reduction = args[_REDUCTION_AT] if len(args) > _REDUCTION_AT else kwargs.get("reduction", "mean")
-        classification = (
+        n = len(args)
+        if kwargs:
+            logits = args[0] if n else kwargs.get("input")
+            targets = args[1] if n > 1 else kwargs.get("target")
+            ignore = args[_IGNORE_AT] if n > _IGNORE_AT else kwargs.get("ignore_index", -100)
+            reduction = args[_REDUCTION_AT] if n > _REDUCTION_AT else kwargs.get("reduction", "mean")
+        else:  # the usual F.cross_entropy(logits, targets)
+            logits = args[0] if n else None
+            targets = args[1] if n > 1 else None
+            ignore = args[_IGNORE_AT] if n > _IGNORE_AT else -100
+            reduction = args[_REDUCTION_AT] if n > _REDUCTION_AT else "mean"
+        if type(ignore) is not int:
+            ignore = int(ignore) if isinstance(ignore, int) else -100
+        if type(reduction) is not str:
+            reduction = str(reduction)
+        if (
             isinstance(logits, torch.Tensor)
             and isinstance(targets, torch.Tensor)
             and logits.dim() >= 2
             and not targets.is_floating_point()
             and not targets.is_complex()
-        )
-        call = LossCall(
-            out,
-            logits.detach() if classification else None,  # type: ignore[union-attr]
-            targets if classification else None,
-            int(ignore) if isinstance(ignore, int) else -100,
-            str(reduction),
-        )
+        ):  # a classification: what accuracy is counted from
+            call = LossCall(out, logits.detach(), targets, ignore, reduction)
+        else:
+            call = LossCall(out, None, None, ignore, reduction)
         by_node = self.by_node
-        by_node[out.grad_fn] = call
+        by_node[node] = call
         if len(by_node) > _KEPT:
             by_node.popitem(last=False)
         self.seen = True

@@ -294,7 +294,10 @@ class Rows:
             return
         outputs, targets = self._classification(micro)
         loss = micro.loss
-        samples = samples_of(None, outputs, targets)  # the Tap's weight of this micro-batch (shape metadata)
+        # the Tap's weight of this micro-batch (shape metadata), as samples_of(None, outputs, targets)
+        samples = (
+            float(outputs.shape[0]) if outputs is not None and outputs.dim() > 0 else samples_of(None, outputs, targets)
+        )
         if summed:
             loss = self._normalised(loss, samples if math.isfinite(samples) else 1.0, last)
         elif math.isfinite(samples):
@@ -339,6 +342,9 @@ class Rows:
 
     def _fits(self, micro: MicroBatch | None, call: str) -> bool:
         """Whether this hand-over has what the run's first one had (its columns are fixed)."""
+        fixed = self._shape
+        if fixed is not None and micro is not None and (micro.outputs is not None or not fixed[1]):
+            return True  # the usual hand-over: a loss, and logits where the first one had them
         shape = (micro is not None, micro is not None and micro.outputs is not None)
         if self._shape is None:
             self._shape = shape

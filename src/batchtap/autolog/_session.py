@@ -178,12 +178,12 @@ class Session:
 
     # ------------------------------------------------------------------ never crash the user's loop
 
-    def guard(self, action: Callable[[], None]) -> None:
-        """Run ``action``; an error stops autolog's recording (said once), never the training."""
+    def guard(self, action: Callable[..., None], *args: Any) -> None:
+        """Run ``action(*args)``; an error stops autolog's recording (said once), never the training."""
         if self.broken:
             return
         try:
-            action()
+            action(*args)
         except Exception as exc:  # noqa: BLE001 - the user's training goes on whatever happened here
             self.broken = True
             self.steps.enabled = self.loaders.enabled = False
@@ -249,7 +249,7 @@ class Session:
 
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
             if not session.broken and not session.ended and not torch.compiler.is_compiling():
-                session.guard(lambda: session._on_backward(tensors))
+                session.guard(session._on_backward, tensors)
             return original(tensors, *args, **kwargs)
 
         backward.__wrapped__ = original  # type: ignore[attr-defined]
@@ -277,8 +277,10 @@ class Session:
         self.patches.replace(dist, "destroy_process_group", destroy_process_group)
 
     def _on_backward(self, tensors: Any) -> None:
-        self.steps.clear_clips()  # a clip before this backward() belongs to an earlier step
-        if self.steps.raised():
+        # at every backward(): kept to attribute reads where nothing is out of the ordinary
+        steps = self.steps
+        steps.clear_clips()  # a clip before this backward() belongs to an earlier step
+        if steps.raised():
             # the backward() calls before an optimizer step that raised belong to no recorded step
             handed = self.rows.drop_pending()
             self.say(
@@ -302,7 +304,7 @@ class Session:
             self.say("non-scalar", "backward() of a non-scalar tensor (with a gradient argument): loss not recorded")
             return
         calls = self.calls
-        found = resolve(tensors, calls.by_node, self.steps.loss_scale())
+        found = resolve(tensors, calls.by_node, steps.loss_scale())
         call = found.call if found.call is not None and found.call.logits is not None else calls.last_classification()
         calls.clear()
         if found.call is None:

@@ -61,7 +61,7 @@ class StepEvent:
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> tuple[float, ...]:
     # A CPU tensor lr (capturable schedulers) is read without any device involvement.
-    return tuple(float(group["lr"]) for group in optimizer.param_groups)
+    return tuple([float(group["lr"]) for group in optimizer.param_groups])
 
 
 class OptimizerSteps:
@@ -70,14 +70,15 @@ class OptimizerSteps:
     Args:
         on_step: called with each step's event (on the training thread).
         on_optimizer: called with each optimizer made (``Optimizer.__init__``) or first seen stepping.
-        guard: runs a callback so that an error in it never reaches the user's loop.
+        guard: ``guard(action, *args)`` runs ``action(*args)`` so that an error in it never reaches the
+            user's loop.
     """
 
     def __init__(
         self,
         on_step: Callable[[StepEvent], None],
         on_optimizer: Callable[[torch.optim.Optimizer], None],
-        guard: Callable[[Callable[[], None]], None],
+        guard: Callable[..., None],
     ) -> None:
         self._on_step = on_step
         self._on_optimizer = on_optimizer
@@ -157,7 +158,7 @@ class OptimizerSteps:
         self._open = None  # an earlier step that raised left its step open: it is not recorded
         if not self.enabled or torch.compiler.is_compiling():
             return
-        self._guard(lambda: self._begin(optimizer, closure))
+        self._guard(self._begin, optimizer, closure)
 
     def _begin(self, optimizer: torch.optim.Optimizer, closure: bool) -> None:
         self.known(optimizer)
@@ -173,7 +174,7 @@ class OptimizerSteps:
         open_step, self._open = self._open, None
         if open_step is None or not self.enabled:
             return
-        self._guard(lambda: self._end(open_step))
+        self._guard(self._end, open_step)
 
     def _end(self, open_step: _OpenStep) -> None:
         optimizer = open_step.optimizer
@@ -220,12 +221,13 @@ class OptimizerSteps:
 
     def clear_clips(self) -> None:
         """A new ``backward()``: norms clipped before it belong to steps already taken (or never)."""
-        self._clips.clear()
+        if self._clips:
+            self._clips.clear()
 
     def _record_clip(self, parameters: list[Any], norm: Any) -> None:
         if not self.enabled or not parameters or not isinstance(norm, torch.Tensor) or torch.compiler.is_compiling():
             return
-        ids = frozenset(id(p) for p in parameters)
+        ids = frozenset(map(id, parameters))
         norm = global_norm(norm)  # FSDP2 / DTensor gradients: the global norm as a plain tensor
         if any(clipped == ids for _, clipped in self._clips):
             return  # clipped twice: the first call's norm is the pre-clip one
@@ -321,7 +323,10 @@ class OptimizerSteps:
     def raised(self) -> bool:
         """Whether an optimizer step raised since the last check (it is still open but no longer on
         the stack: its post-hook never came); called at each ``backward()``. Closes it."""
-        if not step_watch().nesting.stale(sys._getframe(1)):
+        nesting = step_watch().nesting
+        if not nesting.depth:  # no step open (the usual backward()): no frame to look at
+            return False
+        if not nesting.stale(sys._getframe(1)):
             return False
         self._open = None
         return True
