@@ -1,0 +1,70 @@
+"""Row assembly (``autolog/_rows.py``) slips a sampled mutation run over issue 38's files let through
+the other autolog tests (TESTING.md, "third session"); values against the loop's own ``.item()``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.autolog._helpers import autologged
+from tests.conftest import ListSink
+from tests.realloops._loops import F32_REL, assert_one_record_per_step
+
+
+def test_the_first_optimizers_uneven_accumulation_is_a_sample_weighted_mean(sink: ListSink) -> None:
+    """Two optimizers; the first accumulates two micro-batches of 6 and 2 samples, each loss / 2, the
+    second one backward per step: ``loss`` is the micro-batches' sample-weighted mean (not the sum
+    of what backward() got, which is their plain mean), and accuracy counts both micro-batches."""
+    torch.manual_seed(9)
+    expected, hits = [], []
+    with autologged(sink, name="first-accum"):
+        a, b = nn.Linear(5, 3), nn.Linear(5, 3)
+        opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.01), torch.optim.SGD(b.parameters(), lr=0.01)
+        for _ in range(4):
+            total, correct = 0.0, 0
+            for n in (6, 2):
+                x, y = torch.randn(n, 5), torch.randint(0, 3, (n,))
+                logits = a(x)
+                loss = F.cross_entropy(logits, y)
+                (loss / 2).backward()
+                total += loss.item() * n
+                correct += int((logits.argmax(1) == y).sum())
+            opt_a.step()
+            opt_a.zero_grad()
+            xb, yb = torch.randn(8, 5), torch.randint(0, 3, (8,))
+            F.cross_entropy(b(xb), yb).backward()
+            opt_b.step()
+            opt_b.zero_grad()
+            expected.append(total / 8)
+            hits.append(correct / 8)
+    for record, ref, acc in zip(assert_one_record_per_step(sink.records, 4), expected, hits):
+        assert record.values["loss"] == pytest.approx(ref, rel=F32_REL), record.step
+        assert record.values["accuracy"] == pytest.approx(acc), record.step
+
+
+@pytest.mark.parametrize("classify", [False, True], ids=["regression", "classification"])
+def test_a_step_without_backward_after_steps_with_a_loss_is_said_and_not_recorded(
+    sink: ListSink, classify: bool
+) -> None:
+    """An optimizer step with no ``backward()`` before it, in a run whose first step had a loss: the
+    event names the missing loss (not the logits), and that step is not recorded."""
+    torch.manual_seed(10)
+    with autologged(sink, name="no-backward"):
+        model = nn.Linear(4, 3 if classify else 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(4):
+            x = torch.randn(8, 4)
+            if step != 2:
+                out = model(x)
+                if classify:
+                    loss = F.cross_entropy(out, torch.randint(0, 3, (8,)))
+                else:
+                    loss = F.mse_loss(out, torch.randn(8, 1))
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+    said = [e.message for e in sink.events if "came without the" in e.message]
+    assert len(said) == 1 and "came without the loss that" in said[0], [e.message for e in sink.events]
+    assert len([r for r in sink.records if not r.sparse and "loss" in r.values]) == 3
