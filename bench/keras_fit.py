@@ -1,17 +1,44 @@
-"""Keras ``fit()`` time per step: without batchtap, with ``BatchtapCallback``, and with the common
-per-batch recipe (a callback doing ``float(logs["loss"])`` in ``on_train_batch_end``), side by side.
+"""Keras ``fit()`` time per step without and with ``BatchtapCallback`` (and, with ``--float-loss``,
+with the common per-batch recipe: a callback doing ``float(logs["loss"])`` in
+``on_train_batch_end``): the ratio the Keras issue's goal is about (``fit()`` with the callback
+<= 1.02x plain ``fit()``), decided by paired rounds.
 
-Models: ``--model convnet`` (default: the keras.io MNIST convnet, on random 28x28x1 images, batch
-128) or ``--model mlp`` (a tiny MLP, ~1 ms steps). Each variant runs ``--epochs`` epochs; the first
-epoch (tracing, compilation) is left out and the step time is the median over the remaining epochs
-of (epoch time / batches). Variants alternate (plain, batchtap, float(loss), plain, ...) for
-``--repeats`` rounds and the medians are reported. One backend per process (Keras picks it once).
-``--matrix`` runs every TensorFlow setting the goal names in one process: XLA off and on, times
-``steps_per_execution`` 1 and 8 (one table each).
+Model: ``--model convnet`` (default: the keras.io MNIST convnet, on random 28x28x1 images, batch
+128) or ``--model mlp`` (a tiny MLP, ~1 ms steps). One backend per process (Keras picks it once).
+
+How a setting is measured (one ``jit_compile`` x ``steps_per_execution``; ``--matrix`` runs the
+four the goal names, XLA off/on x 1/8, in one process):
+
+* TensorFlow's thread pools are fixed before anything runs (``--threads``: intra-op, inter-op;
+  default ``<cores>,1``), identically for every variant, and printed (torch: ``torch.set_num_threads``).
+* Each variant has its own model, made and compiled once per setting with the same initial
+  weights. A round runs ``fit(epochs=1 + --epochs)`` of each variant in turn, the order reversed
+  every other round (ABBA), so a drift of the machine's load falls on both. The first epoch of
+  every ``fit`` is left out: it holds the tracing and (XLA) compilation, which batchtap repeats
+  at every ``fit`` (its hooks are traced in, and out again at the end).
+* An epoch's time is taken between consecutive ``on_epoch_end`` hooks by a clock that is the
+  last callback, so batchtap's own epoch-boundary work (the ring flush) is inside it. Per round
+  and variant: the median over the timed epochs of (epoch time / batches).
+* Process CPU time (all threads) per step is printed beside the wall time: on a loaded machine
+  it moves far less than wall time, though the goal is about wall time.
+* The ratio is the **median of the paired per-round ratios** (variant / plain of the same round);
+  their quartiles and range are printed, and the verdict: ``met`` when the upper quartile of the
+  paired ratios is <= the goal, ``missed`` when the lower quartile is above it, else
+  ``undecided`` (fewer than 5 rounds, or the quartiles straddle the goal: rerun with more
+  ``--rounds`` on a quieter machine).
+
+Commands (quiet machine; the full matrix takes ~6-10 minutes on 2 cores)::
 
     KERAS_BACKEND=tensorflow .venv/bin/python bench/keras_fit.py --matrix
     KERAS_BACKEND=tensorflow .venv/bin/python bench/keras_fit.py --jit --steps-per-execution 8
     KERAS_BACKEND=torch .venv/bin/python bench/keras_fit.py
+
+Why XLA is slower than plain TensorFlow here (``--explain-xla`` shows it op by op): on the CPU,
+TensorFlow runs the convnet's convolutions and pooling with its oneDNN kernels, while an XLA
+cluster runs XLA:CPU's own code for them (Eigen convolutions, a generic select-and-scatter for
+the max-pool gradient), several times slower per op on this model; it is compiled once per
+``fit`` (the epochs after the first take the same time), so it is a different code path, not a
+recompilation. It is the same for all variants, so the ratio still says what batchtap adds.
 
 ``--compiled-step N`` (TensorFlow) times only the compiled train step (``model.train_step`` in a
 ``tf.function``), called N times in a tight loop on one fixed batch, without and with the hooks
@@ -37,20 +64,29 @@ import numpy as np  # noqa: E402
 import batchtap as bt  # noqa: E402
 from batchtap.integrations.keras import BatchtapCallback  # noqa: E402
 
+GOAL = 1.02
+
 
 class EpochClock(keras.callbacks.Callback):  # type: ignore[misc]
-    """Host time of each epoch (epoch hooks only: no per-batch hook, so it adds no read)."""
+    """Host wall time and process CPU time (all threads) between consecutive epoch ends (epoch
+    hooks only: no per-batch hook, so Keras keeps its asynchronous batch dispatch and no read is
+    added). Put it last among the callbacks: the others' epoch-boundary work then falls inside the
+    interval."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seconds: list[float] = []
-        self._start = 0.0
+        self.cpu: list[float] = []
+        self._last = (0.0, 0.0)
 
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._start = time.perf_counter()
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._last = (time.perf_counter(), time.process_time())
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
+        now = (time.perf_counter(), time.process_time())
+        self.seconds.append(now[0] - self._last[0])
+        self.cpu.append(now[1] - self._last[1])
+        self._last = now
 
 
 class FloatLoss(keras.callbacks.Callback):  # type: ignore[misc]
@@ -83,106 +119,264 @@ def make_model(kind: str, shape: tuple[int, ...]) -> Any:
     )
 
 
-def fit_once(variant: str, x: np.ndarray, y: np.ndarray, args: argparse.Namespace) -> float:
-    model = make_model(args.model, x.shape[1:])
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.01),
-        loss="sparse_categorical_crossentropy",
-        jit_compile=args.jit,
-        steps_per_execution=args.steps_per_execution,
-    )
-    clock = EpochClock()
-    callbacks: list[Any] = [clock]
-    tap = None
-    if variant == "batchtap":
-        tap = bt.Tap(sinks=[], flush_every=50)
-        callbacks.append(BatchtapCallback(tap))
-    elif variant == "float(loss)":
-        callbacks.append(FloatLoss())
-    model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
-    if tap is not None:
-        tap.close()
+def set_threads(spec: str) -> str:
+    """Fix the backend's thread pools (before any op runs); returns what was set, for the output."""
+    intra, _, inter = spec.partition(",")
+    n_intra, n_inter = int(intra), int(inter or 1)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(n_intra)
+        tf.config.threading.set_inter_op_parallelism_threads(n_inter)
+        return f"TensorFlow intra-op {n_intra}, inter-op {n_inter} threads"
+    if keras.backend.backend() == "torch":
+        import torch
+
+        torch.set_num_threads(n_intra)
+        return f"torch {n_intra} threads"
+    return "threads left as they are"
+
+
+class Variant:
+    """One variant of a setting: its own compiled model (reused across rounds) and callbacks."""
+
+    def __init__(self, name: str, args: argparse.Namespace, weights: list[Any] | None, shape: tuple[int, ...]) -> None:
+        self.name = name
+        self.model = make_model(args.model, shape)
+        if weights is not None:
+            self.model.set_weights(weights)
+        self.model.compile(
+            optimizer=keras.optimizers.SGD(0.01),
+            loss="sparse_categorical_crossentropy",
+            jit_compile=args.jit,
+            steps_per_execution=args.steps_per_execution,
+        )
+        self.tap = bt.Tap(sinks=[], flush_every=50) if name == "batchtap" else None
+        self.first: list[float] = []  # the left-out first epochs (tracing, compilation)
+
+    def fit(self, x: np.ndarray, y: np.ndarray, args: argparse.Namespace) -> tuple[float, float]:
+        """One fit(); wall and process-CPU seconds per step (medians over the timed epochs)."""
+        callbacks: list[Any] = []
+        if self.tap is not None:
+            callbacks.append(BatchtapCallback(self.tap))
+        elif self.name == "float(loss)":
+            callbacks.append(FloatLoss())
+        clock = EpochClock()
+        callbacks.append(clock)  # last: the others' epoch-end work is inside its intervals
+        self.model.fit(
+            x, y, batch_size=args.batch_size, epochs=1 + args.epochs, shuffle=False, verbose=0, callbacks=callbacks
+        )
+        batches = len(x) // args.batch_size
+        self.first.append(clock.seconds[0] / batches)
+        return statistics.median(clock.seconds[1:]) / batches, statistics.median(clock.cpu[1:]) / batches
+
+    def close(self) -> None:
+        if self.tap is not None:
+            self.tap.close()
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def spread(ratios: list[float]) -> str:
+    q1, q2, q3 = quartiles(ratios)
+    return f"{q2:.3f}x [{q1:.3f}-{q3:.3f}] ({min(ratios):.3f}-{max(ratios):.3f})"
+
+
+def verdict(ratios: list[float]) -> str:
+    if len(ratios) < 5:
+        return "undecided (fewer than 5 rounds)"
+    q1, _, q3 = quartiles(ratios)
+    if q3 <= GOAL:
+        return "met"
+    if q1 > GOAL:
+        return "missed"
+    return "undecided"
+
+
+def fit_table(x: np.ndarray, y: np.ndarray, args: argparse.Namespace, threads: str) -> None:
+    names = ["plain", "batchtap"] + (["float(loss)"] if args.float_loss else [])
+    started = time.perf_counter()
+    keras.utils.set_random_seed(0)
+    weights = make_model(args.model, x.shape[1:]).get_weights()
+    variants = [Variant(n, args, weights, x.shape[1:]) for n in names]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    for round_ in range(args.rounds):
+        for variant in variants if round_ % 2 == 0 else variants[::-1]:
+            wall, used = variant.fit(x, y, args)
+            times[variant.name].append(wall)
+            cpu[variant.name].append(used)
+    for variant in variants:
+        variant.close()
     batches = len(x) // args.batch_size
-    return statistics.median(clock.seconds[1:]) / batches
+    print(
+        f"\nkeras {keras.__version__}, backend {keras.backend.backend()}, {args.model}, jit_compile={args.jit}, "
+        f"steps_per_execution={args.steps_per_execution}, {threads}; {batches} batches of {args.batch_size}, "
+        f"{args.rounds} rounds (ABBA) of fit(epochs={1 + args.epochs}), first epoch of each fit left out; "
+        f"load average {tuple(round(v, 2) for v in os.getloadavg())}; {time.perf_counter() - started:.0f} s"
+    )
+    print(
+        "| variant | us per step (median) | paired ratio: median [quartiles] (range) | goal | "
+        "CPU us per step | CPU paired ratio | rounds (us) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        med, cpu_med = statistics.median(times[name]), statistics.median(cpu[name])
+        runs = ", ".join(f"{t * 1e6:.0f}" for t in times[name])
+        if name == "plain":
+            print(f"| {name} | {med * 1e6:.0f} | 1 | | {cpu_med * 1e6:.0f} | 1 | {runs} |")
+            continue
+        ratios = [t / p for t, p in zip(times[name], times["plain"])]
+        cpu_ratios = [t / p for t, p in zip(cpu[name], cpu["plain"])]
+        goal = f"<= {GOAL}: {verdict(ratios)}" if name == "batchtap" else ""
+        print(
+            f"| {name} | {med * 1e6:.0f} | {spread(ratios)} | {goal} | {cpu_med * 1e6:.0f} | "
+            f"{statistics.median(cpu_ratios):.3f}x | {runs} |"
+        )
+    first = ", ".join(f"{v.name} {statistics.median(v.first) * 1e6:.0f}" for v in variants)
+    print(f"left-out first epochs (tracing/compilation), us per step, median: {first}")
 
 
-def compiled_step_once(variant: str, x: np.ndarray, y: np.ndarray, args: argparse.Namespace) -> float:
-    """Seconds per call of a tf.function train step (the Keras hooks in it for ``batchtap``)."""
+def compiled_step_table(x: np.ndarray, y: np.ndarray, args: argparse.Namespace, threads: str) -> None:
+    """Seconds per call of a tf.function train step, without and with the hooks, paired rounds."""
     import tensorflow as tf
 
     from batchtap.integrations._keras_tf import TFRecorder
 
-    model = make_model(args.model, x.shape[1:])
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
-    model.optimizer.build(model.trainable_variables)
+    steps: dict[str, Any] = {}
+    recorders = []
     xb, yb = tf.constant(x[: args.batch_size]), tf.constant(y[: args.batch_size])
-    recorder = None
-    if variant == "batchtap":
-        tap = bt.Tap(sinks=[], flush_every=50)
-        recorder = TFRecorder(model, tap, flush_every=None, freeze_on_nan=True)
+    for name in ("plain", "batchtap"):
+        model = make_model(args.model, x.shape[1:])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
+        model.optimizer.build(model.trainable_variables)
+        if name == "batchtap":
+            tap = bt.Tap(sinks=[], flush_every=50)
+            recorders.append((TFRecorder(model, tap, flush_every=None, freeze_on_nan=True), tap))
 
-    @tf.function(jit_compile=args.jit)
-    def step(xs: Any, ys: Any) -> None:
-        model.train_step((xs, ys))
+        def step(xs: Any, ys: Any, model: Any = model) -> None:
+            model.train_step((xs, ys))
 
-    for _ in range(50):
-        step(xb, yb)
-    start = time.perf_counter()
-    for _ in range(args.compiled_step):
-        step(xb, yb)
-    seconds = (time.perf_counter() - start) / args.compiled_step
-    if recorder is not None:
+        steps[name] = tf.function(tf.autograph.experimental.do_not_convert(step), jit_compile=args.jit)
+        for _ in range(50):
+            steps[name](xb, yb)
+    times: dict[str, list[float]] = {"plain": [], "batchtap": []}
+    cpu: dict[str, list[float]] = {"plain": [], "batchtap": []}
+    for round_ in range(args.rounds):
+        for name in ("plain", "batchtap") if round_ % 2 == 0 else ("batchtap", "plain"):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for _ in range(args.compiled_step):
+                steps[name](xb, yb)
+            times[name].append((time.perf_counter() - start) / args.compiled_step)
+            cpu[name].append((time.process_time() - start_cpu) / args.compiled_step)
+    for recorder, tap in recorders:
         recorder.remove()
-    return seconds
+        tap.close()
+    ratios = [b / p for b, p in zip(times["batchtap"], times["plain"])]
+    diffs = [(b - p) * 1e6 for b, p in zip(times["batchtap"], times["plain"])]
+    cpu_diffs = [(b - p) * 1e6 for b, p in zip(cpu["batchtap"], cpu["plain"])]
+    print(
+        f"\ncompiled step only ({args.model}, jit_compile={args.jit}, {threads}), {args.compiled_step} calls per "
+        f"round, {args.rounds} rounds (ABBA); load average {tuple(round(v, 2) for v in os.getloadavg())}"
+    )
+    print(
+        f"plain {statistics.median(times['plain']) * 1e6:.0f} us, with the hooks "
+        f"{statistics.median(times['batchtap']) * 1e6:.0f} us; paired: {statistics.median(diffs):+.0f} us, "
+        f"{spread(ratios)}; process CPU per call: plain {statistics.median(cpu['plain']) * 1e6:.0f} us, paired "
+        f"{statistics.median(cpu_diffs):+.0f} us [{', '.join(f'{d:+.0f}' for d in sorted(cpu_diffs))}]"
+    )
+
+
+def explain_xla(args: argparse.Namespace) -> None:
+    """The convnet's heavy ops, each in a tf.function without and with jit_compile: where XLA:CPU's
+    own kernels are slower than TensorFlow's oneDNN ones."""
+    import tensorflow as tf
+
+    b = args.batch_size
+    x = tf.random.uniform([b, 28, 28, 1])
+    h = tf.random.uniform([b, 13, 13, 32])
+    k1, k2 = tf.Variable(tf.random.normal([3, 3, 1, 32])), tf.Variable(tf.random.normal([3, 3, 32, 64]))
+
+    def conv(inp: Any, k: Any) -> Any:
+        return tf.reduce_sum(tf.nn.conv2d(inp, k, 1, "VALID"))
+
+    def grad(fn: Any, inp: Any, wrt: Any) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch(inp)
+            out = fn(inp)
+        return tape.gradient(out, wrt)
+
+    def pool(inp: Any) -> Any:
+        return tf.reduce_sum(tf.nn.max_pool2d(inp, 2, 2, "VALID"))
+
+    cases = [
+        ("conv 1->32, forward", lambda: conv(x, k1)),
+        ("conv 32->64, forward", lambda: conv(h, k2)),
+        ("conv 32->64, input gradient", lambda: grad(lambda i: conv(i, k2), h, h)),
+        ("conv 32->64, filter gradient", lambda: grad(lambda i: conv(i, k2), h, k2)),
+        ("max-pool, forward", lambda: pool(h)),
+        ("max-pool, gradient", lambda: grad(pool, h, h)),
+    ]
+    print(f"\nms per call, median of 5 x 10 calls (batch {b}); load average {os.getloadavg()}")
+    print("| op | TensorFlow (oneDNN) | XLA | XLA / TF |")
+    print("|---|---|---|---|")
+    for label, fn in cases:
+        out = []
+        for jit in (False, True):
+            compiled = tf.function(fn, jit_compile=jit)
+            compiled()
+            samples = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(10):
+                    compiled()
+                samples.append((time.perf_counter() - start) / 10 * 1e3)
+            out.append(statistics.median(samples))
+        print(f"| {label} | {out[0]:.2f} | {out[1]:.2f} | {out[1] / out[0]:.1f}x |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=None, help="paired rounds per setting (default: 7; XLA 5)")
+    parser.add_argument("--epochs", type=int, default=2, help="timed epochs per fit (after the left-out first)")
+    parser.add_argument("--batches", type=int, default=None, help="batches per epoch (default: 64; XLA 24)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: 128 (convnet), 32 (mlp)")
+    parser.add_argument("--threads", default=f"{os.cpu_count() or 1},1", help="INTRA[,INTER] (default: cores,1)")
     parser.add_argument("--jit", action="store_true")
     parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--float-loss", action="store_true", help="also the float(logs['loss']) callback")
     parser.add_argument("--compiled-step", type=int, default=0, help="time N calls of the compiled step only")
+    parser.add_argument("--explain-xla", action="store_true", help="the convnet's ops with and without XLA")
     parser.add_argument("--model", choices=("convnet", "mlp"), default="convnet")
     parser.add_argument("--matrix", action="store_true", help="XLA off/on x steps_per_execution 1/8 (TensorFlow)")
     args = parser.parse_args()
+    threads = set_threads(args.threads)
     if args.batch_size is None:
         args.batch_size = 128 if args.model == "convnet" else 32
-    rng = np.random.default_rng(0)
+    print(f"load average at start: {os.getloadavg()}; {threads}")
+    if args.explain_xla:
+        explain_xla(args)
+        return
     shape = (28, 28, 1) if args.model == "convnet" else (32,)
-    x = rng.uniform(size=(args.batches * args.batch_size, *shape)).astype("float32")
-    y = rng.integers(0, 10, size=len(x))
     settings = [(False, 1), (False, 8), (True, 1), (True, 8)] if args.matrix else [(args.jit, args.steps_per_execution)]
-    print(f"load average at start: {os.getloadavg()}")
+    rounds, batches = args.rounds, args.batches
     for jit, spe in settings:
         args.jit, args.steps_per_execution = jit, spe
-        table(x, y, args)
-
-
-def table(x: np.ndarray, y: np.ndarray, args: argparse.Namespace) -> None:
-    variants: tuple[str, ...] = ("plain", "batchtap", "float(loss)")
-    run_once = fit_once
-    what = f"steps_per_execution={args.steps_per_execution}, {args.batches} batches of {args.batch_size}, "
-    what += f"median of {args.repeats} interleaved rounds (epochs 2-{args.epochs})"
-    if args.compiled_step:
-        variants, run_once = ("plain", "batchtap"), compiled_step_once
-        what = f"compiled step only, {args.compiled_step} calls per round, median of {args.repeats} interleaved rounds"
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    for _ in range(args.repeats):
-        for variant in variants:
-            times[variant].append(run_once(variant, x, y, args))
-    base = statistics.median(times["plain"])
-    print(
-        f"\nkeras {keras.__version__}, backend {keras.backend.backend()}, {args.model}, jit_compile={args.jit}, {what}"
-    )
-    print("| variant | us per step (median) | vs plain | runs (us) |")
-    print("|---|---|---|---|")
-    for variant in variants:
-        med = statistics.median(times[variant])
-        runs = ", ".join(f"{t * 1e6:.0f}" for t in times[variant])
-        print(f"| {variant} | {med * 1e6:.0f} | {med / base:.3f}x | {runs} |")
+        # XLA steps are ~5x longer on the CPU (see the docstring): fewer batches and rounds, same rule
+        args.rounds = rounds or (5 if jit and args.model == "convnet" else 7)
+        args.batches = batches or (24 if jit and args.model == "convnet" else 64)
+        rng = np.random.default_rng(0)
+        x = rng.uniform(size=(args.batches * args.batch_size, *shape)).astype("float32")
+        y = rng.integers(0, 10, size=len(x))
+        if args.compiled_step:
+            compiled_step_table(x, y, args, threads)
+        else:
+            fit_table(x, y, args, threads)
 
 
 if __name__ == "__main__":
