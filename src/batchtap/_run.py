@@ -238,7 +238,8 @@ class ActiveRun:
         data_time: float,
         micro: MicroBatches | None,
     ) -> None:
-        check_device_context(self.capture, loss, outputs)
+        if self.capture is None or self.capture.cuda:  # nothing to check on a capture known to be off CUDA
+            check_device_context(self.capture, loss, outputs)
         accumulated = micro is not None and micro.count > 0
         if tokens is not None:
             check_count("tokens", tokens)

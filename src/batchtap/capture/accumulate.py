@@ -95,7 +95,7 @@ class MicroBatches:
             acc = self._acc
             first = self.count == 0
             row = acc if first else self._scratch
-            torch.stack(list(values), out=row)  # casts to float32 on the way in
+            torch.stack(values if type(values) is list else list(values), out=row)  # cast to float32 on the way
             if self._mean is not None:
                 if weight != self._weight:  # made once while the micro-batches keep their size
                     self._scale, self._weight = torch.where(self._mean, weight, 1.0), weight
