@@ -8,7 +8,10 @@ have no host-read count.
 
 A distributed scenario's runner runs inside each rank that ``_fw_worker.py`` starts under torchrun
 (the framework makes its process group itself) and asserts that the framework really ran the engine
-the scenario names (``_assert_engine``).
+the scenario names (``_assert_engine``). The GPU scenario (``fsdp2-cuda-1-rank``: one rank under torchrun,
+FSDP2 on a single-rank mesh on CUDA) runs the same runners on the GPU (``accelerator="cuda"``,
+``use_cpu=False``, ``Accelerator(cpu=False)``); those cells were written on a machine without a GPU and
+have not run yet: ``bench/gpu_check.sh`` runs them.
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ def run_lightning(scenario: str, workdir: Path, *, autolog: bool = False) -> Out
         callbacks = [BatchtapCallback(tap, name=scenario)]
     trainer = pl.Trainer(
         max_epochs=EPOCHS,
-        accelerator="cpu",
+        accelerator="cuda" if opts.device == "cuda" else "cpu",
         devices=opts.world if opts.dist != "none" else 1,  # under torchrun: its ranks, no process started here
         strategy=_lightning_strategy(opts),
         logger=False,
@@ -220,6 +223,7 @@ def run_hf(scenario: str, workdir: Path, *, autolog: bool = False) -> Outcome:
         max_grad_norm=MAX_NORM if opts.clip == "get_total_norm" else 1.0,
         learning_rate=0.01,
         num_train_epochs=EPOCHS,
+        use_cpu=opts.device != "cuda",
         **({"fsdp": "full_shard", "fsdp_config": {"version": 2}} if opts.dist == "fsdp2" else {}),
     )
     if autolog:
@@ -236,7 +240,7 @@ def run_hf(scenario: str, workdir: Path, *, autolog: bool = False) -> Outcome:
 
     def clip_with_truth(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         parameters = list(parameters)
-        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None]).item()
+        norm = _full(torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])).item()
         lr = float(trainer.optimizer.param_groups[0]["lr"])
         epoch = len(truth) // steps_per_epoch
         step = micro[:]
@@ -285,7 +289,7 @@ def run_accelerate(scenario: str, workdir: Path) -> Outcome:
     tracker = BatchtapTracker(tap, run_name=scenario)
     fsdp = accelerate.utils.FullyShardedDataParallelPlugin(fsdp_version=2) if opts.dist == "fsdp2" else None
     accelerator = accelerate.Accelerator(
-        cpu=True, gradient_accumulation_steps=opts.accum, log_with=tracker, fsdp_plugin=fsdp
+        cpu=opts.device != "cuda", gradient_accumulation_steps=opts.accum, log_with=tracker, fsdp_plugin=fsdp
     )  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
@@ -315,9 +319,9 @@ def run_accelerate(scenario: str, workdir: Path) -> Outcome:
                 norm = None
                 if accelerator.sync_gradients:
                     grads = [p.grad for p in model.parameters() if p.grad is not None]
-                    norm_truth = torch.nn.utils.get_total_norm(grads).item()
+                    norm_truth = _full(torch.nn.utils.get_total_norm(grads)).item()
                     lr = float(optimizer.param_groups[0]["lr"])  # the rate this step uses
-                    if opts.clip == "get_total_norm":
+                    if opts.clip != "none":  # an Accelerate loop clips through the accelerator (FSDP2: a DTensor)
                         norm = accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
                 optimizer.step()
                 scheduler.step()

@@ -63,6 +63,7 @@ OPTIONS: dict[str, Options] = {
     "pad-100": Options(pad=-100),
     "pad-1": Options(pad=-1),
     "ddp-2-ranks": Options(dist="ddp"),
+    "ddp-2-ranks-undivided-accum": Options(dist="ddp", accum=2, backward="undivided"),
     "fsdp2-2-ranks": Options(dist="fsdp2", clip="torch"),
     "fsdp2-2-ranks-full_tensor": Options(dist="fsdp2", clip="torch", norm_as="full_tensor"),
     # the CUDA cells (bench/gpu_check.sh): a single-rank mesh on one GPU where two are not lent

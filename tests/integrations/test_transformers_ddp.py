@@ -26,13 +26,20 @@ WORKER = Path(__file__).with_name("transformers_ddp_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch(kind: str, out: Path) -> tuple[list[list[tuple[float, int]]], list[float], list[str]]:
+def _launch(
+    kind: str, out: Path, *, autolog: bool = False
+) -> tuple[list[list[tuple[float, int]]], list[float], list[str]]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # torchrun sets them for each rank
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     done = subprocess.run(
-        [*command, str(WORKER), kind, str(out)], cwd=out, env=env, capture_output=True, text=True, timeout=600
+        [*command, str(WORKER), kind, str(out), *(["autolog"] if autolog else [])],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
     ranks = [json.loads((out / f"micro{r}.json").read_text()) for r in range(2)]
@@ -63,3 +70,28 @@ def test_a_model_that_ignores_the_count_has_the_process_factor_undone(tmp_path: 
         assert stored == pytest.approx(sum(per_rank) / 2, rel=1e-5)
     said = [w for w in warnings if "num_items_in_batch" in w]
     assert said and "4x the step's mean loss (2 micro-batches x 2 processes)" in said[0]
+
+
+#: autolog (H1's) reads the Trainer's ``loss *= num_processes`` as a constant factor like an accumulation
+#: division: undone, and the step then stored as the mean of its micro-batches, not their sum (BERT: half the
+#: truth); for the causal LM the factor is needed (its count is all ranks' tokens) and is undone too (a quarter)
+_AUTOLOG_PROCESS_FACTOR = pytest.mark.xfail(
+    strict=True, reason="autolog takes the Trainer's process factor for an accumulation division (the lead's note)"
+)
+
+
+@pytest.mark.parametrize(
+    "kind", [pytest.param("bert", marks=_AUTOLOG_PROCESS_FACTOR), pytest.param("gpt2", marks=_AUTOLOG_PROCESS_FACTOR)]
+)
+def test_autolog_over_the_plain_trainer_stores_what_batchtap_trainer_stores(kind: str, tmp_path: Path) -> None:
+    # the same script with transformers.Trainer unmodified and bt.autolog() at its top (what batchtap run
+    # records): the same truth as BatchtapTrainer's tests above, the process factor undone for BERT
+    ranks, losses, _ = _launch(kind, tmp_path, autolog=True)
+    assert len(losses) == 2 and all(len(r) == 4 for r in ranks)
+    for step, stored in enumerate(losses):
+        if kind == "bert":
+            truth = sum(sum(mean for mean, _ in r[2 * step : 2 * step + 2]) for r in ranks) / 2
+        else:
+            micro = [m for r in ranks for m in r[2 * step : 2 * step + 2]]
+            truth = sum(ce for ce, _ in micro) / sum(kept for _, kept in micro)
+        assert stored == pytest.approx(truth, rel=1e-5), (step, stored, truth)
