@@ -4,6 +4,7 @@ session"): the saying deleted, the run goes on silently incomplete."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -49,3 +50,37 @@ def test_layers_asked_for_with_no_module_holding_the_parameters_is_said(sink: Li
             opt.zero_grad()
     assert [e for e in sink.events if "no torch.nn.Module holds the optimizer's parameters" in e.message]
     assert not [k for r in sink.records for k in r.values if "/" in k and k.split("/")[0].endswith("_norm")]
+
+
+def test_the_run_starts_when_autolog_is_called_without_a_process_group_to_wait_for(sink: ListSink) -> None:
+    """A single-process script: the run is started by ``bt.autolog()`` itself (not later, at the
+    first optimizer), so a script that ends before training still has its run stored and ended."""
+    with autologged(sink, name="started-at-once") as tap:
+        assert tap.run_info is not None
+        assert [run.name for run in sink.started] == ["started-at-once"]
+    assert [run.name for run in sink.ended] == ["started-at-once"]
+
+
+def test_the_row_still_open_at_the_end_is_written(sink: ListSink) -> None:
+    """Two optimizers; the loop ends after the first one's step of a last iteration (the second never
+    steps): that row is open when autolog ends, and is written with the first optimizer's loss."""
+    torch.manual_seed(11)
+    expected = []
+    with autologged(sink, name="open-row"):
+        a, b = nn.Linear(5, 3), nn.Linear(5, 3)
+        opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.01), torch.optim.SGD(b.parameters(), lr=0.01)
+        for i in range(4):
+            x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+            loss = F.cross_entropy(a(x), y)
+            loss.backward()
+            opt_a.step()
+            opt_a.zero_grad()
+            expected.append(loss.item())
+            if i == 3:
+                break
+            F.cross_entropy(b(x), y).backward()
+            opt_b.step()
+            opt_b.zero_grad()
+    rows = [r for r in sink.records if not r.sparse]
+    assert len(rows) == 4
+    assert [r.values["loss"] for r in rows] == pytest.approx(expected, rel=1e-6)
