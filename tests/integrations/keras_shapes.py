@@ -378,12 +378,15 @@ def process_pipeline() -> dict[str, Any]:
     import sqlite3
     import tempfile
 
-    from tests.integrations.keras_modules_sink import FrameworksSink, notes
+    from tests.pipeline.probe_sinks import ModulesSink, notes
 
     folder = tempfile.mkdtemp(prefix="batchtap-keras-")
     db, path = os.path.join(folder, "store.db"), os.path.join(folder, "modules.jsonl")
     tap = bt.Tap(
-        sinks=[bt.sinks.SQLite(db), FrameworksSink(path)], flush_every=5, flush_seconds=1e6, pipeline="process"
+        sinks=[bt.sinks.SQLite(db), ModulesSink(path, modules=("torch", "tensorflow"))],
+        flush_every=5,
+        flush_seconds=1e6,
+        pipeline="process",
     )
     case = two_heads("dict", tap)
     rows: dict[int, dict[str, Any]] = {}
