@@ -5,6 +5,7 @@ Usage::
     .venv/bin/python tools/mutate.py                      # every module in MODULES, sampled (--fraction)
     .venv/bin/python tools/mutate.py --only pipeline/chain/reduce.py --fraction 1   # every mutant of one module
     .venv/bin/python tools/mutate.py --ids mutants.txt    # re-run the mutants listed (one id a line)
+    .venv/bin/python tools/mutate.py --no-pinned --seed 38 --fraction 0.06 --only ui/app.py   # a fresh sample only
 
 Why a script of our own: mutmut 3 rewrites the package into a trampoline tree and cannot follow the
 distributed tests, which start fresh interpreters on the checkout; cosmic-ray needs a session
@@ -86,30 +87,52 @@ TESTS: dict[str, list[str]] = {
     ],
     "pipeline/chain/dispatch.py": ["tests/pipeline/test_dispatch.py", "tests/faults/test_three_mutants.py"],
     "sinks/resilient.py": ["tests/sinks/test_resilient.py"],
-    "sinks/spool.py": ["tests/sinks/test_resilient.py", "tests/cli/test_replay.py"],
+    "sinks/spool.py": [
+        "tests/sinks/test_mutants_spool.py",
+        "tests/sinks/test_resilient.py",
+        "tests/cli/test_replay.py",
+    ],
     "rules/engine.py": ["tests/rules/test_engine.py", "tests/test_tap_rules.py"],
     "store/schema.py": ["tests/store/test_schema.py", "tests/sinks/test_sqlite.py"],
     # issue 38: the files an independent mutation run found weakest
-    "autolog/_graph.py": ["tests/autolog/test_steps.py", "tests/autolog/test_realloops.py"],
-    "autolog/_losses.py": ["tests/autolog/test_steps.py", "tests/autolog/test_realloops.py"],
+    # the new test files first: -x stops at the first failure, and they take seconds
+    "autolog/_graph.py": [
+        "tests/autolog/test_mutants_graph.py",
+        "tests/autolog/test_loop_shapes.py",
+        "tests/autolog/test_steps.py",
+        "tests/autolog/test_realloops.py",
+    ],
+    "autolog/_losses.py": [
+        "tests/autolog/test_mutants_graph.py",
+        "tests/autolog/test_loop_shapes.py",
+        "tests/autolog/test_steps.py",
+        "tests/autolog/test_realloops.py",
+    ],
     "autolog/_steps.py": [
+        "tests/autolog/test_loop_shapes.py",
         "tests/autolog/test_steps.py",
         "tests/autolog/test_step_definition.py",
         "tests/autolog/test_realloops.py",
     ],
-    "autolog/_rows.py": ["tests/autolog/test_steps.py", "tests/autolog/test_realloops.py"],
+    "autolog/_rows.py": [
+        "tests/autolog/test_mutants_rows.py",
+        "tests/autolog/test_loop_shapes.py",
+        "tests/autolog/test_steps.py",
+        "tests/autolog/test_realloops.py",
+    ],
     "autolog/_session.py": [
+        "tests/autolog/test_mutants_session.py",
         "tests/autolog/test_lifecycle.py",
         "tests/test_lifecycle.py",
         "tests/autolog/test_steps.py",
     ],
-    "ui/decimate.py": ["tests/ui/test_decimate.py", "tests/ui/test_server.py"],
+    "ui/decimate.py": ["tests/ui/test_mutants_decimate.py", "tests/ui/test_decimate.py", "tests/ui/test_server.py"],
     "ui/auth.py": ["tests/ui/test_security.py", "tests/ui/test_server.py"],
     "ui/app.py": ["tests/ui/test_security.py", "tests/ui/test_server.py"],
     "integrations/_tf_ring.py": ["tests/integrations/test_keras.py"],
     "metrics/sampling.py": ["tests/metrics/test_system.py", "tests/rules/test_gpu_starved.py"],
     "rules/builtin.py": ["tests/rules", "tests/faults/test_edges_mutants.py"],
-    "sinks/webhook.py": ["tests/sinks/test_webhook.py"],
+    "sinks/webhook.py": ["tests/sinks/test_mutants_webhook.py", "tests/sinks/test_webhook.py"],
     "_stale.py": ["tests/faults/test_edges_mutants.py", "tests/faults/test_group_kill.py"],
 }
 
@@ -386,6 +409,9 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.05, help="share of each module's sites sampled; 1 = all")
     ap.add_argument("--min-per-module", type=int, default=2, help="sample at least this many per module")
     ap.add_argument("--seed", type=int, default=16)
+    ap.add_argument(
+        "--no-pinned", action="store_true", help="sample only: leave out the PINNED functions' sites (a fresh estimate)"
+    )
     ap.add_argument("--ids", type=Path, help="file of mutant ids to run (others skipped)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant before it counts killed")
     ap.add_argument("--out", type=Path, default=ROOT / "mutants.json")
@@ -416,8 +442,8 @@ def main() -> None:
                 listed = [m for m in listed if m[0].id in wanted]
             elif args.fraction < 1:
                 pinned = _pinned_lines(ast.parse((ROOT / PKG / module).read_text()), module)
-                always = [m for m in listed if m[0].line in pinned]
-                rest = [m for m in listed if m[0].line not in pinned]
+                always = [] if args.no_pinned else [m for m in listed if m[0].line in pinned]
+                rest = [m for m in listed if args.no_pinned or m[0].line not in pinned]
                 k = min(len(rest), max(args.min_per_module, round(args.fraction * total)))
                 listed = sorted(always + rng.sample(rest, k), key=lambda m: int(m[0].id.split(":")[1]))
             print(f"== {module}: {total} sites, running {len(listed)}", flush=True)
