@@ -7,8 +7,13 @@ sleeps a known time, so every stored wait has a lower bound; only bounds and ord
 
 from __future__ import annotations
 
+import os
+import sqlite3
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -106,3 +111,30 @@ def test_no_note_where_the_trainers_log_agrees(tmp_path, model, divide: bool) ->
     records, sink, _, trainer = _train(tmp_path, model(), 22 if not divide else 20, divide=divide)
     assert not [e for e in sink.events if NOTE in e.message]
     assert [r.values["loss"] for r in records] == pytest.approx(_logged(trainer, "loss"), rel=1e-5)
+
+
+WORKER = Path(__file__).with_name("transformers_data_time_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_dispatched_stream_on_two_gloo_ranks_gives_each_step_its_own_wait(tmp_path: Path) -> None:
+    # Accelerate dispatches a stream: the main process fetches 2 raw batches per step (one per process)
+    # and broadcasts them, the other rank waits in the broadcast. Step 1's raw batches (2 and 3) are slow:
+    # on both ranks step 1 stores that wait, and no other step does
+    from tests.integrations.transformers_data_time_worker import SLOW
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # torchrun sets them for each rank
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER)]
+    done = subprocess.run(
+        [*command, "2,3", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    with sqlite3.connect(tmp_path / "store.db") as conn:
+        rows = conn.execute("SELECT rank, step, value FROM metrics WHERE metric = 'data_time' AND rank >= 0").fetchall()
+    for rank in (0, 1):
+        waits = {step: value for r, step, value in rows if r == rank}
+        assert sorted(waits) == [0, 1, 2, 3], (rank, rows)
+        assert waits[1] >= SLOW, (rank, waits)
+        assert max(w for s, w in waits.items() if s != 1) < waits[1] / 2, (rank, waits)

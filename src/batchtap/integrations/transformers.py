@@ -119,6 +119,10 @@ class _Driver:
         ``base_dataloader.__iter__()`` by name, so an instance attribute there sees every fetch in
         order; each wait waits in :attr:`waits` until its batch reaches ``compute_loss``.
         """
+        kind = type(loader)
+        if kind.__name__ == "DataLoaderDispatcher" and kind.__module__.startswith("accelerate."):
+            self._time_dispatches(loader, kind)
+            return
         base = getattr(loader, "base_dataloader", None)
         if not isinstance(base, torch.utils.data.DataLoader) or "__iter__" in vars(base):
             return  # not Accelerate's loader (no fetch to time), or timed already
@@ -127,6 +131,27 @@ class _Driver:
             return self._timed(type(base).__iter__(base))
 
         base.__iter__ = __iter__  # type: ignore[method-assign,assignment]
+
+    def _time_dispatches(self, loader: Any, kind: type) -> None:
+        """A ``DataLoaderDispatcher`` (``dispatch_batches``, Accelerate's default for an
+        ``IterableDataset``): the main process fetches ``num_processes`` batches of the
+        ``DataLoader`` per dispatched batch and broadcasts them, the others wait in that broadcast,
+        all inside its ``_fetch_batches`` (called by name, one batch ahead): each call is one
+        dispatched batch's wait, on every process. The call that finds the loader exhausted adds a
+        wait no batch takes; the next epoch's start clears it."""
+        if "_fetch_batches" in vars(loader):
+            return  # timed already
+        fetch = kind._fetch_batches  # type: ignore[attr-defined]
+        waits = self.waits
+
+        def _fetch_batches(iterator: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fetch(loader, iterator)
+            finally:
+                waits.append(time.perf_counter() - started)
+
+        loader._fetch_batches = _fetch_batches
 
     def _timed(self, iterator: Iterator[Any]) -> Iterator[Any]:
         return timed_fetches(iterator, self.waits.append, time.perf_counter)
