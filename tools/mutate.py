@@ -133,7 +133,11 @@ TESTS: dict[str, list[str]] = {
     "metrics/sampling.py": ["tests/metrics/test_system.py", "tests/rules/test_gpu_starved.py"],
     "rules/builtin.py": ["tests/rules", "tests/faults/test_edges_mutants.py"],
     "sinks/webhook.py": ["tests/sinks/test_mutants_webhook.py", "tests/sinks/test_webhook.py"],
-    "_stale.py": ["tests/faults/test_edges_mutants.py", "tests/faults/test_group_kill.py"],
+    "_stale.py": [
+        "tests/faults/test_mutants_stale.py",
+        "tests/faults/test_edges_mutants.py",
+        "tests/faults/test_group_kill.py",
+    ],
 }
 
 #: the modules the issue names (issue 16): the default run
