@@ -110,7 +110,8 @@ def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Te
         names.append(name)
         call = calls.get(node)
         if call is not None:
-            return _resolved(_value_of(call), call, factors, scale, names, tensor)
+            value = call.output.detach() if call.reduction != "sum" else _value_of(call)
+            return _resolved(value, call, factors, scale, names, tensor)
         following = node.next_functions
         if name in _THROUGH and following:
             node = following[0][0]
@@ -143,7 +144,7 @@ def _resolved(
 ) -> Resolved:
     # one pass over the factors (this runs at every backward(): no generator per field)
     if not factors:  # loss.backward() itself (or through x 1): nothing undone
-        return Resolved(value, call, (), shape=tuple(names))
+        return Resolved(value, call, (), None, False, tuple(names))
     undone: list[str] = []
     kept: list[float | None] = []  # the factors but the scale, as multipliers
     scaled = divides = False
@@ -153,7 +154,7 @@ def _resolved(
             scaled = True
         else:
             undone.append(_WORDS[op, False])
-            kept.append(number if op == _MUL else _inverse(number))
+            kept.append(number if op == _MUL else (None if number is None or number == 0 else 1.0 / number))
             divides = divides or op == _DIV
     normalised = divides and call is not None and call.reduction == "sum"
     if normalised:  # what backward() got, the scale undone: sums to sum(CE) / N over the step
@@ -161,24 +162,14 @@ def _resolved(
         for op, constant, _ in factors:
             if scale is not None and _is_scale(constant, scale):
                 value = value / constant if op == _MUL else value * constant
+    # positional, in Resolved's field order: loss, call, undone, scale, divided, shape, normalised, factors
     return Resolved(
-        value,
-        call,
-        tuple(undone),
-        scale=scale if scaled else None,
-        divided=bool(kept),
-        shape=tuple(names),
-        normalised=normalised,
-        factors=tuple(kept),
+        value, call, tuple(undone), scale if scaled else None, bool(kept), tuple(names), normalised, tuple(kept)
     )
 
 
-def _inverse(value: float | None) -> float | None:
-    return None if value is None or value == 0 else 1.0 / value
-
-
 #: dtypes of the 0-dim CPU tensors a Python number becomes in an op, and the ctypes type their bytes read as
-_SCALAR_TYPES = {
+_SCALAR_TYPES: dict[torch.dtype, Any] = {
     torch.int64: ctypes.c_int64,
     torch.float64: ctypes.c_double,
     torch.float32: ctypes.c_float,

@@ -290,9 +290,13 @@ class Rows:
         )
 
     def _accumulate(self, micro: MicroBatch, *, summed: bool = False, last: bool = False) -> None:
-        if not self._fits(micro, "accumulate"):
-            return
-        outputs, targets = self._classification(micro)
+        fixed, outputs = self._shape, micro.outputs
+        if fixed is not None and fixed[1] and outputs is not None and micro.ignore_index == self._ignore_index:
+            targets = micro.targets  # the usual micro-batch: what _fits and _classification let through as is
+        else:
+            if not self._fits(micro, "accumulate"):
+                return
+            outputs, targets = self._classification(micro)
         loss = micro.loss
         # the Tap's weight of this micro-batch (shape metadata), as samples_of(None, outputs, targets)
         samples = (
@@ -327,6 +331,9 @@ class Rows:
         return loss
 
     def _classification(self, micro: MicroBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if micro.ignore_index == self._ignore_index and micro.outputs is not None and self._shape is not None:
+            if self._shape[1]:  # the usual micro-batch: the run's accuracy inputs, as before
+                return micro.outputs, micro.targets
         if micro.outputs is None or self._shape is None or not self._shape[1]:
             return None, None
         if self._ignore_index is None:

@@ -185,10 +185,14 @@ class Session:
         try:
             action(*args)
         except Exception as exc:  # noqa: BLE001 - the user's training goes on whatever happened here
-            self.broken = True
-            self.steps.enabled = self.loaders.enabled = False
-            self.say("error", f"autolog stopped recording after an error of its own: {type(exc).__name__}: {exc}")
-            log.debug("batchtap autolog error", exc_info=True)
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        """An error of autolog's own: recording stops (said once), the training goes on."""
+        self.broken = True
+        self.steps.enabled = self.loaders.enabled = False
+        self.say("error", f"autolog stopped recording after an error of its own: {type(exc).__name__}: {exc}")
+        log.debug("batchtap autolog error", exc_info=True)
 
     def say(self, key: str, message: str) -> None:
         """Report ``message`` once per run: a warning event with the run, and the log; a note
@@ -246,10 +250,14 @@ class Session:
     def _patch_backward(self) -> None:
         original = torch.autograd.backward
         session = self
+        is_compiling = torch.compiler.is_compiling
 
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if not session.broken and not session.ended and not torch.compiler.is_compiling():
-                session.guard(session._on_backward, tensors)
+            if not session.broken and not session.ended and not is_compiling():
+                try:  # session.guard, inlined: this runs at every backward()
+                    session._on_backward(tensors)
+                except Exception as exc:  # noqa: BLE001 - the user's training goes on whatever happened here
+                    session._failed(exc)
             return original(tensors, *args, **kwargs)
 
         backward.__wrapped__ = original  # type: ignore[attr-defined]
@@ -279,8 +287,9 @@ class Session:
     def _on_backward(self, tensors: Any) -> None:
         # at every backward(): kept to attribute reads where nothing is out of the ordinary
         steps = self.steps
-        steps.clear_clips()  # a clip before this backward() belongs to an earlier step
-        if steps.raised():
+        if steps._clips:
+            steps.clear_clips()  # a clip before this backward() belongs to an earlier step
+        if steps.watch.nesting.depth and steps.raised():
             # the backward() calls before an optimizer step that raised belong to no recorded step
             handed = self.rows.drop_pending()
             self.say(
@@ -304,9 +313,9 @@ class Session:
             self.say("non-scalar", "backward() of a non-scalar tensor (with a gradient argument): loss not recorded")
             return
         calls = self.calls
-        found = resolve(tensors, calls.by_node, steps.loss_scale())
+        found = resolve(tensors, calls.by_node, steps.loss_scale() if steps._scaler is not None else None)
         call = found.call if found.call is not None and found.call.logits is not None else calls.last_classification()
-        calls.clear()
+        calls.by_node.clear()
         if found.call is None:
             if found.undone:
                 self.say(
@@ -322,18 +331,21 @@ class Session:
                     "targets) was computed with a gradient: loss only, no accuracy (a custom or regression "
                     "loss, or a loss function imported by name before bt.autolog() ran)",
                 )
-        micro = MicroBatch(
-            found.loss,
-            raw=tensors.detach(),
-            scale=found.scale,
-            divided=found.divided,
-            shape=found.shape,
-            normalised=found.normalised,
-            factors=found.factors,
+        classified = call is not None and call.logits is not None
+        self.rows.on_backward(
+            MicroBatch(  # positional: MicroBatch's field order
+                found.loss,
+                call.logits if classified else None,  # type: ignore[union-attr]
+                call.targets if classified else None,  # type: ignore[union-attr]
+                call.ignore_index if classified else -100,  # type: ignore[union-attr]
+                tensors.detach(),
+                found.scale,
+                found.divided,
+                found.shape,
+                found.normalised,
+                found.factors,
+            )
         )
-        if call is not None and call.logits is not None:
-            micro.outputs, micro.targets, micro.ignore_index = call.logits, call.targets, call.ignore_index
-        self.rows.on_backward(micro)
 
 
 def _process_group_pending() -> bool:

@@ -94,11 +94,14 @@ class OptimizerSteps:
         self._patches: PatchRegistry | None = None
         self._zero: Any = None  # inside a DeepSpeed ZeRO optimizer's step: that optimizer
         self._zero_patched: set[type] = set()
+        self._last_ids: tuple[weakref.ref[torch.optim.Optimizer], frozenset[int]] | None = None
+        #: the process's shared step watch (its ``nesting.depth`` is read at every backward())
+        self.watch = step_watch()
         self.enabled = True
 
     def install(self, patches: PatchRegistry) -> None:
         self._patches = patches
-        patches.handle(step_watch().listen(self))  # the hooks every batchtap part shares
+        patches.handle(self.watch.listen(self))  # the hooks every batchtap part shares
         self._patch_init(patches)
         self._patch_clip(patches)
         self._patch_scaler(patches)
@@ -234,10 +237,14 @@ class OptimizerSteps:
         self._clips.append((norm, ids))
 
     def _param_ids(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
+        last = self._last_ids  # the optimizer asked last (the usual loop has one): no weak-dict lookup
+        if last is not None and last[0]() is optimizer:
+            return last[1]
         ids = self._params.get(optimizer)
         if ids is None:
             ids = frozenset(id(p) for group in optimizer.param_groups for p in group["params"])
             self._params[optimizer] = ids
+        self._last_ids = (weakref.ref(optimizer), ids)
         return ids
 
     # ------------------------------------------------------------------ clip_grad_norm_
@@ -323,7 +330,7 @@ class OptimizerSteps:
     def raised(self) -> bool:
         """Whether an optimizer step raised since the last check (it is still open but no longer on
         the stack: its post-hook never came); called at each ``backward()``. Closes it."""
-        nesting = step_watch().nesting
+        nesting = self.watch.nesting
         if not nesting.depth:  # no step open (the usual backward()): no frame to look at
             return False
         if not nesting.stale(sys._getframe(1)):
