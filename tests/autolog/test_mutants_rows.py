@@ -68,3 +68,38 @@ def test_a_step_without_backward_after_steps_with_a_loss_is_said_and_not_recorde
     said = [e.message for e in sink.events if "came without the" in e.message]
     assert len(said) == 1 and "came without the loss that" in said[0], [e.message for e in sink.events]
     assert len([r for r in sink.records if not r.sparse and "loss" in r.values]) == 3
+
+
+class _FlakyOnce(torch.optim.SGD):
+    """An optimizer whose second step raises once (a loop that catches it and trains on)."""
+
+    calls = 0
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def,override]
+        type(self).calls += 1
+        if type(self).calls == 2:
+            raise RuntimeError("flaky step")
+        return super().step(closure)
+
+
+def test_a_raised_step_after_micro_batches_were_handed_over_says_they_count_in_the_next_row(
+    sink: ListSink,
+) -> None:
+    """One optimizer, two micro-batches (each loss / 2) per step; the second step raises and the loop
+    goes on: the saying tells that the micro-batch already handed over counts in the next row."""
+    torch.manual_seed(12)
+    _FlakyOnce.calls = 0
+    with autologged(sink, name="flaky"):
+        model = nn.Linear(4, 3)
+        opt = _FlakyOnce(model.parameters(), lr=0.01)
+        for _ in range(3):
+            for _ in range(2):
+                loss = F.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
+                (loss / 2).backward()
+            try:
+                opt.step()
+            except RuntimeError:
+                pass
+            opt.zero_grad()
+    said = [e.message for e in sink.events if "an optimizer step raised" in e.message]
+    assert len(said) == 1 and "already handed over: they count in the next step's row" in said[0], said
