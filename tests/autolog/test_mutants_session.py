@@ -84,3 +84,27 @@ def test_the_row_still_open_at_the_end_is_written(sink: ListSink) -> None:
     rows = [r for r in sink.records if not r.sparse]
     assert len(rows) == 4
     assert [r.values["loss"] for r in rows] == pytest.approx(expected, rel=1e-6)
+
+
+def test_loss_only_is_said_for_a_regression_loss_and_nothing_for_a_recognised_one(sink: ListSink) -> None:
+    """``F.mse_loss``: autolog says once that it records the loss only (no accuracy); a recognised
+    classification loss (``F.cross_entropy``) gets neither that nor the "assumed" saying."""
+    with autologged(sink, name="regression"):
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(2):
+            F.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert len([e for e in sink.events if "loss only, no accuracy" in e.message]) == 1
+    other = ListSink()
+    with autologged(other, name="classification"):
+        model = nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(2):
+            (F.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+    assert not [e for e in other.events if "loss only" in e.message or "no recognised loss" in e.message], [
+        e.message for e in other.events
+    ]
