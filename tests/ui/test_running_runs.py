@@ -6,6 +6,7 @@ Real stores written by the real sinks; the memory bounds are in tests/ui/test_me
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,6 +170,12 @@ def test_a_rollback_and_a_tap_log_value_mid_run_match_a_full_read(live: tuple[SQ
     sink.write(_records(range(1060, 1070)))
     got = _polled(store)
     assert got == _full(store) and got["last_step"] == 1069 and got["steps"] == 1070
+    # a rollback's event stored before the rows of the steps it undid (read after it, left out)
+    sink.write([], [Event(RUN, 1069, EventKind.ACTION, "rollback: undone steps 1070..1079", 2069.0)])
+    _polled(store)
+    sink.write(_records(range(1070, 1080), scale=0.0001) + _records(range(1080, 1085), scale=1000.0))
+    got = _polled(store)
+    assert got == _full(store) and got["rolled_back"] == [[1020, 1049], [1070, 1079]]
 
 
 def test_polls_from_many_threads_while_the_run_is_written_end_equal_to_a_full_read(
@@ -268,3 +275,23 @@ def test_a_running_runs_epochs_are_read_incrementally(tmp_path: Path) -> None:
     finally:
         store.close()
         sink.close()
+
+
+def test_nan_and_infinite_values_of_a_running_run_count_as_a_full_read_counts_them(
+    live: tuple[SQLite, ReadOnlyStore],
+) -> None:
+    sink, store = live
+    _polled(store)
+    odd = {1000: math.nan, 1001: math.inf, 1002: -math.inf, 1003: -1e300, 1004: 1e300}
+    sink.write(
+        [
+            Record(RUN, step=s, epoch=10, batch=s % 100, rank=0, wall_time=2000.0 + s, values={"loss": v})
+            for s, v in odd.items()
+        ]
+    )
+    got = _polled(store)
+    assert got == _full(store) and got["min_value"] == -1e300 and got["max_value"] == 1e300
+    sink.write([Record(RUN, step=1005, epoch=10, batch=5, rank=0, wall_time=3005.0, values={"loss": math.nan})])
+    got = _polled(store)
+    assert got == _full(store) and got["last_value"] is None and got["last_step"] == 1005
+    assert store.running.builds == 1
