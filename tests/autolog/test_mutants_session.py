@@ -108,3 +108,26 @@ def test_loss_only_is_said_for_a_regression_loss_and_nothing_for_a_recognised_on
     assert not [e for e in other.events if "loss only" in e.message or "no recognised loss" in e.message], [
         e.message for e in other.events
     ]
+
+
+def test_destroy_process_group_ends_the_run_there(sink: ListSink, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A distributed script (a real one-rank gloo group) that calls ``destroy_process_group()`` when
+    done: the run is ended there (finished), not left open until autolog is switched off."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with autologged(sink, name="destroyed"):
+            model = nn.Linear(4, 3)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            for _ in range(2):
+                F.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+                opt.step()
+                opt.zero_grad()
+            dist.destroy_process_group()
+            assert [run.name for run in sink.ended] == ["destroyed"]
+            assert sink.ended[0].status.value == "finished"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert len([r for r in sink.records if not r.sparse]) == 2
