@@ -295,3 +295,41 @@ def test_nan_and_infinite_values_of_a_running_run_count_as_a_full_read_counts_th
     got = _polled(store)
     assert got == _full(store) and got["last_value"] is None and got["last_step"] == 1005
     assert store.running.builds == 1
+
+
+def test_a_lower_rank_appearing_mid_run_and_a_wall_clock_going_back_match_a_full_read(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    sink = SQLite(db)
+    _start(sink)
+    one = [Record(RUN, step=s, epoch=0, batch=s, rank=1, wall_time=1000.0 + s, values={"loss": 2.0}) for s in range(50)]
+    sink.write(one)
+    store = ReadOnlyStore(db, verify_s=1e9)
+    try:
+        assert _polled(store) == _full(store) and _polled(store)["best_value"] == 2.0
+        # rank 0 starts storing (its line is the one summed up from now on: the lowest rank)
+        sink.write(
+            [
+                Record(RUN, step=s, epoch=0, batch=s, rank=0, wall_time=500.0, values={"loss": 1.0})
+                for s in range(50, 60)
+            ]
+        )
+        got = _polled(store)
+        assert got == _full(store) and got["best_value"] == 1.0 and got["last_wall"] == 1049.0  # clock went back
+    finally:
+        store.close()
+        sink.close()
+
+
+def test_a_row_below_the_epochs_mark_is_picked_up_at_the_next_count(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    sink = SQLite(db)
+    _start(sink)
+    sink.write(_records(range(0, 300)))
+    store = ReadOnlyStore(db, verify_s=0.0)
+    try:
+        assert [e[0] for e in store.epochs(RUN)] == [0, 1, 2]
+        sink.write([Record(RUN, step=-5, epoch=-1, batch=0, rank=0, wall_time=999.0, values={"loss": 1.0})])
+        assert store.epochs(RUN)[0] == [-1, -5, -5] and len(store.epochs(RUN)) == 4
+    finally:
+        store.close()
+        sink.close()
