@@ -103,3 +103,25 @@ def test_a_raised_step_after_micro_batches_were_handed_over_says_they_count_in_t
             opt.zero_grad()
     said = [e.message for e in sink.events if "an optimizer step raised" in e.message]
     assert len(said) == 1 and "already handed over: they count in the next step's row" in said[0], said
+
+
+def test_backward_of_a_graphless_placeholder_is_no_loss(sink: ListSink) -> None:
+    """A step with no kept target computes a placeholder ``torch.zeros((), requires_grad=True)`` and
+    calls ``backward()`` on it (a leaf: no graph, nothing of the model): that is not the step's
+    loss; the step is said and left out, never stored as a loss of 0."""
+    torch.manual_seed(13)
+    expected = []
+    with autologged(sink, name="placeholder"):
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(4):
+            if step == 2:
+                torch.zeros((), requires_grad=True).backward()
+            else:
+                loss = F.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1))
+                loss.backward()
+                expected.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+    losses = [r.values["loss"] for r in sink.records if not r.sparse and "loss" in r.values]
+    assert losses == pytest.approx(expected, rel=F32_REL)
