@@ -122,6 +122,7 @@ TESTS: dict[str, list[str]] = {
     ],
     "autolog/_session.py": [
         "tests/autolog/test_mutants_session.py",
+        "tests/autolog/test_mutants_rows.py",
         "tests/autolog/test_lifecycle.py",
         "tests/test_lifecycle.py",
         "tests/autolog/test_steps.py",
