@@ -73,7 +73,7 @@ class TFRecorder:
         if loss is None:
             self.no_loss = True  # said on the host after the first call
             return result
-        values: dict[str, Any] = {"loss": tf.reduce_mean(tf.cast(loss, tf.float32))}
+        values: dict[str, Any] = {"loss": _mean(tf, loss)}
         record = None
         if applied is not None:
             values.update(lr=applied["lr"], grad_norm=applied["norm"], skipped=applied["skipped"])
@@ -145,7 +145,8 @@ class TFRecorder:
         tf.cond(stopped, lambda: tf.constant(False), step)
         bad = tf.constant(False)
         if seen is not None:
-            bad = tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.cast(seen.loss, tf.float32))))
+            finite = tf.math.is_finite(tf.cast(seen.loss, tf.float32))
+            bad = tf.logical_not(finite if finite.shape.rank == 0 else tf.reduce_all(finite))
         if norm is not None and not self._scale:
             bad = tf.logical_or(bad, tf.logical_not(tf.math.is_finite(norm)))
         self._stopped.assign(tf.logical_or(stopped, bad))
@@ -154,6 +155,13 @@ class TFRecorder:
     def reset(self) -> None:
         """A new fit(): lift the NaN freeze (the Tap decides whether this run stops)."""
         self._stopped.assign(False)
+
+
+def _mean(tf: Any, loss: Any) -> Any:
+    """The loss as a 0-dim float32 tensor: its mean (a scalar loss, Keras' usual, is its own mean:
+    no reduction op added)."""
+    loss = tf.cast(loss, tf.float32)
+    return loss if loss.shape.rank == 0 else tf.reduce_mean(loss)
 
 
 def _values(tf: Any, grad: Any) -> Any:

@@ -56,6 +56,13 @@ def _class_scores(tf: Any, outputs: Any) -> Any:
     return op.inputs[0]  # the raw Softmax op always normalizes the last axis, the one argmax reads
 
 
+def _scalar(tf: Any, value: Any) -> Any:
+    """``value`` as a 0-dim float32 tensor; no op for what already is one (a step's row is
+    written every step: a reshape or cast that changes nothing is still an op to run)."""
+    value = tf.cast(value, tf.float32)  # returns a float32 tensor itself, unchanged
+    return value if value.shape.rank == 0 else tf.reshape(value, [])
+
+
 def _tf() -> Any:
     return require("tensorflow", extra="keras", purpose="batchtap's TensorFlow capture")
 
@@ -242,7 +249,7 @@ class TFCapture:
             if value is None:
                 row.append(tf.constant(math.nan if name == "samples" else 0.0, tf.float32))
             else:
-                row.append(tf.cast(tf.reshape(value, []), tf.float32))
+                row.append(_scalar(tf, value))
         slot = tf.math.floormod(self._count.read_value(), self.capacity)
         self._ring.scatter_nd_update(tf.reshape(slot, [1, 1]), tf.reshape(tf.stack(row), [1, -1]))
         advance = tf.constant(1, tf.int64) if record is None else tf.cast(record, tf.int64)
