@@ -68,6 +68,9 @@ from batchtap.ui.decimate import (
     SQLITE_ONE_BUCKET,
     Bucket,
     LineCache,
+    clean,
+    columns,
+    minmax_columns,
     needs_exact_read,
     parse_sqlite_bucket,
 )
@@ -90,19 +93,6 @@ MMAP_BYTES = 32 << 20
 RANK_PAGE = 100_000
 #: Events sent for one run at most (the newest are dropped past it, and the page says so).
 MAX_EVENTS = 20_000
-
-
-def clean(x: Any) -> float | None:
-    """A value as JSON can carry it: NaN, infinities and SQL NULL become ``None``.
-
-    Example:
-        >>> clean(0.5), clean(float("nan")), clean(None)
-        (0.5, None, None)
-    """
-    if x is None:
-        return None
-    v = float(x)
-    return v if math.isfinite(v) else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -430,7 +420,7 @@ class ReadOnlyStore:
         if rank is None:
             rank = self._first_rank(run_id, metric)
             if rank is None:
-                return _columns("raw", 0, [], 1)
+                return columns("raw", 0, [], 1)
         lo = -(2**62) if start is None else int(start)
         hi = 2**62 if end is None else int(end)
         limit = RAW_PER_BUCKET * width
@@ -440,7 +430,7 @@ class ReadOnlyStore:
             (run_id, metric, rank, lo, hi, limit + 1),
         )
         if len(rows) <= limit:
-            return _columns("raw", rank, rows, 1)
+            return columns("raw", rank, rows, 1)
         last = self._one(
             "SELECT step FROM metrics WHERE run_id = ? AND metric = ? AND rank = ? AND step <= ?"
             " ORDER BY step DESC LIMIT 1",
@@ -455,7 +445,7 @@ class ReadOnlyStore:
         cacheable = now is not None and now[0] != "running"
         return self.lines.get(
             (key, first_step, last_step, bucket, now),
-            lambda: _minmax_columns(rank, self.buckets(key, first_step, last_step, bucket), bucket, last_step),
+            lambda: minmax_columns(rank, self.buckets(key, first_step, last_step, bucket), bucket, last_step),
             keep=cacheable,
         )
 
@@ -491,7 +481,7 @@ class ReadOnlyStore:
             " ORDER BY step LIMIT ?",
             (run_id, metric, rank, step, limit),
         )
-        return _columns("raw", rank, rows, 1)
+        return columns("raw", rank, rows, 1)
 
     def rank_spread(self, run_id: str, metric: str, *, width: int = 1000) -> dict[str, Any]:
         """Per step, over the ranks' own rows (``per_rank_rows``): the slowest (largest) rank, the
@@ -585,31 +575,3 @@ class ReadOnlyStore:
         """How many events a run has."""
         row = self._one("SELECT COUNT(*) FROM events WHERE run_id = ?", (run_id,))
         return int(row[0]) if row else 0
-
-
-def _columns(mode: str, rank: int, rows: Sequence[tuple[Any, ...]], bucket: int) -> dict[str, Any]:
-    """Points of (step, value, wall[, lo, hi, mean]) as the columns a chart's data source takes.
-    Raw points have no ``lo``, ``hi`` and ``mean`` (the step and the value themselves): fewer bytes."""
-    out: dict[str, Any] = {
-        "mode": mode,
-        "rank": rank,
-        "bucket": bucket,
-        "step": [int(r[0]) for r in rows],
-        "value": [clean(r[1]) for r in rows],
-        "wall": [round(float(r[2]), 3) for r in rows],
-    }
-    if mode != "raw":
-        out.update(lo=[int(r[3]) for r in rows], hi=[int(r[4]) for r in rows], mean=[clean(r[5]) for r in rows])
-    return out
-
-
-def _minmax_columns(rank: int, buckets: Sequence[Bucket], bucket: int, last_step: int) -> dict[str, Any]:
-    """Each bucket as two points, its minimum at its first step and its maximum at its last (a
-    bucket is at most a pixel wide, so where inside it they fall does not show); both carry the
-    bucket's step span, mean and the wall time of its first row. A bucket of NaN values only has
-    no point (the buckets leave it out): the anomaly markers show its steps."""
-    rows = []
-    for b0, low, high, mean, wall in buckets:
-        b1 = min(b0 + bucket - 1, last_step)
-        rows += [(b0, low, wall, b0, b1, mean), (b1, high, wall, b0, b1, mean)]
-    return _columns("minmax", rank, rows, bucket)

@@ -41,6 +41,9 @@ __all__ = [
     "SCANS_AT_ONCE",
     "CACHE_POINTS",
     "points_of",
+    "clean",
+    "columns",
+    "minmax_columns",
 ]
 
 #: One bucket: (first step of the bucket, min, max, mean, wall time of its first row).
@@ -184,3 +187,44 @@ class LineCache:
         with self._lock:
             self._lines.clear()
             self._points = 0
+
+
+def clean(x: Any) -> float | None:
+    """A value as JSON can carry it: NaN, infinities and SQL NULL become ``None``.
+
+    Example:
+        >>> clean(0.5), clean(float("nan")), clean(None)
+        (0.5, None, None)
+    """
+    if x is None:
+        return None
+    v = float(x)
+    return v if math.isfinite(v) else None
+
+
+def columns(mode: str, rank: int, rows: Sequence[tuple[Any, ...]], bucket: int) -> dict[str, Any]:
+    """Points of (step, value, wall[, lo, hi, mean]) as the columns a chart's data source takes.
+    Raw points have no ``lo``, ``hi`` and ``mean`` (the step and the value themselves): fewer bytes."""
+    out: dict[str, Any] = {
+        "mode": mode,
+        "rank": rank,
+        "bucket": bucket,
+        "step": [int(r[0]) for r in rows],
+        "value": [clean(r[1]) for r in rows],
+        "wall": [round(float(r[2]), 3) for r in rows],
+    }
+    if mode != "raw":
+        out.update(lo=[int(r[3]) for r in rows], hi=[int(r[4]) for r in rows], mean=[clean(r[5]) for r in rows])
+    return out
+
+
+def minmax_columns(rank: int, buckets: Sequence[Bucket], bucket: int, last_step: int) -> dict[str, Any]:
+    """Each bucket as two points, its minimum at its first step and its maximum at its last (a
+    bucket is at most a pixel wide, so where inside it they fall does not show); both carry the
+    bucket's step span, mean and the wall time of its first row. A bucket of NaN values only has
+    no point (the buckets leave it out): the anomaly markers show its steps."""
+    rows = []
+    for b0, low, high, mean, wall in buckets:
+        b1 = min(b0 + bucket - 1, last_step)
+        rows += [(b0, low, wall, b0, b1, mean), (b1, high, wall, b0, b1, mean)]
+    return columns("minmax", rank, rows, bucket)
