@@ -130,7 +130,7 @@ TESTS: dict[str, list[str]] = {
     "ui/decimate.py": ["tests/ui/test_mutants_decimate.py", "tests/ui/test_decimate.py", "tests/ui/test_server.py"],
     "ui/auth.py": ["tests/ui/test_security.py", "tests/ui/test_server.py"],
     "ui/app.py": ["tests/ui/test_security.py", "tests/ui/test_server.py"],
-    "integrations/_tf_ring.py": ["tests/integrations/test_keras.py"],
+    "integrations/_tf_ring.py": ["tests/integrations/test_tf_ring_mutants.py", "tests/integrations/test_keras.py"],
     "metrics/sampling.py": ["tests/metrics/test_system.py", "tests/rules/test_gpu_starved.py"],
     "rules/builtin.py": ["tests/rules", "tests/faults/test_edges_mutants.py"],
     "sinks/webhook.py": ["tests/sinks/test_mutants_webhook.py", "tests/sinks/test_webhook.py"],
