@@ -131,15 +131,6 @@ def test_the_loader_is_left_as_it_was() -> None:
     assert len(list(loader)) == 2
 
 
-#: capture/loader.py (H2's file) times a DataLoaderDispatcher's next() alone: each batch gets the next batch's
-#: fetch. The fix (time its _fetch_batches calls beneath, as the shard's base fetches are) is proposed to the
-#: lead as /tmp/h6/loader_dispatcher.patch; delete this mark when it lands
-_DISPATCHER_SHIFT = pytest.mark.xfail(
-    strict=True, reason="capture/loader.py times a DataLoaderDispatcher's next(): its waits are one batch early"
-)
-
-
-@_DISPATCHER_SHIFT
 @pytest.mark.parametrize("stream", [False, True], ids=["map-style", "stream"])
 @pytest.mark.parametrize("slow", [{0, 2}, {1, 4}], ids=["first-and-middle", "second-and-last"])
 def test_a_dispatched_batch_gets_its_own_fetch(slow: set[int], stream: bool) -> None:
@@ -154,7 +145,6 @@ def test_a_dispatched_batch_gets_its_own_fetch(slow: set[int], stream: bool) -> 
 WORKER = Path(__file__).with_name("accelerate_data_time_worker.py")
 
 
-@_DISPATCHER_SHIFT
 @pytest.mark.parametrize("slow", [{0, 2}, {1, 3}], ids=["first-and-middle", "second-and-last"])
 def test_two_gloo_ranks_each_store_the_dispatched_batchs_own_wait(slow: set[int], tmp_path: Path) -> None:
     # the main process fetches 2 batches per dispatched batch (one per process) and broadcasts them; the

@@ -6,7 +6,10 @@ handing out batch ``i``, to know which batch is the last) is timed beneath: each
 underlying ``DataLoader`` is timed and queued, and the batch it fetched gets that wait when it is
 handed out, plus what the loader itself spent on it (moving it to the device). Timing the
 ``next()`` of the loader alone would give batch ``i`` the fetch of batch ``i + 1`` (the first batch
-two fetches, the last none).
+two fetches, the last none). Accelerate's ``DataLoaderDispatcher`` (``dispatch_batches=True``, the
+default for an ``IterableDataset``) also fetches one batch ahead, in ``_fetch_batches``: the main
+process fetches (``num_processes`` batches, or one with ``split_batches``) and every process waits
+in its broadcast; each of its calls is timed and queued the same way.
 """
 
 from __future__ import annotations
@@ -36,12 +39,19 @@ def _beneath(loader: object) -> object:
     return getattr(loader, "batchtap_loader", loader)
 
 
+def _accelerate_kind(inner: object) -> str | None:
+    kind = type(inner)  # type(), not __class__: Accelerate's adapter reports the DataLoader's class
+    if kind.__name__ in ("DataLoaderShard", "DataLoaderDispatcher") and kind.__module__.startswith("accelerate."):
+        return kind.__name__
+    return None
+
+
 def look_ahead_base(loader: object) -> torch.utils.data.DataLoader[Any] | None:
     """The ``DataLoader`` under a loader that fetches one batch ahead (Accelerate's
-    ``DataLoaderShard``, which calls ``base_dataloader.__iter__()`` by name), else None."""
+    ``DataLoaderShard``, which calls ``base_dataloader.__iter__()`` by name, or its
+    ``DataLoaderDispatcher``), else None."""
     inner = _beneath(loader)
-    kind = type(inner)  # type(), not __class__: Accelerate's adapter reports the DataLoader's class
-    if kind.__name__ != "DataLoaderShard" or not kind.__module__.startswith("accelerate."):
+    if _accelerate_kind(inner) is None:
         return None
     base = getattr(inner, "base_dataloader", None)
     return base if isinstance(base, torch.utils.data.DataLoader) else None
@@ -107,14 +117,20 @@ def _timed_beneath(
     loader: Iterable[T], base: torch.utils.data.DataLoader[Any], total: int | None
 ) -> Iterator[tuple[T, float, bool]]:
     """``timed_batches`` for a loader that fetches ahead from ``base``: batch ``i``'s wait is the
-    fetch of batch ``i`` from ``base`` plus the time the loader's own ``next()`` spent on anything
-    but fetches (moving the batch to the device); batches it skips (``skip_first_batches``) count
-    as the first handed-out batch's wait."""
+    fetch of batch ``i`` from ``base`` (a ``DataLoaderDispatcher``: its ``_fetch_batches`` call for
+    batch ``i``, the main process's fetches or another process's wait for them) plus the time the
+    loader's own ``next()`` spent on anything but fetches (moving the batch to the device); batches
+    it skips (``skip_first_batches``) count as the first handed-out batch's wait."""
     clock = time.perf_counter
     waits: deque[float] = deque()  # fetches from base whose batches are not handed out yet
     during = [0.0]  # fetch time inside the current next() of the loader
-    had = "__iter__" in vars(base)
-    previous = vars(base).get("__iter__")  # an integration's own timing (BatchtapTrainer) stays beneath ours
+    inner = _beneath(loader)
+    dispatcher = _accelerate_kind(inner) == "DataLoaderDispatcher"
+    # a DataLoaderDispatcher fetches in its _fetch_batches (called by name), a DataLoaderShard through base.__iter__()
+    target: Any = inner if dispatcher else base
+    name = "_fetch_batches" if dispatcher else "__iter__"
+    had = name in vars(target)
+    previous = vars(target).get(name)  # an integration's own timing (BatchtapTrainer) stays beneath ours
 
     def on_fetch(waited: float) -> None:
         waits.append(waited)
@@ -126,7 +142,14 @@ def _timed_beneath(
     def __iter__() -> Iterator[Any]:
         return fetches(previous() if previous is not None else type(base).__iter__(base))
 
-    base.__iter__ = __iter__  # type: ignore[method-assign,assignment]  # looked up by name: Accelerate calls base.__iter__()
+    def _fetch_batches(iterator: Iterator[Any]) -> Any:
+        started = clock()
+        try:
+            return previous(iterator) if previous is not None else type(inner)._fetch_batches(inner, iterator)
+        finally:
+            on_fetch(clock() - started)
+
+    setattr(target, name, _fetch_batches if dispatcher else __iter__)  # looked up by name on the instance
     try:
         iterator = iter(loader)
         skipped = int(getattr(_beneath(loader), "skip_batches", 0))
@@ -147,6 +170,6 @@ def _timed_beneath(
             index += 1
     finally:
         if had:
-            base.__iter__ = previous  # type: ignore[method-assign,assignment]
+            setattr(target, name, previous)
         else:
-            del base.__iter__
+            delattr(target, name)
