@@ -300,7 +300,7 @@ class Session:
                     if handed
                     else ""
                 )
-                + "; later steps are",
+                + "; later steps are recorded",
             )
         if isinstance(tensors, (list, tuple)):
             if len(tensors) != 1:
