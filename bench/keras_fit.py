@@ -24,8 +24,9 @@ four the goal names, XLA off/on x 1/8, in one process):
 * The ratio is the **median of the paired per-round ratios** (variant / plain of the same round);
   their quartiles and range are printed, and the verdict: ``met`` when the upper quartile of the
   paired ratios is <= the goal, ``missed`` when the lower quartile is above it, else
-  ``undecided`` (fewer than 5 rounds, or the quartiles straddle the goal: rerun with more
-  ``--rounds`` on a quieter machine).
+  ``undecided`` (fewer than 5 rounds, quartiles more than twice the margin apart — 0.04 for
+  1.02x, a machine too noisy to tell — or straddling the goal: rerun with more ``--rounds`` on a
+  quieter machine).
 
 Commands (quiet machine; the full matrix takes ~6-10 minutes on 2 cores)::
 
@@ -191,6 +192,8 @@ def verdict(ratios: list[float]) -> str:
     if len(ratios) < 5:
         return "undecided (fewer than 5 rounds)"
     q1, _, q3 = quartiles(ratios)
+    if q3 - q1 > 2 * (GOAL - 1):
+        return f"undecided (quartiles {q3 - q1:.3f} apart, more than twice the margin)"
     if q3 <= GOAL:
         return "met"
     if q1 > GOAL:
