@@ -201,10 +201,6 @@ MARKS: dict[tuple[str, str], NA | XFAIL] = {
 # the Lightning scenarios are the same with or without the callback, the Trainer's with or without BatchtapTrainer
 MARKS.update({(s, "lightning-autolog"): m for (s, f), m in list(MARKS.items()) if f == "lightning"})
 MARKS.update({(s, "hf-autolog"): m for (s, f), m in list(MARKS.items()) if f == "hf"})
-MARKS[("ddp-2-ranks-undivided-accum", "hf-autolog")] = XFAIL(
-    "autolog takes the Trainer's loss *= num_processes (2) for an accumulation division and stores the mean of the "
-    "micro-batches instead of their sum (half the truth); autolog is H1's: see the lead's issue note"
-)
 
 #: modules that add entries of their own (imported when they exist)
 CELL_MODULES: tuple[str, ...] = ("tests.conformance.keras_cells",)

@@ -72,17 +72,7 @@ def test_a_model_that_ignores_the_count_has_the_process_factor_undone(tmp_path: 
     assert said and "4x the step's mean loss (2 micro-batches x 2 processes)" in said[0]
 
 
-#: autolog (H1's) reads the Trainer's ``loss *= num_processes`` as a constant factor like an accumulation
-#: division: undone, and the step then stored as the mean of its micro-batches, not their sum (BERT: half the
-#: truth); for the causal LM the factor is needed (its count is all ranks' tokens) and is undone too (a quarter)
-_AUTOLOG_PROCESS_FACTOR = pytest.mark.xfail(
-    strict=True, reason="autolog takes the Trainer's process factor for an accumulation division (the lead's note)"
-)
-
-
-@pytest.mark.parametrize(
-    "kind", [pytest.param("bert", marks=_AUTOLOG_PROCESS_FACTOR), pytest.param("gpt2", marks=_AUTOLOG_PROCESS_FACTOR)]
-)
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
 def test_autolog_over_the_plain_trainer_stores_what_batchtap_trainer_stores(kind: str, tmp_path: Path) -> None:
     # the same script with transformers.Trainer unmodified and bt.autolog() at its top (what batchtap run
     # records): the same truth as BatchtapTrainer's tests above, the process factor undone for BERT

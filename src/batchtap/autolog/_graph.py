@@ -25,6 +25,7 @@ __all__ = ["LossCall", "Resolved", "resolve"]
 _MUL, _DIV = "MulBackward0", "DivBackward0"
 # nodes that change nothing but the dtype or the view of a 0-dim loss
 _THROUGH = frozenset({"ToCopyBackward0", "ViewBackward0", "SqueezeBackward0", "CloneBackward0"})
+_DDP_SINK = "_DDPSinkBackward"
 _MAX_NODES = 16
 
 
@@ -103,6 +104,7 @@ def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Te
     node = tensor.grad_fn
     factors: list[tuple[str, Any, float | None]] = []  # (op, constant, its host value) from the root down
     names: list[str] = []
+    edge = 0  # which output of ``node`` the walk came down through (DDP's sink has one per model output)
     for _ in range(_MAX_NODES):
         if node is None:
             break
@@ -114,15 +116,20 @@ def resolve(tensor: torch.Tensor, calls: Mapping[Any, LossCall], scale: torch.Te
             return _resolved(value, call, factors, scale, names, tensor)
         following = node.next_functions
         if name in _THROUGH and following:
-            node = following[0][0]
+            node, edge = following[0]
+            continue
+        if name == _DDP_SINK and edge < len(following):
+            # DistributedDataParallel passes the model's outputs through one node (its _DDPSink): output k
+            # of it is input k, the model's own loss below it
+            node, edge = following[edge]
             continue
         if name not in (_MUL, _DIV) or len(following) != 2:
             break
         (first, _), (second, _) = following
         if second is None and first is not None:  # loss (*|/) constant
-            constant, node = node._saved_other, first  # type: ignore[attr-defined]
+            constant, node, edge = node._saved_other, first, following[0][1]  # type: ignore[attr-defined]
         elif name == _MUL and first is None and second is not None:  # constant * loss
-            constant, node = node._saved_self, second  # type: ignore[attr-defined]
+            constant, node, edge = node._saved_self, second, following[1][1]  # type: ignore[attr-defined]
         else:  # both sides need gradients, or a constant divided by the loss: not a constant factor
             break
         number = host_number(constant)  # read once: both "is it 1" and the factor's value

@@ -19,6 +19,7 @@ from batchtap.autolog._losses import LossCalls
 from batchtap.autolog._patches import PatchRegistry
 from batchtap.autolog._rows import MicroBatch, Rows
 from batchtap.autolog._steps import OptimizerSteps, StepEvent
+from batchtap.autolog._trainers import without_process_factor
 from batchtap.metrics.accuracy import Accuracy
 from batchtap.metrics.base import Metric
 from batchtap.metrics.layers import Layers, find_model
@@ -314,6 +315,8 @@ class Session:
             return
         calls = self.calls
         found = resolve(tensors, calls.by_node, steps.loss_scale() if steps._scaler is not None else None)
+        if found.divided and not found.normalised and "transformers.trainer" in sys.modules:
+            without_process_factor(found)  # the HF Trainer's x num_processes is no accumulation division
         call = found.call if found.call is not None and found.call.logits is not None else calls.last_classification()
         calls.by_node.clear()
         if found.call is None:
