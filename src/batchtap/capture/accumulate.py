@@ -97,9 +97,11 @@ class MicroBatches:
             row = acc if first else self._scratch
             torch.stack(values if type(values) is list else list(values), out=row)  # cast to float32 on the way
             if self._mean is not None:
-                if weight != self._weight:  # made once while the micro-batches keep their size
-                    self._scale, self._weight = torch.where(self._mean, weight, 1.0), weight
-                row.mul_(self._scale)  # means are summed as value * samples
+                scale = self._scale
+                if scale is None or weight != self._weight:  # made once while the micro-batches keep their size
+                    scale = self._scale = torch.where(self._mean, weight, 1.0)
+                    self._weight = weight
+                row.mul_(scale)  # means are summed as value * samples
             if not first:
                 folds = self._folds
                 if folds is None:

@@ -145,7 +145,7 @@ def _timed_beneath(
     def _fetch_batches(iterator: Iterator[Any]) -> Any:
         started = clock()
         try:
-            return previous(iterator) if previous is not None else type(inner)._fetch_batches(inner, iterator)
+            return previous(iterator) if previous is not None else type(inner)._fetch_batches(inner, iterator)  # type: ignore[attr-defined]
         finally:
             on_fetch(clock() - started)
 

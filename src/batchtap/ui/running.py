@@ -280,9 +280,9 @@ class RunningRuns:
         """Read the rows after each metric's mark; ``False`` when the run must be read again in full
         (a count check found rows below a mark that were not read)."""
         if self._clock() - state.verified_at >= self.verify_s:
-            for name, m in state.metrics.items():
-                (got,) = self._q(_COUNT_BELOW, (run_id, name, m.hwm))
-                if int(got[0]) != m.rows:
+            for name, kept in state.metrics.items():
+                (got,) = self._q(_COUNT_BELOW, (run_id, name, kept.hwm))
+                if int(got[0]) != kept.rows:
                     return False
             line = state.line
             if line is not None and line.hwm is not None:
