@@ -16,13 +16,12 @@ import torch
 
 from batchtap.metrics.base import Combine, Metric
 
+__all__ = ["MicroBatches", "autocast_device"]
+
 
 def autocast_device(device: torch.device) -> str:
     """The device type ``torch.autocast`` knows for ``device`` ('' when it has none)."""
     return device.type if device.type in ("cuda", "cpu", "xpu", "mps") else ""
-
-
-__all__ = ["MicroBatches"]
 
 
 class MicroBatches:
