@@ -678,6 +678,22 @@ class Tap:
         stop). For capture back-ends. Returns the run's step of ``rows``' offset 0."""
         return _open(self._run, "hand_over()").hand_over(metrics, rows)
 
+    def _run_metrics(self) -> tuple[Metric, ...] | None:
+        """Package-internal (integrations): the open run's metrics, those an integration added to
+        it included (:meth:`_add_run_metrics`); None where no run is open."""
+        return self._run.settings.metrics if self._run is not None else None
+
+    def _add_run_metrics(self, metrics: Sequence[Metric]) -> bool:
+        """Package-internal (integrations): add ``metrics`` to the open run only, before its first
+        step (the Tap's own list, and so its later runs, stay as they were). False, adding nothing,
+        where no run is open or the run's columns are fixed (its first step made them)."""
+        run = self._run
+        if run is None or run.capture is not None:
+            return False
+        # the run's own copy of its settings (frozen)
+        run.settings = dataclasses.replace(run.settings, metrics=(*run.settings.metrics, *metrics))
+        return True
+
     def warn(self, message: str, *, info: bool = False) -> None:
         """Store a warning event with the open run (and log it): what a tool driving this Tap
         (``bt.autolog``) could not see. ``info=True``: a note instead (kind ``info``, a choice or

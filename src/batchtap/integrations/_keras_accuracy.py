@@ -13,16 +13,15 @@ The head's output and targets are not among a step's inputs (``tap.step`` takes 
 the recorder hands each metric its pair just before ``tap.step``, and the metric's ``compute`` (on
 the training thread, inside that call) takes it. No host read: argmax, compare, sum on the device.
 
-The Tap has no public way to add metrics to a run; the metrics go into the open run's own
-settings before its first step (the Tap's own metric list is left as it was, so its next run
-does not inherit them). A run that already recorded steps without them keeps plain extras.
+The Tap has no public way to add metrics to a run; its package-internal seam
+(``Tap._run_metrics`` / ``Tap._add_run_metrics``) puts them into the open run only, before its
+first step (the Tap's own metric list is left as it was, so its next run does not inherit them).
+A run that already recorded steps without them keeps plain extras.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -75,20 +74,16 @@ def head_accuracies(tap: Tap, heads: Sequence[str]) -> dict[str, HeadAccuracy] |
     """A :class:`HeadAccuracy` per head (``accuracy/<head>``) in the Tap's open run, added before
     its first step or found there from an earlier ``fit()``; None where the run already recorded
     steps without them (the caller passes plain extras then)."""
-    run: Any = getattr(tap, "_run", None)  # the open run (private to the Tap: no public accessor)
-    settings = getattr(run, "settings", None)
-    if run is None or settings is None or not heads:
+    metrics = tap._run_metrics()  # the open run's (package-internal seam of the Tap)
+    if metrics is None or not heads:
         return None
     names = [f"accuracy/{h}" for h in heads]
-    found = {m.name: m for m in settings.metrics if isinstance(m, HeadAccuracy)}
+    found = {m.name: m for m in metrics if isinstance(m, HeadAccuracy)}
     if all(n in found for n in names):
         return {h: found[n] for h, n in zip(heads, names)}
-    if getattr(run, "capture", None) is not None:
-        return None  # its columns are fixed
-    taken = {o.name for m in settings.metrics for o in m.outputs()}
+    taken = {o.name for m in metrics for o in m.outputs()}
     added = {h: HeadAccuracy(n) for h, n in zip(heads, names) if n not in taken}
     if len(added) != len(heads):
         return None  # a name the Tap's own metrics already have: leave them be
-    # the run's own copy of the settings (frozen): the Tap's later runs start from its own list
-    run.settings = dataclasses.replace(settings, metrics=(*settings.metrics, *added.values()))
-    return added
+    # False where the run already recorded steps: its columns are fixed
+    return added if tap._add_run_metrics(tuple(added.values())) else None
