@@ -1,11 +1,11 @@
 """Autolog (no ``BatchtapCallback``) over a real Lightning ``Trainer`` fed by a loader without a length.
 
 Lightning's ``_PrefetchDataFetcher`` fetches one batch ahead for such a loader (the first epoch's first
-batch inside ``FitLoop.setup_data``, before any hook). Autolog watches the ``DataLoader``'s own
-iteration, so it numbers and times the fetcher's *fetches*: step n is stored as batch n+1 with batch
-n+1's wait, and each epoch's last step has no ``data_time`` (issue 33, H6's note section 2).
-``BatchtapCallback`` was fixed for the same thing in f141c7e (it adopts the fit loop's fetcher); autolog
-is not yet: the test is a strict xfail, the target for that fix (delete the mark when it passes).
+batch inside ``FitLoop.setup_data``, before any hook). Watching the ``DataLoader``'s own iteration
+numbered and timed the fetcher's *fetches*: step n was stored as batch n+1 with batch n+1's wait, and
+each epoch's last step had no ``data_time`` (issue 33). Autolog now watches the fetcher's hand-outs
+and times the fetches beneath them (``autolog/_lightning.py``), as ``BatchtapCallback`` does since
+f141c7e. More positions (accumulation, ``limit_train_batches``, validation): test_lightning_positions.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset
 
+from tests._lightning import quiet_trainer
 from tests.autolog._helpers import autologged
 from tests.conftest import ListSink
 
@@ -52,24 +53,10 @@ class _Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="autolog numbers and times Lightning's prefetching fetcher's fetches, one batch ahead of the step "
-    "(issue 33 item 3, H6's note section 2; BatchtapCallback's fix: f141c7e)",
-)
 def test_autolog_stores_each_steps_own_batch_and_wait_from_a_loader_without_a_length(sink: ListSink) -> None:
     slow = {1, 3}
     with autologged(sink, name="lightning-unsized"):
-        trainer = pl.Trainer(
-            max_epochs=2,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(_Module(), DataLoader(_SlowStream(slow), batch_size=BATCH))
+        quiet_trainer(max_epochs=2).fit(_Module(), DataLoader(_SlowStream(slow), batch_size=BATCH))
     records = [r for r in sink.records if not r.sparse]
     shown = [(r.epoch, r.batch, r.values.get("data_time")) for r in records]
     assert [(r.epoch, r.batch) for r in records] == [(e, b) for e in range(2) for b in range(BATCHES)], shown

@@ -20,6 +20,14 @@ and ``tap.watch`` times the fetches beneath it (``capture/loader.py``); the ``Da
 iterates inside is then not watched again. Each handed-out batch's wait is queued (``waits``) for
 the micro-batch that trains on it: the HF ``Trainer`` fetches all of a step's micro-batches before
 the first backward.
+
+Lightning's training fetcher (``_PrefetchDataFetcher``) fetches one batch ahead of what it hands out
+when the loader has no length (the first epoch's first batch inside ``fit()``'s set-up): watching
+its ``DataLoader`` would number and time the fetches (step n stored as batch n + 1 with that batch's
+wait). So a training pass of the fetcher itself is watched (``_lightning.py``): its hand-outs are the
+batches, and the ``DataLoader`` iterated inside it (in its ``__iter__`` or ``__next__``) is not
+watched but has each fetch timed and queued (``batchtap_fetches``), so each batch handed out gets its
+own fetch's wait. Sized loaders go the same way (the fetcher then fetches what it hands out).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +45,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from batchtap._fetches import timed_fetches
+from batchtap.autolog._lightning import LIGHTNING_FETCHERS, watch_fetchers
 from batchtap.autolog._patches import PatchRegistry
 
 __all__ = ["LoaderWatch"]
@@ -59,17 +70,17 @@ class LoaderWatch:
         self._running: weakref.ref[Any] | None = None  # the watched iteration in progress
         self._running_loader: weakref.ref[Any] | None = None  # the loader it iterates
         self._eval: weakref.WeakSet[Any] = weakref.WeakSet()
+        # a Lightning fetcher's watched pass, by fetcher (_lightning.py), and the fetches beneath the
+        # one fetching now (its DataLoader's fetches are timed into them, not watched)
+        self._passes: weakref.WeakKeyDictionary[Any, Iterator[Any]] = weakref.WeakKeyDictionary()
+        self._beneath: _Fetches | None = None
         self.enabled = True
 
     def install(self, patches: PatchRegistry) -> None:
         self._watch_iterations(patches, DataLoader)
-        module = sys.modules.get(_ACCELERATE)
-        if module is not None:
-            self._wrap_shard(patches, module)
-        else:  # imported later (by the script, by transformers' Trainer): wrapped as it is imported
-            hook = _AfterImport(_ACCELERATE, lambda m: self._wrap_shard(patches, m))
-            sys.meta_path.insert(0, hook)
-            patches.handle(hook)
+        _when_imported(patches, _ACCELERATE, lambda m: self._wrap_shard(patches, m))
+        for name in LIGHTNING_FETCHERS:
+            _when_imported(patches, name, lambda m: watch_fetchers(self, patches, m))
 
     def _wrap_shard(self, patches: PatchRegistry, module: ModuleType) -> None:
         shard = getattr(module, "DataLoaderShard", None)
@@ -85,23 +96,54 @@ class LoaderWatch:
         def __iter__(self: Any) -> Any:
             iterator = original(self)
             if loaders.enabled and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                return loaders._watched(self, iterator)
+                beneath = loaders._beneath
+                if beneath is not None:  # inside a watched Lightning fetcher: its hand-outs are the batches
+                    return timed_fetches(iterator, beneath.add, time.perf_counter)
+                watched = loaders._watched(self, iterator)
+                return iterator if watched is None else watched
             return iterator
 
         __iter__.__wrapped__ = original  # type: ignore[attr-defined]
         patches.replace(owner, "__iter__", __iter__)
 
-    def _watched(self, loader: Any, iterator: Any) -> Any:
+    def fetcher_pass(self, fetcher: Any, begin: Callable[[Any], Any], hand_out: Callable[[Any], Any]) -> Any:
+        """A Lightning fetcher's training pass begins (``begin``: its class's own ``__iter__``, which
+        may prefetch): its hand-outs (``hand_out``: its own ``__next__``) are watched, the fetches of
+        the loaders it iterates timed beneath them. Returns what ``begin`` returned."""
+        fetches = _Fetches()
+        outer, self._beneath = self._beneath, fetches
+        try:
+            begun = begin(fetcher)
+        finally:
+            self._beneath = outer
+        hand_outs = _HandOuts(self, fetches, weakref.ref(fetcher), hand_out)  # weak: _passes is keyed by it
+        watched = self._watched(fetcher, hand_outs, fetches.waits)
+        if watched is None:  # not watched (no run open, another pass running, evaluation): keep no waits
+            fetches.kept = False
+            fetches.waits.clear()
+            self._passes.pop(fetcher, None)
+        else:
+            self._passes[fetcher] = watched
+        return begun
+
+    def fetcher_next(self, fetcher: Any, hand_out: Callable[[Any], Any]) -> Any:
+        """The fetcher's next batch: through its watched pass where it has one."""
+        watched = self._passes.get(fetcher) if self.enabled else None
+        return hand_out(fetcher) if watched is None else next(watched)
+
+    def _watched(self, loader: Any, iterator: Any, fetches: deque[float] | None = None) -> Iterator[Any] | None:
+        """``iterator`` (a pass of ``loader`` just begun) through the watch, or None where it is not
+        watched; ``fetches``: the waits of its fetches, timed beneath it (a Lightning fetcher's)."""
         running = self._running() if self._running is not None else None
         if running is not None and self._running_loader is not None and self._running_loader() is loader:
             running.close()  # the same loader again: its old pass was left suspended at its end
             running = None
         if running is not None or loader in self._eval:
-            return iterator
+            return None
         self._waits.clear()  # a new pass: waits of the last one's batches never trained on are not this one's
-        watched = self._watch(_Begun(loader, iterator, self._waits))
+        watched = self._watch(_Begun(loader, iterator, self._waits, fetches))
         if watched is None:
-            return iterator
+            return None
         generator = self._through(loader, watched)
         self._running = weakref.ref(generator)
         self._running_loader = weakref.ref(loader)
@@ -120,14 +162,70 @@ class LoaderWatch:
 _ACCELERATE = "accelerate.data_loader"
 
 
+def _when_imported(patches: PatchRegistry, name: str, then: Callable[[ModuleType], None]) -> None:
+    """``then(module)`` now if the module ``name`` is imported, else as it is imported (by the script,
+    by transformers' Trainer...); the import hook is undone with ``patches``."""
+    module = sys.modules.get(name)
+    if module is not None:
+        then(module)
+        return
+    hook = _AfterImport(name, then)
+    sys.meta_path.insert(0, hook)
+    patches.handle(hook)
+
+
+class _Fetches:
+    """The waits of the fetches beneath a watched Lightning fetcher's pass, oldest first (``waits``,
+    taken by ``tap.watch`` as it hands each batch out); none kept once the pass is known unwatched."""
+
+    def __init__(self) -> None:
+        self.waits: deque[float] = deque()
+        self.kept = True
+
+    def add(self, wait: float) -> None:
+        if self.kept:
+            self.waits.append(wait)
+
+
+class _HandOuts:
+    """A Lightning fetcher's hand-outs (its own ``__next__``), with the fetches they make timed beneath."""
+
+    def __init__(
+        self, loaders: LoaderWatch, fetches: _Fetches, fetcher: weakref.ref[Any], hand_out: Callable[[Any], Any]
+    ) -> None:
+        self._loaders = loaders
+        self._fetches = fetches
+        self._fetcher = fetcher
+        self._hand_out = hand_out
+
+    def __iter__(self) -> _HandOuts:
+        return self
+
+    def __next__(self) -> Any:
+        fetcher = self._fetcher()
+        if fetcher is None:
+            raise StopIteration
+        loaders = self._loaders
+        outer, loaders._beneath = loaders._beneath, self._fetches
+        try:
+            return self._hand_out(fetcher)
+        finally:
+            loaders._beneath = outer
+
+
 class _Begun:
     """An iteration of ``loader`` the loop began (``iterator``, not yet advanced), for ``tap.watch``:
     ``batchtap_loader`` lets a loader that fetches ahead be timed beneath it, ``batchtap_waits``
-    gets each batch's wait. No length: the watch numbers what it is handed, as for any iterator."""
+    gets each batch's wait, ``batchtap_fetches`` (where not None) holds the waits of the fetches
+    timed beneath the iterator, one per batch, oldest first. No length: the watch numbers what it is
+    handed, as for any iterator."""
 
-    def __init__(self, loader: object, iterator: Iterator[Any], waits: deque[float]) -> None:
+    def __init__(
+        self, loader: object, iterator: Iterator[Any], waits: deque[float], fetches: deque[float] | None = None
+    ) -> None:
         self.batchtap_loader = loader
         self.batchtap_waits = waits
+        self.batchtap_fetches = fetches
         self._iterator = iterator
 
     def __iter__(self) -> Iterator[Any]:

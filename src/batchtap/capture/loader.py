@@ -10,10 +10,15 @@ two fetches, the last none). Accelerate's ``DataLoaderDispatcher`` (``dispatch_b
 default for an ``IterableDataset``) also fetches one batch ahead, in ``_fetch_batches``: the main
 process fetches (``num_processes`` batches, or one with ``split_batches``) and every process waits
 in its broadcast; each of its calls is timed and queued the same way.
+
+An iterable whose fetches its maker times itself says so with ``batchtap_fetches``: a deque that
+gets each fetch's wait, oldest first (autolog over Lightning's fetcher, which fetches one batch ahead
+for a loader without a length). Its batches are handed the queued waits the same way.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -88,6 +93,10 @@ def _timed(loader: Iterable[T], need_last: bool, total: int | None) -> Iterator[
     if base is not None:
         yield from _timed_beneath(loader, base, total)
         return
+    fetches: deque[float] | None = getattr(loader, "batchtap_fetches", None)
+    if fetches is not None:
+        yield from _handed_out(iter(loader), fetches, total)
+        return
     iterator = iter(loader)
     clock = time.perf_counter
     if total is not None or not need_last:
@@ -123,7 +132,6 @@ def _timed_beneath(
     it skips (``skip_first_batches``) count as the first handed-out batch's wait."""
     clock = time.perf_counter
     waits: deque[float] = deque()  # fetches from base whose batches are not handed out yet
-    during = [0.0]  # fetch time inside the current next() of the loader
     inner = _beneath(loader)
     dispatcher = _accelerate_kind(inner) == "DataLoaderDispatcher"
     # a DataLoaderDispatcher fetches in its _fetch_batches (called by name), a DataLoaderShard through base.__iter__()
@@ -132,44 +140,48 @@ def _timed_beneath(
     had = name in vars(target)
     previous = vars(target).get(name)  # an integration's own timing (BatchtapTrainer) stays beneath ours
 
-    def on_fetch(waited: float) -> None:
-        waits.append(waited)
-        during[0] += waited
-
-    def fetches(iterator: Iterator[Any]) -> Iterator[Any]:
-        return timed_fetches(iterator, on_fetch, clock)
-
     def __iter__() -> Iterator[Any]:
-        return fetches(previous() if previous is not None else type(base).__iter__(base))
+        return timed_fetches(previous() if previous is not None else type(base).__iter__(base), waits.append, clock)
 
     def _fetch_batches(iterator: Iterator[Any]) -> Any:
         started = clock()
         try:
             return previous(iterator) if previous is not None else type(inner)._fetch_batches(inner, iterator)  # type: ignore[attr-defined]
         finally:
-            on_fetch(clock() - started)
+            waits.append(clock() - started)
 
     setattr(target, name, _fetch_batches if dispatcher else __iter__)  # looked up by name on the instance
     try:
         iterator = iter(loader)
-        skipped = int(getattr(_beneath(loader), "skip_batches", 0))
-        index = 0
-        while True:
-            during[0] = 0.0
-            started = clock()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            own = clock() - started - during[0]
-            if index == 0:
-                for _ in range(min(skipped, max(len(waits) - 1, 0))):
-                    own += waits.popleft()
-            fetched = waits.popleft() if waits else 0.0
-            yield batch, max(own, 0.0) + fetched, total is not None and index == total - 1
-            index += 1
+        yield from _handed_out(iterator, waits, total, skipped=int(getattr(_beneath(loader), "skip_batches", 0)))
     finally:
         if had:
             setattr(target, name, previous)
         else:
             delattr(target, name)
+
+
+def _handed_out(
+    iterator: Iterator[T], fetches: deque[float], total: int | None, *, skipped: int = 0
+) -> Iterator[tuple[T, float, bool]]:
+    """``timed_batches`` for an iterator whose fetches are timed beneath it into ``fetches`` (oldest
+    first): batch ``i``'s wait is the fetch queued for it plus the time its ``next()`` spent on
+    anything but fetches (moving it to the device); the fetches of ``skipped`` batches (Accelerate's
+    ``skip_first_batches``) count as the first handed-out batch's wait."""
+    clock = time.perf_counter
+    index = 0
+    while True:
+        queued = len(fetches)
+        started = clock()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        # the fetches this next() made are the ones queued during it (only this loop takes from the queue)
+        own = clock() - started - sum(itertools.islice(fetches, queued, None))
+        if index == 0:
+            for _ in range(min(skipped, max(len(fetches) - 1, 0))):
+                own += fetches.popleft()
+        fetched = fetches.popleft() if fetches else 0.0
+        yield batch, max(own, 0.0) + fetched, total is not None and index == total - 1
+        index += 1
