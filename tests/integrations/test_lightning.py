@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import batchtap as bt
 from batchtap.hostreads import HostReadCounter
 from batchtap.records import RunStatus
+from tests._lightning import quiet_trainer
 from tests.conftest import ListSink
 from tests.integrations._readme import readme_snippet
 
@@ -50,14 +51,8 @@ def _loader(n: int = 96, batch_size: int = 16) -> DataLoader:
 
 
 def _trainer(callback: BatchtapCallback, epochs: int = 2) -> pl.Trainer:
-    return pl.Trainer(
+    return quiet_trainer(
         max_epochs=epochs,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[callback],
     )
 
@@ -138,14 +133,8 @@ def test_accumulate_grad_batches_records_one_step_per_optimizer_step_with_lr_gra
     sink = ListSink()
     tap = bt.Tap([bt.metrics.Loss(), bt.metrics.Accuracy()], [sink], flush_every=4)
     module = _Accumulating()
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_epochs=2,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         accumulate_grad_batches=2,
         callbacks=[BatchtapCallback(tap)],
         num_sanity_val_steps=0,
@@ -185,14 +174,8 @@ class _Logging(_Classifier):
 
 
 def _fit_reads(module: pl.LightningModule, callbacks: list[Any]) -> Counter[str]:
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_epochs=2,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
     )
     with HostReadCounter() as reads:
@@ -232,14 +215,8 @@ def test_a_failure_in_the_sanity_check_is_stored_as_failed() -> None:
 
     sink = ListSink()
     tap = bt.Tap([bt.metrics.Loss()], [sink])
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[BatchtapCallback(tap)],
     )
     with pytest.raises(ValueError, match="bad validation"):
@@ -348,14 +325,8 @@ def test_autolog_under_lightnings_fit_loop_numbers_every_epoch_and_times_every_b
     tap = bt.autolog(sinks=[sink], name="lit-autolog", flush_every=4)
     assert tap is not None
     try:
-        pl.Trainer(
+        quiet_trainer(
             max_epochs=3,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         ).fit(module, _loader())
     finally:
         bt.autolog(enabled=False)

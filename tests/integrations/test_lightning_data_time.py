@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import batchtap as bt
+from tests._lightning import quiet_trainer
 from tests.conftest import ListSink
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -55,14 +56,8 @@ class _Module(pl.LightningModule):  # type: ignore[misc]
 def _fit(sleep: float, accumulate: int = 1, n: int = 5 * BATCH, epochs: int = 2) -> tuple[list, pl.Trainer]:  # type: ignore[type-arg]
     sink = ListSink()
     tap = bt.Tap(sinks=[sink], flush_every=4)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_epochs=epochs,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         accumulate_grad_batches=accumulate,
         callbacks=[BatchtapCallback(tap)],
     )
@@ -117,14 +112,8 @@ SLOW_BATCH = 0.3
 def _fit_stream(slow: set[int], accumulate: int = 1) -> tuple[list, pl.Trainer]:  # type: ignore[type-arg]
     sink = ListSink()
     tap = bt.Tap(sinks=[sink], flush_every=4)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_epochs=2,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         accumulate_grad_batches=accumulate,
         callbacks=[BatchtapCallback(tap)],
     )
