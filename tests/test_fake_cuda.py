@@ -145,6 +145,40 @@ def test_accumulate_on_cuda_no_host_read_no_upload(fake_cuda: None) -> None:
     )
 
 
+def test_accumulate_short_path_on_cuda_no_host_read_no_upload(fake_cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Micro-batches of one shape take the short accumulation path (``Metric.micro_writer``): its
+    writes and the step's settle read nothing and upload nothing either."""
+    from batchtap.capture.accumulate import MicroBatches
+
+    kept = []
+    add_short = MicroBatches.add_short
+    monkeypatch.setattr(MicroBatches, "add_short", lambda self, *a, **k: (kept.append(1), add_short(self, *a, **k)))
+    sink = ListSink()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        metrics = [bt.metrics.Loss(), bt.metrics.Accuracy(), bt.metrics.LearningRate(opt), bt.metrics.GradNorm(model)]
+        tap = bt.Tap(metrics, [sink], flush_every=8, capacity=32)
+        with tap, tap.run():
+            for _ in range(2):  # the ring, the device sums and the writers are made here
+                for _ in range(4):
+                    loss, outputs, targets = _forward(model)
+                    tap.accumulate(loss=loss, outputs=outputs, targets=targets)
+                _backward(model)
+                tap.step()
+            with HostReadCounter() as reads, _HostToDevice() as uploads:
+                for _ in range(50):
+                    for _ in range(4):
+                        loss, outputs, targets = _forward(model)
+                        tap.accumulate(loss=loss, outputs=outputs, targets=targets)
+                    _backward(model)
+                    tap.step()
+            assert reads.count == 0, reads.reads
+            assert uploads.copies == [], uploads.copies
+    assert len(kept) >= 50 * 4
+    assert len(sink.records) == 52
+
+
 def test_the_upload_counter_sees_a_tensor_built_from_python_data() -> None:
     with FakeTensorMode(allow_non_fake_inputs=True), _HostToDevice() as uploads:
         torch.tensor([1.0, 2.0], device="cuda")

@@ -378,7 +378,8 @@ def accumulate_micro_batch(
     """Check one ``accumulate()`` call's inputs (once per signature) and fold its metrics into ``micro``
     (inputs carry the device; device ops only, no host read)."""
     key = signature(inputs)
-    if capture is None or key != capture.checked_micro:
+    short = capture is not None and key == micro.short_key  # checked when the writers were built
+    if not short and (capture is None or key != capture.checked_micro):
         check_step_inputs(inputs, micro.metrics, micro.device, "accumulate()")
         if not micro.metrics and inputs.loss is None:
             raise InputError("accumulate() got nothing to measure; pass the micro-batch's loss (and outputs/targets)")
@@ -388,9 +389,14 @@ def accumulate_micro_batch(
     grad_was = torch.is_grad_enabled()
     set_grad_enabled(False)  # the bare switch: torch.no_grad() costs a context manager per call
     try:
+        if short:
+            micro.add_short(inputs, tokens=tokens)
+            return
         values = compute_values(micro.metrics, inputs, micro.autocast_device)
         for metric in micro.host_readers:
             micro.host[id(metric)] = metric.read_host(inputs)
         micro.add(values, samples=inputs.batch_size, tokens=tokens)
+        if capture is not None:
+            micro.offer_short(key, inputs)
     finally:
         set_grad_enabled(grad_was)

@@ -16,6 +16,7 @@ from batchtap.metrics._shared import Filled
 from batchtap.metrics.base import (
     Combine,
     Metric,
+    MicroWriter,
     Requirement,
     RowWriter,
     StepInputs,
@@ -416,6 +417,34 @@ class Accuracy(AccuracyDecoding, Metric):
 
         return write_counted
 
+    def micro_writer(self, example: StepInputs, capacity: int) -> MicroWriter | None:
+        """Top-1 with padding (the default) over accumulated micro-batches: two ops a micro-batch
+        (the argmax, and ``targets - argmax`` beside the targets into the micro-batch's own
+        buffer, as the row writer does), counted and range-checked once for the whole step.
+
+        The buffers take ``capacity * 2 * targets * 8`` bytes, at most :data:`HITS_BUFFER_BYTES`,
+        and the step's counts stay exact in float32 (at most ``2**24`` targets per settle):
+        ``capacity`` shrinks to fit both. Other settings (top-k, an ignored value that is a class,
+        no ``ignore_index``, one-hot targets, fewer than 2 micro-batches fitting) take ``compute``.
+        """
+        outputs, targets = example.outputs, example.targets
+        assert outputs is not None and targets is not None
+        facts = self._shape_facts(outputs, targets)
+        ignore = self.ignore_index
+        if (
+            self.topk != (1,)
+            or not facts.masked
+            or facts.mask_hits
+            or ignore is None
+            or facts.one_hot
+            or not facts.numel
+        ):
+            return None
+        capacity = min(capacity, F.EXACT_FLOAT32 // facts.numel, HITS_BUFFER_BYTES // (16 * facts.numel))
+        if capacity < 2:
+            return None
+        return _TopOneSums(facts, ignore, capacity, self._fill)
+
     def _fused_top1(
         self, outputs: torch.Tensor, targets: torch.Tensor, ignore: int, facts: _AccuracyShape, counts: torch.Tensor
     ) -> Sequence[torch.Tensor]:
@@ -444,6 +473,40 @@ class Accuracy(AccuracyDecoding, Metric):
         assert outputs is not None and targets is not None
         facts = self._shape_facts(outputs, targets)
         return (facts.classes, facts.notice)
+
+
+class _TopOneSums(MicroWriter):
+    """:meth:`Accuracy.micro_writer`'s writer: per micro-batch, ``targets - argmax`` (0 exactly on
+    a hit) and the targets into row ``index`` of a ``[capacity, 2, targets]`` int64 buffer; at the
+    step's close one ``eq`` with ``(0, ignore_index)`` marks hits and ignored targets of all its
+    micro-batches, one sum counts both, and a ``where`` and an ``aminmax`` give the kept targets'
+    range (ignored ones as 0), the columns :meth:`Accuracy.compute` sums to."""
+
+    def __init__(self, facts: _AccuracyShape, ignore: int, capacity: int, fill: Filled) -> None:
+        self.capacity = capacity
+        self._facts, self._fill = facts, fill
+        device = facts.zero.device
+        pair = torch.zeros((2, *facts.index_shape), dtype=torch.int64, device=device)  # the argmax; 0
+        self._pair, self._predicted = pair, pair.select(0, 0)
+        self._diffs = torch.empty((capacity, 2, facts.numel), dtype=torch.int64, device=device)
+        self._rows = [self._diffs.select(0, i).view(pair.shape) for i in range(capacity)]
+        self._blocks = [self._diffs.narrow(0, 0, n) for n in range(capacity + 1)]  # views made once, by count
+        self._wanted = torch.zeros((2, 1), dtype=torch.int64, device=device)  # a hit: 0; ignored: ignore_index
+        self._wanted.select(0, 1).fill_(ignore)  # made on the device: no upload
+
+    def write(self, inputs: StepInputs, index: int) -> None:
+        torch.argmax(inputs.outputs, self._facts.class_dim, out=self._predicted)  # type: ignore[arg-type]
+        torch.sub(inputs.targets, self._pair, out=self._rows[index])  # type: ignore[arg-type]
+
+    def settle(self, count: int) -> Sequence[torch.Tensor]:
+        facts = self._facts
+        block = self._blocks[count]  # [count, 2, targets]
+        flags = torch.eq(block, self._wanted)
+        correct, ignored = flags.sum((0, 2), dtype=torch.float32).unbind(0)
+        zero = facts.zero  # float32 0-dim: the where gives the range in float32
+        low, high = torch.aminmax(torch.where(flags.select(1, 1), zero, block.select(1, 1)))
+        positions = self._fill(float(count * facts.numel), zero.device)  # exact: capacity keeps it <= 2**24
+        return (correct, ignored, positions, zero, zero, zero, low, high)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ __all__ = [
     "BlockTiming",
     "Requirement",
     "Combine",
+    "MicroWriter",
     "RowWriter",
     "Settle",
     "write_values",
@@ -52,6 +53,31 @@ RowWriter = Callable[["StepInputs", int, bool], None]
 #: ``settle(start, length)``: completes the columns a row writer left for the flush, in ring slots
 #: ``[start, start + length)`` (see :func:`with_settle`)
 Settle = Callable[[int, int], None]
+
+
+class MicroWriter(abc.ABC):
+    """A metric's writer for the micro-batches of gradient accumulation (see
+    :meth:`Metric.micro_writer`): :meth:`write` keeps what one micro-batch needs in buffers of its
+    own, :meth:`settle` reduces up to :attr:`capacity` of them at once, when the step closes.
+
+    Attributes:
+        capacity: micro-batches the buffers hold (the caller settles before writing more).
+    """
+
+    capacity: int
+
+    @abc.abstractmethod
+    def write(self, inputs: StepInputs, index: int) -> None:
+        """Keep micro-batch ``index`` (``0 <= index < capacity``, in order from 0 after each
+        settle): device ops only, no host read, no host-to-device copy."""
+
+    @abc.abstractmethod
+    def settle(self, count: int) -> Sequence[torch.Tensor]:
+        """The metric's device columns over micro-batches ``[0, count)`` as
+        :class:`~batchtap.capture.accumulate.MicroBatches` sums them: a ``MEAN`` column as the sum of
+        ``value * weight`` (weight: the micro-batch's samples, ``inputs.batch_size``, or 1 when
+        that is NaN), a ``SUM`` column summed, ``MIN``/``MAX`` as such; 0-dim tensors, no host
+        read. Drops what the buffers referenced."""
 
 
 def with_settle(write: RowWriter, settle: Settle) -> RowWriter:
@@ -264,6 +290,19 @@ class Metric(MetricDecoder, abc.ABC):
             write_values(rows[slot], self.compute(inputs))
 
         return write
+
+    def micro_writer(self, example: StepInputs, capacity: int) -> MicroWriter | None:
+        """A :class:`MicroWriter` for ``Tap.accumulate()`` micro-batches with the metadata of
+        ``example``, holding at most ``capacity`` of them (it may hold fewer); None (the default):
+        every micro-batch is computed by :meth:`compute` and folded into the step's sums.
+
+        The short accumulation path (``capture/accumulate.py``) uses it: a writer defers what it can
+        to the step's close (one reduction over all the step's micro-batches instead of one per
+        micro-batch). Its settled columns must equal the sums of :meth:`compute`'s values over the
+        same micro-batches (float32 rounding aside), with no host read; it runs with grad mode off
+        and autocast off. Held to :meth:`compute` by ``tests/capture/test_micro_writers.py``.
+        """
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(o.name for o in self.outputs())})"

@@ -10,10 +10,11 @@ from typing import Any, ClassVar
 import torch
 
 from batchtap.errors import ConfigError, InputError
-from batchtap.metrics._shared import step_device
+from batchtap.metrics._shared import Filled, step_device
 from batchtap.metrics.base import (
     Combine,
     Metric,
+    MicroWriter,
     Requirement,
     RowWriter,
     StepInputs,
@@ -79,6 +80,32 @@ class Loss(LossDecoding, Metric):
             cells[slot].fill_(inputs.loss)  # type: ignore[arg-type]  # the short path checked it
 
         return write
+
+    def micro_writer(self, example: StepInputs, capacity: int) -> MicroWriter | None:
+        assert example.loss is not None
+        return _LossSum(capacity, example.loss.device)
+
+
+class _LossSum(MicroWriter):
+    """Each micro-batch's loss times its samples into its own float32 cell (one op: the general
+    path's stack and multiply in one), the cells summed when the step closes."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self._device = device
+        cells = torch.zeros(capacity, dtype=torch.float32, device=device)
+        self._cells = [cells.select(0, i) for i in range(capacity)]  # views made once
+        self._firsts = [cells.narrow(0, 0, n) for n in range(capacity + 1)]  # ... by count
+        self._weights = Filled()  # float32 weights on the device: made once each, never uploaded
+
+    def write(self, inputs: StepInputs, index: int) -> None:
+        samples = inputs.batch_size
+        weight = self._weights(samples if math.isfinite(samples) else 1.0, self._device)
+        # float32 x float32 0-dim: computed in float32 whatever the loss's dtype
+        torch.mul(inputs.loss, weight, out=self._cells[index])  # type: ignore[arg-type]  # checked
+
+    def settle(self, count: int) -> Sequence[torch.Tensor]:
+        return (self._firsts[count].sum(),)
 
 
 class LearningRate(LearningRateDecoding, Metric):
