@@ -65,11 +65,12 @@ _FOUNDATION = {
     "_lazy",
     "_fetches",
 } & TOP_MODULES
-_ASSEMBLY = {"tap", "_run", "_defaults", "_resume"}
+_ASSEMBLY = {"tap", "_run", "_defaults", "_resume", "_run_metrics"}
 TOP_FORBIDDEN = {
     **{name: (PACKAGES - {"store"} if name == "_env" else set(PACKAGES)) | _ASSEMBLY for name in _FOUNDATION},
     "_defaults": (_ABOVE_TAP & PACKAGES) | {"tap", "_run"},
     "_run": (_ABOVE_TAP & PACKAGES) | {"tap"},
+    "_run_metrics": (_ABOVE_TAP & PACKAGES) | {"tap"},  # the Tap's run_metrics seam: reads its open run
     "_resume": (_ABOVE_TAP & PACKAGES) | {"tap", "_run"},
     "tap": _ABOVE_TAP & PACKAGES,
     # `python -m batchtap`: the command line and nothing else

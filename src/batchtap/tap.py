@@ -46,6 +46,7 @@ from batchtap._defaults import checked_metrics, checked_sinks, default_sinks
 from batchtap._exit import AT_EXIT, Terminated, catch_sigterm, sigterm_received
 from batchtap._names import check_storable
 from batchtap._run import ActiveRun, HandedRows, RunSettings, report, resume_point, run_labels
+from batchtap._run_metrics import RunMetrics
 from batchtap.capture.eager import eager, eager_entry, in_eager_code
 from batchtap.errors import ConfigError, InputError, RunStateError
 from batchtap.metrics.base import Metric
@@ -211,6 +212,7 @@ class Tap:
         )
         self._groups: ProcessGroups | None = None  # batchtap's gloo groups, made at the first run in a group
         self._run: ActiveRun | None = None  # the open run
+        self.run_metrics = RunMetrics(self, lambda tap: tap._run)  # for integrations: see _run_metrics.py
         self._sigterm_handler: Any = None  # the SIGTERM handler run() replaced, restored at its end
         self._last_run: ActiveRun | None = None
         self._closed = False
@@ -581,9 +583,7 @@ class Tap:
     def steps_recorded(self) -> int:
         """Rows captured in the current (or last) run."""
         run = self._last_run
-        if run is None:
-            return 0
-        return run.capture.rows if run.capture is not None else run.outside_rows
+        return 0 if run is None else run.capture.rows if run.capture is not None else run.outside_rows
 
     @property
     def should_stop(self) -> bool:
@@ -677,22 +677,6 @@ class Tap:
         pipeline as :meth:`step`'s rows go (decoding, domain checks, anomalies, rules, sinks, NaN
         stop). For capture back-ends. Returns the run's step of ``rows``' offset 0."""
         return _open(self._run, "hand_over()").hand_over(metrics, rows)
-
-    def _run_metrics(self) -> tuple[Metric, ...] | None:
-        """Package-internal (integrations): the open run's metrics, those an integration added to
-        it included (:meth:`_add_run_metrics`); None where no run is open."""
-        return self._run.settings.metrics if self._run is not None else None
-
-    def _add_run_metrics(self, metrics: Sequence[Metric]) -> bool:
-        """Package-internal (integrations): add ``metrics`` to the open run only, before its first
-        step (the Tap's own list, and so its later runs, stay as they were). False, adding nothing,
-        where no run is open or the run's columns are fixed (its first step made them)."""
-        run = self._run
-        if run is None or run.capture is not None:
-            return False
-        # the run's own copy of its settings (frozen)
-        run.settings = dataclasses.replace(run.settings, metrics=(*run.settings.metrics, *metrics))
-        return True
 
     def warn(self, message: str, *, info: bool = False) -> None:
         """Store a warning event with the open run (and log it): what a tool driving this Tap

@@ -13,10 +13,9 @@ The head's output and targets are not among a step's inputs (``tap.step`` takes 
 the recorder hands each metric its pair just before ``tap.step``, and the metric's ``compute`` (on
 the training thread, inside that call) takes it. No host read: argmax, compare, sum on the device.
 
-The Tap has no public way to add metrics to a run; its package-internal seam
-(``Tap._run_metrics`` / ``Tap._add_run_metrics``) puts them into the open run only, before its
-first step (the Tap's own metric list is left as it was, so its next run does not inherit them).
-A run that already recorded steps without them keeps plain extras.
+The metrics go into the open run only, before its first step (``Tap.run_metrics``: the Tap's
+own metric list is left as it was, so its next run does not inherit them). A run that already
+recorded steps without them keeps plain extras.
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ def head_accuracies(tap: Tap, heads: Sequence[str]) -> dict[str, HeadAccuracy] |
     """A :class:`HeadAccuracy` per head (``accuracy/<head>``) in the Tap's open run, added before
     its first step or found there from an earlier ``fit()``; None where the run already recorded
     steps without them (the caller passes plain extras then)."""
-    metrics = tap._run_metrics()  # the open run's (package-internal seam of the Tap)
+    metrics = tap.run_metrics()
     if metrics is None or not heads:
         return None
     names = [f"accuracy/{h}" for h in heads]
@@ -85,5 +84,6 @@ def head_accuracies(tap: Tap, heads: Sequence[str]) -> dict[str, HeadAccuracy] |
     added = {h: HeadAccuracy(n) for h, n in zip(heads, names) if n not in taken}
     if len(added) != len(heads):
         return None  # a name the Tap's own metrics already have: leave them be
-    # False where the run already recorded steps: its columns are fixed
-    return added if tap._add_run_metrics(tuple(added.values())) else None
+    ran = tap.run_metrics(tuple(added.values()))
+    # not added where the run already recorded steps: its columns are fixed
+    return added if ran is not None and all(any(m is r for r in ran) for m in added.values()) else None
