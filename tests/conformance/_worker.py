@@ -58,7 +58,8 @@ def run_cell(frontend: str, scenario: str, out: Path, *, count_reads: bool) -> d
     finally:
         if frontend == "autolog":
             bt.autolog(enabled=False)
-    result = {"steps": [{"epoch": t.epoch, "batch": t.batch, **t.values()} for t in truths], "reads": hooks.reads}
+    steps = [{"epoch": t.epoch, "batch": t.batch, **t.values(), **t.counts()} for t in truths]
+    result = {"steps": steps, "reads": hooks.reads}
     rank = dist.get_rank() if dist.is_initialized() else 0
     (out / f"truth{rank}.json").write_text(json.dumps(result))
     return result

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CLOCKED", "Outcome", "check", "stored"]
+__all__ = ["CLOCKED", "COUNTS", "Outcome", "check", "stored"]
 
 #: values measured by a clock, for which a loop has no ``.item()`` truth: each with the range it must
 #: lie in wherever stored (in a process group: the slowest rank's index and max/min of the ranks' step times)
@@ -22,6 +22,11 @@ CLOCKED: dict[str, tuple[float, float]] = {
 }
 #: float32 rounding of a value the library combines itself (a weighted mean, a float32 norm)
 REL = 1e-5
+#: what a step's throughput can count, carried in each truth step beside the metrics (not stored values):
+#: ``samples`` the rows of the batches the loader handed out (sequences for a sequence model), ``tokens``
+#: the step's kept targets (what a token-normalised loss divides by), ``input_tokens`` the elements of the
+#: HF Trainer's ``input_ids`` (HF cells only); summed over ranks in a process group
+COUNTS = ("samples", "tokens", "input_tokens")
 
 
 @dataclass
@@ -32,6 +37,9 @@ class Outcome:
         steps: per optimizer step, ``{"epoch", "batch", <metric>: truth...}`` (the ``.item()`` values).
         reads: host reads per step (after the first) where the front-end counted them, else None.
         db: the SQLite store the run wrote to.
+        counted: what this cell's stored ``throughput`` counts per second (one of :data:`COUNTS`):
+            wherever a step stores both, throughput x step_time must equal that count of the step
+            (the registry sets it from the scenario and the front-end).
         data_time: True when this front-end must store the loader's wait on every step.
         step_time: True when it must store a step time on every step after the first.
         notes: what the cell's run said on the way (for a failure's message).
@@ -42,6 +50,7 @@ class Outcome:
     db: Path
     data_time: bool = False
     step_time: bool = False
+    counted: str = "samples"
     notes: list[str] = field(default_factory=list)
 
 
@@ -77,6 +86,7 @@ def check(outcome: Outcome) -> None:
     for step, expected in enumerate(truth):
         got = rows.get(step, {})
         problems += _check_step(step, expected, got, data_time=outcome.data_time, step_time=outcome.step_time)
+        problems += _check_throughput(step, expected, got, outcome.counted)
     if outcome.reads is not None and any(outcome.reads):
         problems.append(f"host reads per step (after the first): {outcome.reads}, expected 0")
     if problems:
@@ -108,13 +118,38 @@ def _check_step(
         else:
             problems.append(f"step {step} {metric}: stored {value!r}, but the loop has no such value")
     for metric in expected:
-        if metric not in ("epoch", "batch") and metric not in got:
+        if metric not in ("epoch", "batch", *COUNTS) and metric not in got:
             problems.append(f"step {step} {metric}: not stored (truth {expected[metric]!r})")
     if data_time and "data_time" not in got:
         problems.append(f"step {step}: no data_time stored")
     if step_time and step > 0 and "step_time" not in got:  # the first step may have no start to time from
         problems.append(f"step {step}: no step_time stored")
     return problems
+
+
+def _check_throughput(
+    step: int, expected: Mapping[str, float], got: Mapping[str, tuple[int, int, float | None]], counted: str
+) -> list[str]:
+    """Throughput x step_time is the step's count (``counted``) wherever both are stored. A process
+    group's global row sums the ranks' throughputs and keeps the slowest rank's step time, so there the
+    product lies between the ranks' summed count and that times ``step_time_spread`` (slowest / fastest)."""
+    if "throughput" not in got or "step_time" not in got:
+        return []
+    if counted not in expected:
+        return [f"step {step} throughput: stored, but the truth has no {counted!r} count to hold it to"]
+    throughput, step_time = got["throughput"][2], got["step_time"][2]
+    if throughput is None or step_time is None:
+        return []  # a missing value is reported by _check_step
+    count, product = expected[counted], throughput * step_time
+    spread = got["step_time_spread"][2] if "step_time_spread" in got else None
+    high = count * (spread if spread is not None else 1.0)
+    if count * (1 - REL) <= product <= high * (1 + REL):
+        return []
+    within = f" (up to x{spread:.4g}, the ranks' step_time_spread)" if spread is not None else ""
+    return [
+        f"step {step} throughput: stored {throughput!r}/s x step_time {step_time!r} s = {product:.6g}, expected the "
+        f"step's {counted} {count:g}{within}"
+    ]
 
 
 def combine_ranks(per_rank: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
@@ -125,6 +160,9 @@ def combine_ranks(per_rank: Sequence[Mapping[str, Any]]) -> list[dict[str, float
         first = dict(rows[0])
         for name in ("loss", "accuracy"):
             first[name] = sum(r[name] for r in rows) / len(rows)
+        for name in COUNTS:  # global throughput sums the ranks'
+            if name in first:
+                first[name] = sum(r[name] for r in rows)
         for name in ("lr", "grad_norm"):
             if name in first:
                 values = [r[name] for r in rows]

@@ -51,10 +51,13 @@ def _loss(out: torch.Tensor, y: torch.Tensor, opts: Options) -> torch.Tensor:
     return F.cross_entropy(out, y)
 
 
-def _step_truth(epoch: int, micro: list[tuple[int, float, int, int]], lr: float, norm: float) -> dict[str, float]:
-    """One optimizer step from its micro-batches' (batch index, loss, correct, kept): equal-sized
-    micro-batches, so the step's loss is the mean of theirs."""
+def _step_truth(epoch: int, micro: list[tuple[int, float, int, int, int]], lr: float, norm: float) -> dict[str, float]:
+    """One optimizer step from its micro-batches' (batch index, loss, correct, kept, samples): equal-sized
+    micro-batches, so the step's loss is the mean of theirs; the counts throughput is held to
+    (``compare.COUNTS``): samples (the batches' rows) and kept tokens."""
     return {
+        "samples": float(sum(m[4] for m in micro)),
+        "tokens": float(sum(m[3] for m in micro)),
         "epoch": epoch,
         "batch": micro[-1][0],
         "loss": sum(m[1] for m in micro) / len(micro),
@@ -82,7 +85,7 @@ def run_lightning(scenario: str, workdir: Path, *, autolog: bool = False) -> Out
             super().__init__()
             torch.manual_seed(0)
             self.net = _model(opts)
-            self.micro: list[tuple[int, float, int, int]] = []
+            self.micro: list[tuple[int, float, int, int, int]] = []
             self.truth: list[dict[str, float]] = []
             self.engine: list[torch.nn.Module] = []  # a list: a module attribute would become a submodule
 
@@ -92,7 +95,7 @@ def run_lightning(scenario: str, workdir: Path, *, autolog: bool = False) -> Out
             loss = _loss(out, y, opts)
             if opts.two_losses:
                 loss = loss + out.float().pow(2).mean() * 0.01  # two losses, one backward(): their sum
-            self.micro.append((batch_idx, loss.item(), *_counts(out, y, ignore)))
+            self.micro.append((batch_idx, loss.item(), *_counts(out, y, ignore), len(x)))
             return {"loss": loss, "logits": out}
 
         def configure_model(self) -> None:  # ModelParallelStrategy (FSDP2): the user shards here
@@ -195,7 +198,8 @@ def run_hf(scenario: str, workdir: Path, *, autolog: bool = False) -> Outcome:
     # an odd number of micro-batches per epoch under accumulation: each epoch ends with a one-micro-batch step
     n = BATCH * (2 * accum + 1 if accum > 1 else 4)
     model = _gpt2() if lm else _bert()
-    micro: list[tuple[int, float, int, int]] = []  # (batch index, loss sum or mean, correct, kept)
+    micro: list[tuple[int, float, int, int, int]] = []  # (batch index, loss sum or mean, correct, kept, samples)
+    input_tokens: list[int] = []  # the micro-batches' input_ids elements (what BatchtapTrainer counts for an LM)
     truth: list[dict[str, float]] = []
     batch_index = [-1]
 
@@ -207,6 +211,7 @@ def run_hf(scenario: str, workdir: Path, *, autolog: bool = False) -> Outcome:
             )
             if model.training:
                 batch_index[0] += 1
+                input_tokens.append(inputs["input_ids"].numel())
                 logits = outputs["logits"].detach().float()
                 if lm:  # logits at t predict label t + 1
                     logits, labels = logits[:, :-1], labels[:, 1:]
@@ -214,7 +219,7 @@ def run_hf(scenario: str, workdir: Path, *, autolog: bool = False) -> Outcome:
                     value = summed.item()
                 else:
                     value = F.cross_entropy(logits, labels).item()
-                micro.append((batch_index[0], value, *_counts(logits, labels, -100)))
+                micro.append((batch_index[0], value, *_counts(logits, labels, -100), len(labels)))
             return (loss, outputs) if return_outputs else loss
 
     args = _args(
@@ -245,6 +250,8 @@ def run_hf(scenario: str, workdir: Path, *, autolog: bool = False) -> Outcome:
         epoch = len(truth) // steps_per_epoch
         step = micro[:]
         micro.clear()
+        step_input_tokens = float(sum(input_tokens))
+        input_tokens.clear()
         if lm:
             kept = sum(m[3] for m in step)
             loss = sum(m[1] for m in step) / kept  # sum CE / N over the whole step
@@ -254,6 +261,7 @@ def run_hf(scenario: str, workdir: Path, *, autolog: bool = False) -> Outcome:
             if opts.backward == "undivided":  # the Trainer adds the model's per-micro-batch means undivided
                 row["loss"] = sum(m[1] for m in step)
         row["batch"] = step[-1][0] - epoch * micro_per_epoch
+        row["input_tokens"] = step_input_tokens
         truth.append(row)
         return clip(parameters, max_norm, norm_type)
 
@@ -297,7 +305,7 @@ def run_accelerate(scenario: str, workdir: Path) -> Outcome:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     _assert_engine(opts, model, f"Accelerate made a {accelerator.distributed_type}")
     truth: list[dict[str, float]] = []
-    micro: list[tuple[int, float, int, int]] = []
+    micro: list[tuple[int, float, int, int, int]] = []
     run_tap = tracker.tap  # starts the run
     for epoch in range(EPOCHS):
         if opts.backward == "token":
@@ -315,7 +323,7 @@ def run_accelerate(scenario: str, workdir: Path) -> Outcome:
                 else:
                     accelerator.backward(loss)  # Accelerate divides it for accumulation
                 run_tap.accumulate(loss=loss.detach(), outputs=out, targets=y)  # the undivided loss
-                micro.append((index, loss.item(), *_counts(out, y, ignore)))
+                micro.append((index, loss.item(), *_counts(out, y, ignore), len(x)))
                 norm = None
                 if accelerator.sync_gradients:
                     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -357,7 +365,7 @@ def _accelerate_token_epoch(
             continue
         n_items = sum((y != -100).sum() for _, (_, y) in step)
         n_items = accelerator.gather(n_items).sum().item()
-        micro: list[tuple[int, float, int, int]] = []
+        micro: list[tuple[int, float, int, int, int]] = []
         for i, (index, (x, y)) in enumerate(step):
             syncs = i == len(step) - 1 or accelerator.num_processes == 1
             with contextlib.nullcontext() if syncs else accelerator.no_sync(model):
@@ -366,7 +374,7 @@ def _accelerate_token_epoch(
                 accelerator.backward(summed * accum * accelerator.num_processes / n_items)
             correct, kept = _counts(out, y, -100)
             run_tap.accumulate(loss=summed.detach() / kept, outputs=out, targets=y, batch_size=kept)
-            micro.append((index, summed.item(), correct, kept))
+            micro.append((index, summed.item(), correct, kept, len(x)))
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm_truth = torch.nn.utils.get_total_norm(grads).item()
         lr = float(optimizer.param_groups[0]["lr"])  # the rate this step uses

@@ -119,6 +119,11 @@ class Truth:
     grad_norm: torch.Tensor  # left out of values() on a step the GradScaler skipped
     loss_scale: torch.Tensor | None = None
     skipped: torch.Tensor | None = None
+    samples: int = 0  # sequences (rows of the batches the loader handed out) over the step's micro-batches
+
+    def counts(self) -> dict[str, float]:
+        """What the step's throughput counts (``compare.COUNTS``): its samples, its kept tokens."""
+        return {"samples": float(self.samples), "tokens": float(self.kept.item())}
 
     def values(self) -> dict[str, float]:
         out = {"loss": self.loss.item(), "accuracy": self.correct.item() / self.kept.item(), "lr": self.lr}
@@ -312,4 +317,5 @@ def _one_step(
         grad_norm=norm,
         loss_scale=scale,
         skipped=skipped,
+        samples=sum(len(x) for _, (x, _) in batches),
     )

@@ -4,14 +4,19 @@ loop's own ``.item()`` truth taken in the same run (``test_matrix.py`` is its on
 Entry format (a new front-end or scenario is one entry here or in a cell module, never a new test file)
 -------------------------------------------------------------------------------------------------------
 
-* **Scenario**: ``Scenario(name, doc)`` in :data:`SCENARIOS`. The raw loops' options for it are in
-  ``loops.OPTIONS[name]``; a framework front-end reads the name and builds its own version.
+* **Scenario**: ``Scenario(name, doc, counted="samples")`` in :data:`SCENARIOS`; ``counted`` is what
+  its throughput counts (``"samples"``, or ``"tokens"`` where the loop weighs by kept tokens), held in
+  every cell: stored throughput x step_time = that count of the step (the loops' truth carries the
+  counts); :data:`COUNTED` names the cells whose front-end counts something else, and why. The raw
+  loops' options for it are in ``loops.OPTIONS[name]``; a framework front-end reads the name and builds
+  its own version.
 * **Front-end**: ``FrontEnd(name, run, doc)`` in :data:`FRONTENDS`. ``run(scenario, workdir)`` trains
   the scenario through the front-end, storing into the SQLite file ``workdir / "store.db"``, and
   returns a ``compare.Outcome``: the truth of every optimizer step (``{"epoch", "batch", "loss",
   "accuracy", "lr", "grad_norm", ...}``, read with ``.item()`` in the same run), the host reads per
   step where the front-end counts them (else None), and whether ``data_time`` must be stored.
-  ``compare.check`` then holds every stored value to its truth (clocked values: finite, >= 0).
+  ``compare.check`` then holds every stored value to its truth (clocked values: finite, >= 0;
+  throughput also to the step's count).
 * **Expectation of a cell** ``(scenario, front-end)``: absent from :data:`MARKS` = exact. Else
   ``NA(reason)``: the cell cannot apply (shown as a skip with the reason); ``XFAIL(reason)``: wrong
   today (a strict xfail, so the test fails loudly once it is fixed: then delete the mark).
@@ -34,13 +39,30 @@ import pytest
 
 from tests.conformance.compare import Outcome
 
-__all__ = ["CELL_MODULES", "FRONTENDS", "MARKS", "NA", "SCENARIOS", "XFAIL", "FrontEnd", "Scenario", "cells"]
+__all__ = [
+    "CELL_MODULES",
+    "COUNTED",
+    "FRONTENDS",
+    "MARKS",
+    "NA",
+    "SCENARIOS",
+    "XFAIL",
+    "FrontEnd",
+    "Scenario",
+    "cells",
+    "counted",
+]
 
 
 @dataclass(frozen=True)
 class Scenario:
+    """``counted``: what the scenario's throughput counts per second (``compare.COUNTS``): ``samples``
+    (the batches' rows, sequences for a sequence model: docs/loops.md, "Throughput") unless the loop
+    tells the step's tokens; the check holds throughput x step_time to that count of each step."""
+
     name: str
     doc: str
+    counted: str = "samples"
 
 
 @dataclass(frozen=True)
@@ -72,6 +94,7 @@ SCENARIOS: list[Scenario] = [
         "token-normalised-accum",
         "2 micro-batches of -100-padded sequences, CE(reduction='sum') / N backward() each, N = kept tokens of "
         "the whole step (the HF Trainer's causal-LM path): the step's loss is sum CE / N",
+        counted="tokens",  # the loop weighs each micro-batch by its kept tokens (batch_size=): tokens/s
     ),
     Scenario("clip-torch", "clip_grad_norm_(max_norm=0.05): every step clips; grad_norm is the pre-clip norm"),
     Scenario(
@@ -231,6 +254,25 @@ def _merged() -> tuple[list[Scenario], list[tuple[FrontEnd, str | None]], dict[t
                 if frontend.name not in own_frontends and key not in module_marks:
                     marks[key] = NA(f"a scenario of {name.rsplit('.', 1)[-1]}.py, not written for this front-end")
     return scenarios, frontends, marks
+
+
+_NO_TOKENS = "autolog reads no token count: N is a device tensor (a host read), so it counts the sequences"
+_INPUT_TOKENS = "BatchtapTrainer counts a causal LM's input_ids tokens (padding included)"
+
+#: cells whose throughput counts something other than their scenario declares: (count, why); docs/loops.md,
+#: "Throughput", says the same
+COUNTED: dict[tuple[str, str], tuple[str, str]] = {
+    ("token-normalised-accum", "autolog"): ("samples", _NO_TOKENS),
+    ("token-normalised-accum", "run"): ("samples", _NO_TOKENS),
+    ("token-normalised-accum", "hf-autolog"): ("samples", _NO_TOKENS),
+    ("token-normalised-accum", "hf"): ("input_tokens", _INPUT_TOKENS),
+    ("pad-100", "hf"): ("input_tokens", _INPUT_TOKENS),
+}
+
+
+def counted(scenario: Scenario, frontend: FrontEnd) -> str:
+    """What the cell's throughput counts: the scenario's declaration unless :data:`COUNTED` says otherwise."""
+    return COUNTED.get((scenario.name, frontend.name), (scenario.counted, ""))[0]
 
 
 def cells() -> Iterator[object]:

@@ -40,6 +40,9 @@ class LossCall:
         targets: the class indices it saw (with ``logits``).
         ignore_index: the targets' value the loss leaves out.
         reduction: ``"mean"`` or ``"sum"`` (a summed loss is divided by its kept targets).
+        samples: the samples of the batch (docs/loops.md, "Throughput"): the leading dimension of
+            the tensor the loop flattened into the logits' rows (``(B, T, V) -> (B*T, V)``: B
+            sequences), else the logits' rows; 0 without logits. Shape metadata only.
     """
 
     output: torch.Tensor
@@ -47,6 +50,7 @@ class LossCall:
     targets: torch.Tensor | None
     ignore_index: int
     reduction: str
+    samples: int = 0
 
 
 @dataclasses.dataclass(slots=True)

@@ -101,7 +101,7 @@ class LossCalls:
             and not targets.is_floating_point()
             and not targets.is_complex()
         ):  # a classification: what accuracy is counted from
-            call = LossCall(out, logits.detach(), targets, ignore, reduction)
+            call = LossCall(out, logits.detach(), targets, ignore, reduction, _samples(logits, targets))
         else:
             call = LossCall(out, None, None, ignore, reduction)
         by_node = self.by_node
@@ -109,3 +109,23 @@ class LossCalls:
         if len(by_node) > _KEPT:
             by_node.popitem(last=False)
         self.seen = True
+
+
+def _samples(logits: torch.Tensor, targets: torch.Tensor) -> int:
+    """The samples of a classification call (shape metadata, no host read): where the loop flattened
+    a sequence batch for the loss (``logits.view(-1, V)``, ``targets.view(-1)``), the leading dimension
+    of the tensor it flattened (the sequences, as the explicit API counts them), else the logits' rows.
+
+    A flattening is a view whose base has more dimensions and as many elements: read before the
+    logits are detached (a detached view has no base). A loop that copies instead (``.reshape`` of a
+    non-contiguous tensor) and whose targets are no view either is counted by the rows.
+    """
+    rows = logits.shape[0]
+    base = logits._base
+    if base is not None and logits.dim() == 2 and base.dim() > 2 and base.shape[-1] == logits.shape[1]:
+        if base.numel() == logits.numel():
+            return int(base.shape[0])
+    base = targets._base
+    if base is not None and targets.dim() == 1 and base.dim() > 1 and base.numel() == rows:
+        return int(base.shape[0])
+    return int(rows)

@@ -42,6 +42,8 @@ class MicroBatch:
         shape: the graph's node names down to the loss (see :class:`~batchtap.autolog._graph.Resolved`).
         normalised: ``loss`` is a summed loss divided by the step's item count (token-normalised):
             the step's loss is the sum of its micro-batches' ``loss``, not their mean.
+        samples: the micro-batch's samples for throughput (``LossCall.samples``: sequences where the
+            loss flattened them); 0 where unknown.
     """
 
     loss: torch.Tensor
@@ -54,6 +56,7 @@ class MicroBatch:
     shape: tuple[str, ...] = ()
     normalised: bool = False
     factors: tuple[float | None, ...] = ()
+    samples: int = 0
 
     def given(self) -> torch.Tensor:
         """What the gradients saw of this loss: the tensor given to ``backward()`` with the
@@ -105,6 +108,10 @@ class Rows:
         self._shape: tuple[bool, bool] | None = None  # (loss, outputs) of the run's first hand-over
         self._ignore_index: int | None = None
         self._sizes: list[float] = []  # samples of the row's accumulation micro-batches
+        # the row's samples for throughput where they differ from the outputs' rows that weigh its micro-batches
+        # (a flattened sequence batch: B sequences, B*T rows); 0 once a micro-batch's are unknown
+        self._samples = 0
+        self._flattened = False
         self._trainer_noted = False  # the HF Trainer's mean of means was said
         # the watched loader's wait for each batch it handed out, oldest first: each micro-batch handed to
         # tap.accumulate takes the oldest, the wait of the batch it trained on (a loop that fetches a step's
@@ -243,6 +250,7 @@ class Rows:
         others, self._other_losses = self._other_losses, {}
         self._handed_weight, self._handed_sum, self._handed_total = 0.0, None, None
         sizes, self._sizes = self._sizes, []
+        samples, flattened, self._samples, self._flattened = self._samples, self._flattened, 0, False
         self.waits.clear()  # a step's batches are fetched by its end: what is left must not shift the next
         if not row:
             return
@@ -265,11 +273,18 @@ class Rows:
             if not self._fits(direct, "step"):
                 return
             outputs, targets = self._classification(direct)
-            self.tap.step(direct.loss, outputs=outputs, targets=targets)
+            if outputs is not None and 0 < direct.samples != outputs.shape[0]:  # a flattened sequence batch
+                self.tap.step(direct.loss, outputs=outputs, targets=targets, batch_size=direct.samples)
+            else:
+                self.tap.step(direct.loss, outputs=outputs, targets=targets)
         else:
             if not accumulated and not self._fits(None, "step"):
                 return
-            self.tap.step()
+            # the micro-batches were weighed by their outputs' rows; throughput counts the samples
+            if flattened and samples > 0:
+                self.tap.step(batch_size=samples)
+            else:
+                self.tap.step()
             if len(set(sizes)) > 1 and not self._trainer_noted:
                 self._note_mean_of_means(sizes)
         self.rows += 1
@@ -306,6 +321,11 @@ class Rows:
             loss = self._normalised(loss, samples if math.isfinite(samples) else 1.0, last)
         elif math.isfinite(samples):
             self._sizes.append(samples)
+        if outputs is not None and micro.samples > 0 and (self._samples or not self._accumulated):
+            self._samples += micro.samples
+            self._flattened = self._flattened or micro.samples != outputs.shape[0]
+        else:
+            self._samples = 0  # unknown for one micro-batch: the step's are
         wait = self.waits.popleft() if self.waits else None
         self.tap.accumulate(loss, outputs=outputs, targets=targets, data_time=wait)
         self._accumulated += 1
@@ -397,7 +417,7 @@ def _summed(micro: list[MicroBatch]) -> MicroBatch:
     first = next((m for m in micro if m.outputs is not None), None)
     if first is None:
         return MicroBatch(total)
-    return MicroBatch(total, first.outputs, first.targets, first.ignore_index)
+    return MicroBatch(total, first.outputs, first.targets, first.ignore_index, samples=first.samples)
 
 
 def _any_skip(skips: list[torch.Tensor | float]) -> torch.Tensor | float | None:

@@ -347,6 +347,7 @@ class Session:
                 found.shape,
                 found.normalised,
                 found.factors,
+                call.samples if classified else 0,  # type: ignore[union-attr]
             )
         )
 
