@@ -115,6 +115,9 @@ CASES = [
     pytest.param(_Stream(6, {2}), {"limit_train_batches": 4, "accumulate_grad_batches": 2}, id="stream-limit-accum"),
     pytest.param(_Sized(5, {0, 3}), {}, id="sized-slow-first-and-middle"),
     pytest.param(_Sized(5, {2}), {"accumulate_grad_batches": 2}, id="sized-accum-2"),
+    # a new fetcher each epoch: the last epoch's pass, left suspended, must not keep the new one unwatched
+    pytest.param(_Stream(5, {1}), {"reload_dataloaders_every_n_epochs": 1}, id="stream-reloaded-each-epoch"),
+    pytest.param(_Sized(5, {3}), {"reload_dataloaders_every_n_epochs": 1}, id="sized-reloaded-each-epoch"),
 ]
 
 
@@ -146,15 +149,34 @@ def test_a_validation_loader_is_not_counted_with_the_training_batches() -> None:
     assert all(w < waits[(e, 3)] for (e, b), w in waits.items() if b != 3), shown
 
 
+@pytest.mark.parametrize("data", [_Stream(3, set()), _Sized(3, set())], ids=["stream", "sized"])
+def test_a_loop_after_the_fit_is_watched_again(data: Any) -> None:
+    sink = ListSink()
+    module = _Module()
+    with autologged(sink, name="after-fit"):
+        trainer = quiet_trainer(max_epochs=2)
+        trainer.fit(module, DataLoader(data, batch_size=BATCH))
+        optimizer = trainer.optimizers[0]
+        for x, y in DataLoader(_Sized(3, set()), batch_size=BATCH):  # the fit's last pass ended with it
+            F.cross_entropy(module.net(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    records = [r for r in sink.records if not r.sparse]
+    assert [(r.epoch, r.batch) for r in records] == [(e, b) for e in range(3) for b in range(3)]
+    assert all("data_time" in r.values for r in records)
+
+
 def test_the_fetcher_is_lightnings_own_again_after_autolog() -> None:
     kind = fetchers._PrefetchDataFetcher
-    begin, hand_out, finders = vars(kind)["__iter__"], vars(kind)["__next__"], list(sys.meta_path)
+    names = ("__iter__", "__next__", "teardown")
+    before, finders = [kind.__dict__.get(n) for n in names], list(sys.meta_path)
     with autologged(ListSink()):
-        assert vars(kind)["__iter__"] is not begin and vars(kind)["__next__"] is not hand_out  # wrapped
+        assert all(kind.__dict__.get(n) is not b for n, b in zip(names, before))  # wrapped
         fetcher = kind()
         fetcher.setup(pl.utilities.CombinedLoader(DataLoader(_Stream(2, set()), batch_size=BATCH)))
         assert len(list(iter(fetcher))) == 2  # wrapped, it hands out every batch as before
-    assert vars(kind)["__iter__"] is begin and vars(kind)["__next__"] is hand_out
+        fetcher.teardown()
+    assert [kind.__dict__.get(n) for n in names] == before
     assert sys.meta_path == finders
 
 

@@ -70,9 +70,9 @@ class LoaderWatch:
         self._running: weakref.ref[Any] | None = None  # the watched iteration in progress
         self._running_loader: weakref.ref[Any] | None = None  # the loader it iterates
         self._eval: weakref.WeakSet[Any] = weakref.WeakSet()
-        # a Lightning fetcher's watched pass, by fetcher (_lightning.py), and the fetches beneath the
-        # one fetching now (its DataLoader's fetches are timed into them, not watched)
-        self._passes: weakref.WeakKeyDictionary[Any, Iterator[Any]] = weakref.WeakKeyDictionary()
+        # the fit loop's training fetcher and its watched pass (_lightning.py), and the fetches beneath
+        # the pass fetching now (its DataLoader's fetches are timed into them, not watched)
+        self._fetcher_pass: tuple[Any, Iterator[Any]] | None = None
         self._beneath: _Fetches | None = None
         self.enabled = True
 
@@ -109,27 +109,42 @@ class LoaderWatch:
     def fetcher_pass(self, fetcher: Any, begin: Callable[[Any], Any], hand_out: Callable[[Any], Any]) -> Any:
         """A Lightning fetcher's training pass begins (``begin``: its class's own ``__iter__``, which
         may prefetch): its hand-outs (``hand_out``: its own ``__next__``) are watched, the fetches of
-        the loaders it iterates timed beneath them. Returns what ``begin`` returned."""
+        the loaders it iterates timed beneath them. Returns what ``begin`` returned.
+
+        The fit loop's last pass, left suspended after its last batch, ends here, whether the loop
+        iterates the same fetcher again or made a new one (``reload_dataloaders_every_n_epochs``).
+        """
+        self._end_fetcher_pass()
         fetches = _Fetches()
         outer, self._beneath = self._beneath, fetches
         try:
             begun = begin(fetcher)
         finally:
             self._beneath = outer
-        hand_outs = _HandOuts(self, fetches, weakref.ref(fetcher), hand_out)  # weak: _passes is keyed by it
-        watched = self._watched(fetcher, hand_outs, fetches.waits)
+        watched = self._watched(fetcher, _HandOuts(self, fetches, fetcher, hand_out), fetches.waits)
         if watched is None:  # not watched (no run open, another pass running, evaluation): keep no waits
             fetches.kept = False
             fetches.waits.clear()
-            self._passes.pop(fetcher, None)
         else:
-            self._passes[fetcher] = watched
+            self._fetcher_pass = (fetcher, watched)
         return begun
 
     def fetcher_next(self, fetcher: Any, hand_out: Callable[[Any], Any]) -> Any:
         """The fetcher's next batch: through its watched pass where it has one."""
-        watched = self._passes.get(fetcher) if self.enabled else None
-        return hand_out(fetcher) if watched is None else next(watched)
+        current = self._fetcher_pass if self.enabled else None
+        return hand_out(fetcher) if current is None or current[0] is not fetcher else next(current[1])
+
+    def fetcher_end(self, fetcher: Any) -> None:
+        """The fetcher is torn down (the end of ``fit()``): its pass, left suspended, ends, so that a
+        loop after the fit is watched again."""
+        if self._fetcher_pass is not None and self._fetcher_pass[0] is fetcher:
+            self._end_fetcher_pass()
+
+    def _end_fetcher_pass(self) -> None:
+        last, self._fetcher_pass = self._fetcher_pass, None
+        close = getattr(last[1], "close", None) if last is not None else None
+        if close is not None:
+            close()
 
     def _watched(self, loader: Any, iterator: Any, fetches: deque[float] | None = None) -> Iterator[Any] | None:
         """``iterator`` (a pass of ``loader`` just begun) through the watch, or None where it is not
@@ -190,9 +205,7 @@ class _Fetches:
 class _HandOuts:
     """A Lightning fetcher's hand-outs (its own ``__next__``), with the fetches they make timed beneath."""
 
-    def __init__(
-        self, loaders: LoaderWatch, fetches: _Fetches, fetcher: weakref.ref[Any], hand_out: Callable[[Any], Any]
-    ) -> None:
+    def __init__(self, loaders: LoaderWatch, fetches: _Fetches, fetcher: Any, hand_out: Callable[[Any], Any]) -> None:
         self._loaders = loaders
         self._fetches = fetches
         self._fetcher = fetcher
@@ -202,13 +215,10 @@ class _HandOuts:
         return self
 
     def __next__(self) -> Any:
-        fetcher = self._fetcher()
-        if fetcher is None:
-            raise StopIteration
         loaders = self._loaders
         outer, loaders._beneath = loaders._beneath, self._fetches
         try:
-            return self._hand_out(fetcher)
+            return self._hand_out(self._fetcher)
         finally:
             loaders._beneath = outer
 
