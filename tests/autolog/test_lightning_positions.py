@@ -136,6 +136,34 @@ def test_each_step_is_stored_at_its_own_batch_with_its_own_wait_and_loss(data: A
     assert max(w for w, s in zip(waits, slow) if not s) < min(w for w, s in zip(waits, slow) if s), shown
 
 
+class _Pair(_Module):  # type: ignore[misc]
+    """Trains on the first of two combined loaders' batches."""
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        return super().training_step(batch[0], batch_idx)
+
+
+@pytest.mark.parametrize("kind", [_Stream, _Sized], ids=["streams", "sized"])
+def test_two_combined_loaders_give_each_step_one_wait_for_both_its_batches(kind: type) -> None:
+    # Lightning's CombinedLoader fetches one batch of each loader per step: one fetch, one wait
+    sink, module = ListSink(), _Pair()
+    slow = kind(4, {1})
+    with autologged(sink, name="lightning-combined"):
+        loaders = [DataLoader(slow, batch_size=BATCH), DataLoader(kind(4, {2}), batch_size=BATCH)]
+        quiet_trainer(max_epochs=2).fit(module, loaders)
+    records = [r for r in sink.records if not r.sparse]
+    shown = [(r.epoch, r.batch, r.values.get("data_time")) for r in records]
+    assert (
+        [(r.epoch, r.batch) for r in records]
+        == [(e, b[-1]) for e, b, _ in module.steps]
+        == [(e, b) for e in range(2) for b in range(4)]
+    ), shown
+    waits = {(r.epoch, r.batch): r.values["data_time"] for r in records}
+    for epoch in range(2):
+        fast = max(waits[(epoch, b)] for b in (0, 3))
+        assert fast < waits[(epoch, 1)] and fast < waits[(epoch, 2)], shown
+
+
 def test_a_validation_loader_is_not_counted_with_the_training_batches() -> None:
     records, module = _fit(_Stream(5, {3}), val=_Stream(3, {0, 1, 2}), limit_val_batches=2)
     shown = [(r.epoch, r.batch, r.values.get("data_time")) for r in records]
@@ -170,13 +198,15 @@ def test_the_fetcher_is_lightnings_own_again_after_autolog() -> None:
     kind = fetchers._PrefetchDataFetcher
     names = ("__iter__", "__next__", "teardown")
     before, finders = [kind.__dict__.get(n) for n in names], list(sys.meta_path)
+    fetch = fetchers._DataFetcher.__next__
     with autologged(ListSink()):
         assert all(kind.__dict__.get(n) is not b for n, b in zip(names, before))  # wrapped
+        assert fetchers._DataFetcher.__next__ is not fetch
         fetcher = kind()
         fetcher.setup(pl.utilities.CombinedLoader(DataLoader(_Stream(2, set()), batch_size=BATCH)))
         assert len(list(iter(fetcher))) == 2  # wrapped, it hands out every batch as before
         fetcher.teardown()
-    assert [kind.__dict__.get(n) for n in names] == before
+    assert [kind.__dict__.get(n) for n in names] == before and fetchers._DataFetcher.__next__ is fetch
     assert sys.meta_path == finders
 
 

@@ -41,18 +41,28 @@ class FetcherWatch(Protocol):
 
     def fetcher_next(self, fetcher: Any, hand_out: Callable[[Any], Any]) -> Any: ...
 
+    def fetcher_fetch(self, fetcher: Any, fetch: Callable[[Any], Any]) -> Any: ...
+
     def fetcher_end(self, fetcher: Any) -> None: ...
 
 
 def watch_fetchers(loaders: FetcherWatch, patches: PatchRegistry, module: ModuleType) -> None:
-    """Wrap ``module._PrefetchDataFetcher``'s ``__iter__``, ``__next__`` and ``teardown`` (undone with
-    ``patches``) so that its training passes go through ``loaders``."""
+    """Wrap ``module._PrefetchDataFetcher``'s ``__iter__``, ``__next__`` and ``teardown``, and the
+    fetch of its base class (``_DataFetcher.__next__``), undone with ``patches``, so that its training
+    passes go through ``loaders``."""
     kind = getattr(module, "_PrefetchDataFetcher", None)
-    if not isinstance(kind, type) or "__iter__" not in vars(kind) or "__next__" not in vars(kind):
-        return  # a Lightning without it: its DataLoader is watched as any other
+    base = getattr(module, "_DataFetcher", None)
+    if (
+        not isinstance(kind, type)
+        or not isinstance(base, type)
+        or not issubclass(kind, base)
+        or not all(name in vars(c) for c, name in ((kind, "__iter__"), (kind, "__next__"), (base, "__next__")))
+    ):
+        return  # a Lightning without them: its DataLoader is watched as any other
     begin = vars(kind)["__iter__"]
     hand_out = vars(kind)["__next__"]
     end = getattr(kind, "teardown", None)
+    fetch = vars(base)["__next__"]
 
     def __iter__(self: Any) -> Any:
         if type(self) is not kind or not loaders.enabled or not torch.is_grad_enabled():
@@ -62,6 +72,9 @@ def watch_fetchers(loaders: FetcherWatch, patches: PatchRegistry, module: Module
     def __next__(self: Any) -> Any:
         return loaders.fetcher_next(self, hand_out)
 
+    def fetch_next(self: Any) -> Any:  # one fetch from the loaders (the prefetch's, the refill's)
+        return loaders.fetcher_fetch(self, fetch)
+
     def teardown(self: Any) -> Any:  # the end of fit(): its last pass, left suspended, ends too
         loaders.fetcher_end(self)
         return end(self)  # type: ignore[misc]
@@ -70,6 +83,9 @@ def watch_fetchers(loaders: FetcherWatch, patches: PatchRegistry, module: Module
     __next__.__wrapped__ = hand_out  # type: ignore[attr-defined]
     patches.replace(kind, "__iter__", __iter__)
     patches.replace(kind, "__next__", __next__)
+    fetch_next.__name__ = "__next__"
+    fetch_next.__wrapped__ = fetch  # type: ignore[attr-defined]
+    patches.replace(base, "__next__", fetch_next)
     if callable(end):
         teardown.__wrapped__ = end  # type: ignore[attr-defined]
         patches.replace(kind, "teardown", teardown)

@@ -25,9 +25,10 @@ Lightning's training fetcher (``_PrefetchDataFetcher``) fetches one batch ahead 
 when the loader has no length (the first epoch's first batch inside ``fit()``'s set-up): watching
 its ``DataLoader`` would number and time the fetches (step n stored as batch n + 1 with that batch's
 wait). So a training pass of the fetcher itself is watched (``_lightning.py``): its hand-outs are the
-batches, and the ``DataLoader`` iterated inside it (in its ``__iter__`` or ``__next__``) is not
-watched but has each fetch timed and queued (``batchtap_fetches``), so each batch handed out gets its
-own fetch's wait. Sized loaders go the same way (the fetcher then fetches what it hands out).
+batches; each of its fetches (one batch of every loader it combines) is timed and queued
+(``batchtap_fetches``), so each batch handed out gets its own fetch's wait; the ``DataLoader``
+iterated inside it is not watched. Sized loaders go the same way (the fetcher then fetches what it
+hands out).
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from batchtap._fetches import timed_fetches
 from batchtap.autolog._lightning import LIGHTNING_FETCHERS, watch_fetchers
 from batchtap.autolog._patches import PatchRegistry
 
@@ -96,9 +96,8 @@ class LoaderWatch:
         def __iter__(self: Any) -> Any:
             iterator = original(self)
             if loaders.enabled and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                beneath = loaders._beneath
-                if beneath is not None:  # inside a watched Lightning fetcher: its hand-outs are the batches
-                    return timed_fetches(iterator, beneath.add, time.perf_counter)
+                if loaders._beneath is not None:  # inside a Lightning fetcher's pass: its hand-outs are watched
+                    return iterator
                 watched = loaders._watched(self, iterator)
                 return iterator if watched is None else watched
             return iterator
@@ -108,14 +107,14 @@ class LoaderWatch:
 
     def fetcher_pass(self, fetcher: Any, begin: Callable[[Any], Any], hand_out: Callable[[Any], Any]) -> Any:
         """A Lightning fetcher's training pass begins (``begin``: its class's own ``__iter__``, which
-        may prefetch): its hand-outs (``hand_out``: its own ``__next__``) are watched, the fetches of
-        the loaders it iterates timed beneath them. Returns what ``begin`` returned.
+        may prefetch): its hand-outs (``hand_out``: its own ``__next__``) are watched, its fetches
+        (``fetcher_fetch``) timed beneath them. Returns what ``begin`` returned.
 
         The fit loop's last pass, left suspended after its last batch, ends here, whether the loop
         iterates the same fetcher again or made a new one (``reload_dataloaders_every_n_epochs``).
         """
         self._end_fetcher_pass()
-        fetches = _Fetches()
+        fetches = _Fetches(fetcher)
         outer, self._beneath = self._beneath, fetches
         try:
             begun = begin(fetcher)
@@ -133,6 +132,17 @@ class LoaderWatch:
         """The fetcher's next batch: through its watched pass where it has one."""
         current = self._fetcher_pass if self.enabled else None
         return hand_out(fetcher) if current is None or current[0] is not fetcher else next(current[1])
+
+    def fetcher_fetch(self, fetcher: Any, fetch: Callable[[Any], Any]) -> Any:
+        """One fetch of the fetcher from its loaders (``fetch``: Lightning's ``_DataFetcher.__next__``,
+        one batch of every loader it combines), timed where it belongs to the pass fetching now."""
+        beneath = self._beneath
+        if beneath is None or beneath.fetcher is not fetcher:
+            return fetch(fetcher)
+        started = time.perf_counter()
+        batch = fetch(fetcher)  # the end of the loaders (StopIteration) is not a fetch
+        beneath.add(time.perf_counter() - started)
+        return batch
 
     def fetcher_end(self, fetcher: Any) -> None:
         """The fetcher is torn down (the end of ``fit()``): its pass, left suspended, ends, so that a
@@ -190,10 +200,11 @@ def _when_imported(patches: PatchRegistry, name: str, then: Callable[[ModuleType
 
 
 class _Fetches:
-    """The waits of the fetches beneath a watched Lightning fetcher's pass, oldest first (``waits``,
-    taken by ``tap.watch`` as it hands each batch out); none kept once the pass is known unwatched."""
+    """The waits of ``fetcher``'s fetches in its pass, oldest first (``waits``, taken by ``tap.watch``
+    as it hands each batch out); none kept once the pass is known unwatched."""
 
-    def __init__(self) -> None:
+    def __init__(self, fetcher: Any) -> None:
+        self.fetcher = fetcher
         self.waits: deque[float] = deque()
         self.kept = True
 
