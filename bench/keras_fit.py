@@ -27,8 +27,43 @@ four the goal names, XLA off/on x 1/8, in one process):
   ``undecided`` (fewer than 5 rounds, quartiles more than twice the margin apart — 0.04 for
   1.02x, a machine too noisy to tell — or straddling the goal: rerun with more ``--rounds`` on a
   quieter machine).
+* **The A/A control** (``plain (again)``, leave it out with ``--no-control``): plain ``fit()`` of a
+  third model, its train function traced again at every ``fit`` as the callback's is, paired with
+  plain like batchtap. Its paired ratios are what the machine (and a fresh trace) does to two
+  identical variants: where their quartiles are more than twice the margin apart, the verdict is
+  ``undecided (plain vs plain again ...)`` whatever batchtap's ratios say. Beside it, per variant:
+  the **low-quartile ratio** (the lower quartile of all its timed epochs over plain's: load only
+  ever adds time, so the fast epochs are the least disturbed), the **slow rounds** (rounds more
+  than 1.15x the variant's fastest: the slow mode, counted for every variant, plain included),
+  the **training thread's CPU** per step and the **pipeline thread's wake-ups** per epoch
+  (``/proc``, Linux; 0 for the variants without batchtap).
 
-Commands (quiet machine; the full matrix takes ~6-10 minutes on 2 cores)::
+What the 1.4x "slow rounds" at ``steps_per_execution=1`` were (third session's matrix, "undecided"
+there), measured with this bench and per-thread counters on the 2-core machine while other jobs ran
+(load average 3-7, so no wall figure here is a quiet one; all side by side in one process):
+
+* **plain ``fit()`` has them too.** The A/A pair spreads as widely as batchtap / plain: paired per
+  round, plain (again) / plain 0.858x [0.693-1.173] (0.599-1.724) beside batchtap / plain 0.902x
+  [0.775-0.975] (0.648-1.496); slow rounds plain 4/7, plain (again) 4/7, batchtap 5/7 (convnet,
+  XLA off, spe 1, load 3.4-5.7). Process CPU per step: batchtap 1.001x, plain (again) 0.986x. The
+  earlier matrix had no control, so slow rounds of the batchtap variant read as batchtap's.
+* **batchtap's pipeline thread does not wake while steps run.** Its loop blocks on its queue (no
+  timer): ~5 voluntary context switches per 64-step epoch, for the 2 blocks an epoch hands over
+  (the flush at step 50, the epoch-end flush; the messages it handled, counted: nothing else), and
+  ~0.28 ms of CPU per block (max 0.57 ms): < 15 us per step, the most it can hold the GIL from the
+  training thread (below ``sys.getswitchinterval()``'s 5 ms, so switching faster cannot help; at most
+  ~3 ms an epoch, 0.2 %).
+* **What batchtap adds per step, measured:** on the training thread, the train-function wrapper's
+  host clock and ``advance()`` (~12 us) and the flush amortized (~0.47 ms per flush of 50 rows:
+  ~10 us a step); in the graph, ~40 us of CPU (``--model mlp --compiled-step 2000``, paired). The
+  training thread's CPU per step: 1,931 us with batchtap, 1,824 plain, 1,781 plain (again) (the
+  graph's small ops partly run on the calling thread). Together ~0.1 ms of a ~19 ms step (< 1 %).
+* So a slow round is the machine's: with 2 TensorFlow intra-op threads on 2 cores, any other
+  runnable thread (another process) takes a core from the step for as long as it runs, and the step
+  waits with the same CPU time. Decide on a quiet machine, and read the A/A control before the
+  verdict; ``--threads 1,1`` leaves a core to the rest (a different, slower plain step).
+
+Commands (quiet machine; the full matrix takes ~9-15 minutes on 2 cores with the control)::
 
     KERAS_BACKEND=tensorflow .venv/bin/python bench/keras_fit.py --matrix
     KERAS_BACKEND=tensorflow .venv/bin/python bench/keras_fit.py --jit --steps-per-execution 8
@@ -53,6 +88,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -66,28 +102,56 @@ import batchtap as bt  # noqa: E402
 from batchtap.integrations.keras import BatchtapCallback  # noqa: E402
 
 GOAL = 1.02
+#: the A/A control: plain fit() again, its train function traced at every fit as batchtap's is
+CONTROL = "plain (again)"
+#: a round this much slower than the variant's fastest round is counted in the slow mode
+SLOW = 1.15
 
 
 class EpochClock(keras.callbacks.Callback):  # type: ignore[misc]
-    """Host wall time and process CPU time (all threads) between consecutive epoch ends (epoch
-    hooks only: no per-batch hook, so Keras keeps its asynchronous batch dispatch and no read is
-    added). Put it last among the callbacks: the others' epoch-boundary work then falls inside the
-    interval."""
+    """Host wall time, process CPU time (all threads), the training thread's own CPU time and
+    batchtap's pipeline thread's wake-ups (voluntary context switches, Linux) between consecutive
+    epoch ends (epoch hooks only: no per-batch hook, so Keras keeps its asynchronous batch dispatch
+    and no read is added). Put it last among the callbacks: the others' epoch-boundary work then
+    falls inside the interval."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seconds: list[float] = []
         self.cpu: list[float] = []
-        self._last = (0.0, 0.0)
+        self.thread_cpu: list[float] = []
+        self.wakes: list[float] = []
+        self._last = (0.0, 0.0, 0.0, 0)
+
+    def _now(self) -> tuple[float, float, float, int]:
+        return (time.perf_counter(), time.process_time(), time.thread_time(), pipeline_switches())
 
     def on_train_begin(self, logs: Any = None) -> None:
-        self._last = (time.perf_counter(), time.process_time())
+        self._last = self._now()
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        now = (time.perf_counter(), time.process_time())
+        now = self._now()
         self.seconds.append(now[0] - self._last[0])
         self.cpu.append(now[1] - self._last[1])
+        self.thread_cpu.append(now[2] - self._last[2])
+        self.wakes.append(now[3] - self._last[3])
         self._last = now
+
+
+def pipeline_switches() -> int:
+    """Voluntary context switches of batchtap's pipeline thread so far (each one a sleep, so a
+    count of its wake-ups); 0 without that thread or off Linux."""
+    ids = [t.native_id for t in threading.enumerate() if t.name == "batchtap-pipeline"]
+    total = 0
+    for tid in ids:
+        try:
+            with open(f"/proc/self/task/{tid}/status") as status:
+                for line in status:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
 
 
 class FloatLoss(keras.callbacks.Callback):  # type: ignore[misc]
@@ -154,9 +218,14 @@ class Variant:
         )
         self.tap = bt.Tap(sinks=[], flush_every=50) if name == "batchtap" else None
         self.first: list[float] = []  # the left-out first epochs (tracing, compilation)
+        self.epochs: list[float] = []  # every timed epoch's seconds per step, all rounds
+        self.thread_cpu: list[float] = []  # the training thread's CPU seconds per step, per round
+        self.wakes: list[float] = []  # the pipeline thread's wake-ups per epoch, per round
 
     def fit(self, x: np.ndarray, y: np.ndarray, args: argparse.Namespace) -> tuple[float, float]:
         """One fit(); wall and process-CPU seconds per step (medians over the timed epochs)."""
+        if self.name == CONTROL:
+            self.model.train_function = None  # traced again at this fit, as with the callback
         callbacks: list[Any] = []
         if self.tap is not None:
             callbacks.append(BatchtapCallback(self.tap))
@@ -169,6 +238,9 @@ class Variant:
         )
         batches = len(x) // args.batch_size
         self.first.append(clock.seconds[0] / batches)
+        self.epochs.extend(t / batches for t in clock.seconds[1:])
+        self.thread_cpu.append(statistics.median(clock.thread_cpu[1:]) / batches)
+        self.wakes.append(statistics.median(clock.wakes[1:]))
         return statistics.median(clock.seconds[1:]) / batches, statistics.median(clock.cpu[1:]) / batches
 
     def close(self) -> None:
@@ -188,9 +260,16 @@ def spread(ratios: list[float]) -> str:
     return f"{q2:.3f}x [{q1:.3f}-{q3:.3f}] ({min(ratios):.3f}-{max(ratios):.3f})"
 
 
-def verdict(ratios: list[float]) -> str:
+def verdict(ratios: list[float], control: list[float] | None = None) -> str:
+    """``met`` / ``missed`` / ``undecided (why)`` for the paired ratios of batchtap / plain; with
+    the A/A control's paired ratios (plain again / plain), undecided where plain vs plain spreads
+    more than twice the margin: the machine's noise, not batchtap's cost."""
     if len(ratios) < 5:
         return "undecided (fewer than 5 rounds)"
+    if control is not None and len(control) >= 5:
+        c1, _, c3 = quartiles(control)
+        if c3 - c1 > 2 * (GOAL - 1):
+            return f"undecided (plain vs plain again: quartiles {c3 - c1:.3f} apart, the machine's noise)"
     q1, _, q3 = quartiles(ratios)
     if q3 - q1 > 2 * (GOAL - 1):
         return f"undecided (quartiles {q3 - q1:.3f} apart, more than twice the margin)"
@@ -201,8 +280,14 @@ def verdict(ratios: list[float]) -> str:
     return "undecided"
 
 
+def slow_rounds(times: list[float]) -> str:
+    """How many rounds ran in a slow mode: more than SLOW x the variant's fastest round."""
+    fastest = min(times)
+    return f"{sum(t > SLOW * fastest for t in times)}/{len(times)}"
+
+
 def fit_table(x: np.ndarray, y: np.ndarray, args: argparse.Namespace, threads: str) -> None:
-    names = ["plain", "batchtap"] + (["float(loss)"] if args.float_loss else [])
+    names = ["plain", "batchtap"] + ([CONTROL] if args.control else []) + (["float(loss)"] if args.float_loss else [])
     started = time.perf_counter()
     keras.utils.set_random_seed(0)
     weights = make_model(args.model, x.shape[1:]).get_weights()
@@ -216,6 +301,7 @@ def fit_table(x: np.ndarray, y: np.ndarray, args: argparse.Namespace, threads: s
             cpu[variant.name].append(used)
     for variant in variants:
         variant.close()
+    by_name = {v.name: v for v in variants}
     batches = len(x) // args.batch_size
     print(
         f"\nkeras {keras.__version__}, backend {keras.backend.backend()}, {args.model}, jit_compile={args.jit}, "
@@ -224,22 +310,32 @@ def fit_table(x: np.ndarray, y: np.ndarray, args: argparse.Namespace, threads: s
         f"load average {tuple(round(v, 2) for v in os.getloadavg())}; {time.perf_counter() - started:.0f} s"
     )
     print(
-        "| variant | us per step (median) | paired ratio: median [quartiles] (range) | goal | "
-        "CPU us per step | CPU paired ratio | rounds (us) |"
+        "| variant | us per step (median) | paired ratio: median [quartiles] (range) | goal | low-quartile ratio | "
+        f"slow rounds (> {SLOW}x its fastest) | CPU us per step | CPU paired ratio | training-thread CPU us per step | "
+        "pipeline wake-ups per epoch | rounds (us) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    control = [t / p for t, p in zip(times[CONTROL], times["plain"])] if CONTROL in times else None
+    plain_low = quartiles(by_name["plain"].epochs)[0]
     for name in names:
+        variant = by_name[name]
         med, cpu_med = statistics.median(times[name]), statistics.median(cpu[name])
         runs = ", ".join(f"{t * 1e6:.0f}" for t in times[name])
+        own = (
+            f"{slow_rounds(times[name])} | {cpu_med * 1e6:.0f} | "
+            f"{{cpu_ratio}} | {statistics.median(variant.thread_cpu) * 1e6:.0f} | "
+            f"{statistics.median(variant.wakes):.0f} | {runs} |"
+        )
         if name == "plain":
-            print(f"| {name} | {med * 1e6:.0f} | 1 | | {cpu_med * 1e6:.0f} | 1 | {runs} |")
+            print(f"| {name} | {med * 1e6:.0f} | 1 | | 1 | " + own.format(cpu_ratio="1"))
             continue
         ratios = [t / p for t, p in zip(times[name], times["plain"])]
         cpu_ratios = [t / p for t, p in zip(cpu[name], cpu["plain"])]
-        goal = f"<= {GOAL}: {verdict(ratios)}" if name == "batchtap" else ""
+        goal = f"<= {GOAL}: {verdict(ratios, control)}" if name == "batchtap" else ""
+        low = quartiles(variant.epochs)[0] / plain_low
         print(
-            f"| {name} | {med * 1e6:.0f} | {spread(ratios)} | {goal} | {cpu_med * 1e6:.0f} | "
-            f"{statistics.median(cpu_ratios):.3f}x | {runs} |"
+            f"| {name} | {med * 1e6:.0f} | {spread(ratios)} | {goal} | {low:.3f}x | "
+            + own.format(cpu_ratio=f"{statistics.median(cpu_ratios):.3f}x")
         )
     first = ", ".join(f"{v.name} {statistics.median(v.first) * 1e6:.0f}" for v in variants)
     print(f"left-out first epochs (tracing/compilation), us per step, median: {first}")
@@ -353,6 +449,9 @@ def main() -> None:
     parser.add_argument("--jit", action="store_true")
     parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--float-loss", action="store_true", help="also the float(logs['loss']) callback")
+    parser.add_argument(
+        "--no-control", dest="control", action="store_false", help="leave out the A/A control (plain fit() again)"
+    )
     parser.add_argument("--compiled-step", type=int, default=0, help="time N calls of the compiled step only")
     parser.add_argument("--explain-xla", action="store_true", help="the convnet's ops with and without XLA")
     parser.add_argument("--model", choices=("convnet", "mlp"), default="convnet")
