@@ -164,6 +164,31 @@ def test_two_combined_loaders_give_each_step_one_wait_for_both_its_batches(kind:
         assert fast < waits[(epoch, 1)] and fast < waits[(epoch, 2)], shown
 
 
+class _Batches:
+    """Batches from a plain iterable, not a ``DataLoader`` (Lightning takes any iterable)."""
+
+    def __init__(self, batches: int, slow: set[int]) -> None:
+        self.batches, self.slow = batches, slow
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for b in range(self.batches):
+            if b in self.slow:
+                time.sleep(SLOW_BATCH)
+            xs, ys = zip(*(_sample(b * BATCH + i) for i in range(BATCH)))
+            yield torch.stack(xs), torch.tensor(ys)
+
+
+def test_an_iterable_that_is_not_a_dataloader_is_watched_too() -> None:
+    sink, module = ListSink(), _Module()
+    with autologged(sink, name="lightning-iterable"):
+        quiet_trainer(max_epochs=2).fit(module, _Batches(4, {2}))
+    records = [r for r in sink.records if not r.sparse]
+    shown = [(r.epoch, r.batch, r.values.get("data_time")) for r in records]
+    assert [(r.epoch, r.batch) for r in records] == [(e, b) for e in range(2) for b in range(4)], shown
+    waits = {(r.epoch, r.batch): r.values["data_time"] for r in records}
+    assert all(w < waits[(e, 2)] for (e, b), w in waits.items() if b != 2), shown
+
+
 def test_a_validation_loader_is_not_counted_with_the_training_batches() -> None:
     records, module = _fit(_Stream(5, {3}), val=_Stream(3, {0, 1, 2}), limit_val_batches=2)
     shown = [(r.epoch, r.batch, r.values.get("data_time")) for r in records]
