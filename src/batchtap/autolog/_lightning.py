@@ -4,10 +4,11 @@ Lightning's fit loop asks its fetcher (``_PrefetchDataFetcher``) for each batch.
 a length the fetcher fetches one batch ahead of what it hands out (to know which batch is the last):
 the first epoch's first batch is fetched inside ``fit()``'s set-up, and each later hand-out fetches
 the batch after it. Watching the ``DataLoader`` beneath would number and time those fetches, so each
-training pass of the fetcher is watched instead (``LoaderWatch.fetcher_pass`` / ``fetcher_next``):
-its ``__iter__``, ``__next__`` and ``teardown`` are wrapped while autolog is on (both packages,
-``lightning`` and ``pytorch_lightning``, when imported now or later), nothing else of Lightning is
-touched. Lightning never asks past a sized epoch's last batch, so a pass ends when the next one
+training pass of the fetcher is watched instead (``LoaderWatch.fetcher_pass`` / ``fetcher_next``),
+each of its fetches timed (``fetcher_fetch``: its base class's ``__next__``, one batch of every loader
+it combines). Its ``__iter__``, ``__next__``, ``teardown`` and that fetch are wrapped while autolog is
+on (both packages, ``lightning`` and ``pytorch_lightning``, when imported now or later); nothing else
+of Lightning is touched. Lightning never asks past a sized epoch's last batch, so a pass ends when the next one
 begins (the same fetcher, or a new one: ``reload_dataloaders_every_n_epochs``) or when the fetcher is
 torn down at the end of ``fit()``.
 

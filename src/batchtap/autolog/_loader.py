@@ -70,8 +70,8 @@ class LoaderWatch:
         self._running: weakref.ref[Any] | None = None  # the watched iteration in progress
         self._running_loader: weakref.ref[Any] | None = None  # the loader it iterates
         self._eval: weakref.WeakSet[Any] = weakref.WeakSet()
-        # the fit loop's training fetcher and its watched pass (_lightning.py), and the fetches beneath
-        # the pass fetching now (its DataLoader's fetches are timed into them, not watched)
+        # the fit loop's training fetcher and its watched pass (_lightning.py), and the fetches of the
+        # pass fetching now (the fetcher's own fetches are timed into them; its DataLoader is not watched)
         self._fetcher_pass: tuple[Any, Iterator[Any]] | None = None
         self._beneath: _Fetches | None = None
         self.enabled = True
