@@ -74,6 +74,18 @@ T = TypeVar("T")
 log = logging.getLogger("batchtap")
 
 
+def ending_of(error: BaseException | None) -> tuple[RunStatus, str | None]:
+    """How a run ends when ``error`` leaves the block around it (None: the block ended normally):
+    ``stopped`` by SIGTERM or Ctrl-C, ``failed`` with the exception by anything else."""
+    if error is None:
+        return RunStatus.FINISHED, None
+    if isinstance(error, Terminated):
+        return RunStatus.STOPPED, "SIGTERM"
+    if isinstance(error, KeyboardInterrupt):
+        return RunStatus.STOPPED, "KeyboardInterrupt"
+    return RunStatus.FAILED, f"{type(error).__name__}: {error}"
+
+
 class Tap:
     """Captures per-batch metrics on the device and streams them to sinks.
 
@@ -253,13 +265,10 @@ class Tap:
         terminated = False
         try:
             yield info
-        except Terminated:
-            status, reason, terminated = RunStatus.STOPPED, "SIGTERM", True
-        except KeyboardInterrupt:
-            status, reason = RunStatus.STOPPED, "KeyboardInterrupt"
-            raise
+        except Terminated as exc:
+            (status, reason), terminated = ending_of(exc), True
         except BaseException as exc:
-            status, reason = RunStatus.FAILED, f"{type(exc).__name__}: {exc}"
+            status, reason = ending_of(exc)
             raise
         finally:
             if self._run is not None and self._run.info is info:  # not ended at interpreter exit
@@ -422,17 +431,34 @@ class Tap:
         self._pipeline.at_exit(timeout=self.exit_timeout)
 
     def close(self) -> None:
-        """Stop the pipeline and close every sink. Idempotent."""
+        """Stop the pipeline and close every sink. Idempotent.
+
+        A run still open (``start()`` without ``finish()``) is ended first, as ``failed`` with the
+        reason "close() was called with the run still open", every captured step stored: closing
+        never drops what was recorded. Leaving a ``with tap:`` block ends it by how the block ended.
+        """
         if self._closed:
             return
+        if self._run is not None:
+            self.finish(
+                RunStatus.FAILED, reason="close() was called with the run still open (finish() was never called)"
+            )
         self._closed = True
         self._pipeline.close(timeout=self.end_timeout)
 
     def __enter__(self) -> Tap:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        """Leave ``with tap:``: a run still open (``tap.start()`` inside the block) is ended
+        ``finished``, or ``failed``/``stopped`` by the exception leaving the block (as
+        :meth:`run` ends its run); then :meth:`close`."""
+        try:
+            if self._run is not None and not self._closed:
+                status, reason = ending_of(error)
+                self.finish(status, reason=reason)  # raises an input error only the last rows revealed
+        finally:
+            self.close()
 
     # ------------------------------------------------------------------ the loop
 

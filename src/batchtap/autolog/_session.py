@@ -28,7 +28,7 @@ from batchtap.metrics.timing import DataTime, StepTime, Throughput
 from batchtap.records import RunStatus
 from batchtap.rules.engine import RuleLike
 from batchtap.sinks.base import Sink
-from batchtap.tap import Tap
+from batchtap.tap import Tap, ending_of
 
 __all__ = ["Session"]
 
@@ -88,8 +88,8 @@ class Session:
         self.layers = Layers(None, every=layers) if layers is not None else None
         if self.layers is not None:
             metrics.append(self.layers)
-        self.tap = Tap(
-            metrics, sinks, flush_every=flush_every, flush_seconds=flush_seconds, rules=rules, fit_metrics=True
+        self.tap = _SessionTap(
+            self, metrics, sinks, flush_every=flush_every, flush_seconds=flush_seconds, rules=rules, fit_metrics=True
         )
         self.patches = PatchRegistry()
         self.calls = LossCalls()
@@ -364,3 +364,19 @@ def _process_group_pending() -> bool:
     import torch.distributed as dist
 
     return not (dist.is_available() and dist.is_initialized())
+
+
+class _SessionTap(Tap):
+    """The session's Tap: leaving ``with bt.autolog():`` ends the session (its last row closed, every
+    patch undone, the run ended by how the block ended), as leaving ``with tap:`` ends a run."""
+
+    def __init__(self, session: Session, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._session = session
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        try:
+            if not self._session.ended:
+                self._session.end(*ending_of(error))
+        finally:
+            super().__exit__(kind, error, tb)
