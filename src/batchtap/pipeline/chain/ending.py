@@ -30,7 +30,8 @@ def wait_for_sinks(
     this run, and, past the deadline, what a hung sink had not taken yet: in the log and as an
     event to every sink that keeps up (never dropped).
     """
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    deadline = began + timeout
     # sync: end of run — the pipeline hands every captured step to the sinks (bounded).
     drained = drain(timeout)
     # sync: end of run — the sinks store what they were handed (bounded).
@@ -44,7 +45,9 @@ def wait_for_sinks(
         if not drained:
             parts.append(f"the pipeline had not handed every captured step (up to step {last_step}) to the sinks")
         message = (
-            f"run {info.name!r} ({info.id}) ended after waiting end_timeout={timeout:g} s for its sinks: "
+            # the time actually waited: a pipeline that is no longer running answers at once
+            f"run {info.name!r} ({info.id}) ended after waiting {time.monotonic() - began:.1f} s "
+            f"(end_timeout={timeout:g} s) for its sinks: "
             f"{'; '.join(parts) or 'a sink had not confirmed its last blocks'}; those steps may be missing there"
         )
         log.warning("batchtap: %s", message)
