@@ -263,13 +263,13 @@ def spread(ratios: list[float]) -> str:
 def verdict(ratios: list[float], control: list[float] | None = None) -> str:
     """``met`` / ``missed`` / ``undecided (why)`` for the paired ratios of batchtap / plain; with
     the A/A control's paired ratios (plain again / plain), undecided where plain vs plain spreads
-    more than twice the margin: the machine's noise, not batchtap's cost."""
+    more than twice the margin: the machine's noise (or a fresh trace's), not the hooks' cost."""
     if len(ratios) < 5:
         return "undecided (fewer than 5 rounds)"
     if control is not None and len(control) >= 5:
         c1, _, c3 = quartiles(control)
         if c3 - c1 > 2 * (GOAL - 1):
-            return f"undecided (plain vs plain again: quartiles {c3 - c1:.3f} apart, the machine's noise)"
+            return f"undecided (plain vs plain again: quartiles {c3 - c1:.3f} apart: the machine, not the hooks)"
     q1, _, q3 = quartiles(ratios)
     if q3 - q1 > 2 * (GOAL - 1):
         return f"undecided (quartiles {q3 - q1:.3f} apart, more than twice the margin)"
