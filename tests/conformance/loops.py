@@ -62,6 +62,7 @@ OPTIONS: dict[str, Options] = {
     "two-losses": Options(two_losses=True),
     "pad-100": Options(pad=-100),
     "pad-1": Options(pad=-1),
+    "pad-100-accum": Options(pad=-100, accum=2),
     "ddp-2-ranks": Options(dist="ddp"),
     "ddp-2-ranks-undivided-accum": Options(dist="ddp", accum=2, backward="undivided"),
     "fsdp2-2-ranks": Options(dist="fsdp2", clip="torch"),

@@ -105,6 +105,11 @@ SCENARIOS: list[Scenario] = [
     Scenario("two-losses", "two backward() calls per step (loss, then an auxiliary loss): the step's loss is the sum"),
     Scenario("pad-100", "sequence targets padded with -100 (F.cross_entropy's default ignore_index)"),
     Scenario("pad-1", "sequence targets padded with -1 (ignore_index=-1)"),
+    Scenario(
+        "pad-100-accum",
+        "as pad-100 with 2 micro-batches, (loss / 2).backward() each: the loss flattens (B, T, V) to (B*T, V), "
+        "throughput still counts the B sequences",
+    ),
     Scenario("ddp-2-ranks", "DistributedDataParallel, 2 gloo ranks on loopback"),
     Scenario(
         "ddp-2-ranks-undivided-accum",
@@ -267,6 +272,7 @@ COUNTED: dict[tuple[str, str], tuple[str, str]] = {
     ("token-normalised-accum", "hf-autolog"): ("samples", _NO_TOKENS),
     ("token-normalised-accum", "hf"): ("input_tokens", _INPUT_TOKENS),
     ("pad-100", "hf"): ("input_tokens", _INPUT_TOKENS),
+    ("pad-100-accum", "hf"): ("input_tokens", _INPUT_TOKENS),
 }
 
 
