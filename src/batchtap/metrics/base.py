@@ -165,7 +165,9 @@ class Metric(MetricDecoder, abc.ABC):
     **Optional speed-ups** (each must give exactly what the contract gives; leave them out and
     nothing changes but the cost): :meth:`row_writer` and :attr:`host_fixed_by_metadata` (the short
     step path; held to :meth:`compute` by ``tests/metrics/test_row_writers.py`` and
-    ``tests/capture/test_short_path.py``), the decoder's ``*_block`` and ``*_suspects`` hooks
+    ``tests/capture/test_short_path.py``), :meth:`micro_writer` (the short accumulation path; held to
+    :meth:`compute` by ``tests/capture/test_micro_writers.py``), the decoder's ``*_block`` and
+    ``*_suspects`` hooks
     (held to its row hooks by ``tests/pipeline/test_decode_blocks.py``).
     """
 
