@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -12,7 +13,15 @@ from batchtap.errors import ConfigError
 if TYPE_CHECKING:
     from batchtap.sinks.base import Sink
 
-__all__ = ["DEFAULT_DB", "checked_metrics", "checked_sinks", "default_sinks", "store_url"]
+__all__ = [
+    "DEFAULT_DB",
+    "check_int",
+    "checked_metrics",
+    "checked_numbers",
+    "checked_sinks",
+    "default_sinks",
+    "store_url",
+]
 
 #: where runs are stored when nothing else is said: SQLite, relative to the working directory
 DEFAULT_DB = os.path.join("runs", "batchtap.db")
@@ -139,3 +148,39 @@ def default_sinks() -> list[Sink]:
 
         store = SQLite(url.removeprefix("sqlite:///"))
     return [store, Console()]
+
+
+def checked_numbers(
+    flush_every: object,
+    flush_seconds: object,
+    sample_every: object,
+    queue_size: object,
+    capacity: object,
+    collective_timeout: object,
+    end_timeout: object,
+) -> int:
+    """The Tap's numeric settings checked (a clear error for each); returns the ring's capacity
+    (default: 4 flushes' rows)."""
+    check_int("flush_every", flush_every, 1)
+    check_int("sample_every", sample_every, 1)
+    check_int("queue_size", queue_size, 1)
+    if not (isinstance(flush_seconds, (int, float)) and flush_seconds > 0):
+        raise ConfigError(f"flush_seconds must be > 0, got {flush_seconds!r}")
+    assert isinstance(flush_every, int)
+    capacity = 4 * flush_every if capacity is None else capacity
+    check_int("capacity", capacity, 1)
+    assert isinstance(capacity, int)
+    if capacity < 2 * flush_every:
+        raise ConfigError(
+            f"capacity must be >= 2 * flush_every = {2 * flush_every} so rows are never overwritten "
+            f"before their copy ran, got {capacity}; raise capacity or lower flush_every"
+        )
+    for label, seconds in (("collective_timeout", collective_timeout), ("end_timeout", end_timeout)):
+        if not (isinstance(seconds, (int, float)) and 0 < seconds < math.inf):
+            raise ConfigError(f"{label} must be a finite number of seconds > 0, got {seconds!r}")
+    return capacity
+
+
+def check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")

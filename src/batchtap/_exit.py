@@ -21,7 +21,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Terminated", "catch_sigterm", "sigterm_received", "ExitRegistry", "AT_EXIT"]
+from batchtap.records import RunStatus
+
+__all__ = ["Terminated", "catch_sigterm", "ending_of", "sigterm_received", "ExitRegistry", "AT_EXIT"]
 
 # set once SIGTERM reached one of our handlers: the process is to end as SIGTERM ends it
 _SIGTERM = threading.Event()
@@ -50,6 +52,18 @@ def catch_sigterm(enabled: bool) -> Any:
 def sigterm_received() -> bool:
     """Whether SIGTERM reached a handler of ours in this process (the run ends as ``stopped``)."""
     return _SIGTERM.is_set()
+
+
+def ending_of(error: BaseException | None) -> tuple[RunStatus, str | None]:
+    """How a run ends when ``error`` leaves the block around it (None: the block ended normally):
+    ``stopped`` by SIGTERM or Ctrl-C, ``failed`` with the exception by anything else."""
+    if error is None:
+        return RunStatus.FINISHED, None
+    if isinstance(error, Terminated):
+        return RunStatus.STOPPED, "SIGTERM"
+    if isinstance(error, KeyboardInterrupt):
+        return RunStatus.STOPPED, "KeyboardInterrupt"
+    return RunStatus.FAILED, f"{type(error).__name__}: {error}"
 
 
 class _QuietTerminated:

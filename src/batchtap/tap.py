@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import signal
 import time
@@ -42,8 +41,8 @@ import torch
 
 from batchtap import _env, _stale
 from batchtap._config import to_json_config
-from batchtap._defaults import checked_metrics, checked_sinks, default_sinks
-from batchtap._exit import AT_EXIT, Terminated, catch_sigterm, sigterm_received
+from batchtap._defaults import checked_metrics, checked_numbers, checked_sinks, default_sinks
+from batchtap._exit import AT_EXIT, Terminated, catch_sigterm, ending_of, sigterm_received
 from batchtap._names import check_storable
 from batchtap._run import ActiveRun, HandedRows, RunSettings, report, resume_point, run_labels
 from batchtap._run_metrics import RunMetrics
@@ -72,18 +71,6 @@ __all__ = ["Tap"]
 
 T = TypeVar("T")
 log = logging.getLogger("batchtap")
-
-
-def ending_of(error: BaseException | None) -> tuple[RunStatus, str | None]:
-    """How a run ends when ``error`` leaves the block around it (None: the block ended normally):
-    ``stopped`` by SIGTERM or Ctrl-C, ``failed`` with the exception by anything else."""
-    if error is None:
-        return RunStatus.FINISHED, None
-    if isinstance(error, Terminated):
-        return RunStatus.STOPPED, "SIGTERM"
-    if isinstance(error, KeyboardInterrupt):
-        return RunStatus.STOPPED, "KeyboardInterrupt"
-    return RunStatus.FAILED, f"{type(error).__name__}: {error}"
 
 
 class Tap:
@@ -173,21 +160,9 @@ class Tap:
         pipeline: PipelineKind = "thread",
         fit_metrics: bool | None = None,
     ) -> None:
-        check_int("flush_every", flush_every, 1)
-        check_int("sample_every", sample_every, 1)
-        check_int("queue_size", queue_size, 1)
-        if not (isinstance(flush_seconds, (int, float)) and flush_seconds > 0):
-            raise ConfigError(f"flush_seconds must be > 0, got {flush_seconds!r}")
-        capacity = 4 * flush_every if capacity is None else capacity
-        check_int("capacity", capacity, 1)
-        if capacity < 2 * flush_every:
-            raise ConfigError(
-                f"capacity must be >= 2 * flush_every = {2 * flush_every} so rows are never overwritten "
-                f"before their copy ran, got {capacity}; raise capacity or lower flush_every"
-            )
-        for label, seconds in (("collective_timeout", collective_timeout), ("end_timeout", end_timeout)):
-            if not (isinstance(seconds, (int, float)) and 0 < seconds < math.inf):
-                raise ConfigError(f"{label} must be a finite number of seconds > 0, got {seconds!r}")
+        capacity = checked_numbers(
+            flush_every, flush_seconds, sample_every, queue_size, capacity, collective_timeout, end_timeout
+        )
         self.flush_every = flush_every
         self.flush_seconds = float(flush_seconds)
         self.sample_every = sample_every
@@ -719,8 +694,3 @@ def _open(run: ActiveRun | None, what: str) -> ActiveRun:
     if run is None:
         raise RunStateError(f"{what} was called outside a run; wrap the training loop in `with tap.run(name=...):`")
     return run
-
-
-def check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
