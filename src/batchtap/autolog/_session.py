@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from batchtap._exit import Terminated, sigterm_received
+from batchtap._exit import Terminated, ending_of, sigterm_received
 from batchtap.autolog._facts import OptimizerFacts
 from batchtap.autolog._graph import resolve
 from batchtap.autolog._loader import LoaderWatch
@@ -28,7 +28,7 @@ from batchtap.metrics.timing import DataTime, StepTime, Throughput
 from batchtap.records import RunStatus
 from batchtap.rules.engine import RuleLike
 from batchtap.sinks.base import Sink
-from batchtap.tap import Tap, ending_of
+from batchtap.tap import Tap
 
 __all__ = ["Session"]
 
