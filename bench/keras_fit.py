@@ -46,7 +46,10 @@ there), measured with this bench and per-thread counters on the 2-core machine w
   round, plain (again) / plain 0.858x [0.693-1.173] (0.599-1.724) beside batchtap / plain 0.902x
   [0.775-0.975] (0.648-1.496); slow rounds plain 4/7, plain (again) 4/7, batchtap 5/7 (convnet,
   XLA off, spe 1, load 3.4-5.7). Process CPU per step: batchtap 1.001x, plain (again) 0.986x. The
-  earlier matrix had no control, so slow rounds of the batchtap variant read as batchtap's.
+  earlier matrix had no control, so slow rounds of the batchtap variant read as batchtap's. Under
+  XLA (spe 1, 5 rounds, load 2.5-3.6) plain's own rounds ran from 92 to 580 ms a step with the
+  same CPU time: plain (again) / plain 1.505x [0.642-1.651] (0.487-3.389), batchtap / plain
+  1.443x [0.539-1.904] (0.430-1.977), process CPU 1.028x and 0.994x.
 * **batchtap's pipeline thread does not wake while steps run.** Its loop blocks on its queue (no
   timer): ~5 voluntary context switches per 64-step epoch, for the 2 blocks an epoch hands over
   (the flush at step 50, the epoch-end flush; the messages it handled, counted: nothing else), and
