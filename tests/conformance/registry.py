@@ -262,17 +262,19 @@ def _merged() -> tuple[list[Scenario], list[tuple[FrontEnd, str | None]], dict[t
 
 
 _NO_TOKENS = "autolog reads no token count: N is a device tensor (a host read), so it counts the sequences"
-_INPUT_TOKENS = "BatchtapTrainer counts a causal LM's input_ids tokens (padding included)"
+_INPUT_TOKENS = "the HF Trainer's causal LM: its input_ids tokens are counted (padding included)"
 
 #: cells whose throughput counts something other than their scenario declares: (count, why); docs/loops.md,
 #: "Throughput", says the same
 COUNTED: dict[tuple[str, str], tuple[str, str]] = {
     ("token-normalised-accum", "autolog"): ("samples", _NO_TOKENS),
     ("token-normalised-accum", "run"): ("samples", _NO_TOKENS),
-    ("token-normalised-accum", "hf-autolog"): ("samples", _NO_TOKENS),
-    ("token-normalised-accum", "hf"): ("input_tokens", _INPUT_TOKENS),
-    ("pad-100", "hf"): ("input_tokens", _INPUT_TOKENS),
-    ("pad-100-accum", "hf"): ("input_tokens", _INPUT_TOKENS),
+    # BatchtapTrainer and autolog over the HF Trainer count alike (autolog reads the Trainer's micro-batch)
+    **{
+        (scenario, frontend): ("input_tokens", _INPUT_TOKENS)
+        for scenario in ("token-normalised-accum", "pad-100", "pad-100-accum")
+        for frontend in ("hf", "hf-autolog")
+    },
 }
 
 

@@ -43,6 +43,8 @@ class LossCall:
         samples: the samples of the batch (docs/loops.md, "Throughput"): the leading dimension of
             the tensor the loop flattened into the logits' rows (``(B, T, V) -> (B*T, V)``: B
             sequences), else the logits' rows; 0 without logits. Shape metadata only.
+        tokens: the batch's tokens where its framework tells them (the HF Trainer's causal LM: the
+            ``input_ids`` of the running ``training_step``, as ``BatchtapTrainer`` counts), else None.
     """
 
     output: torch.Tensor
@@ -51,6 +53,7 @@ class LossCall:
     ignore_index: int
     reduction: str
     samples: int = 0
+    tokens: int | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from batchtap.autolog._graph import LossCall
 from batchtap.autolog._patches import PatchRegistry
+from batchtap.autolog._trainers import trainer_tokens
 
 __all__ = ["LossCalls"]
 
@@ -101,7 +102,8 @@ class LossCalls:
             and not targets.is_floating_point()
             and not targets.is_complex()
         ):  # a classification: what accuracy is counted from
-            call = LossCall(out, logits.detach(), targets, ignore, reduction, _samples(logits, targets))
+            tokens = trainer_tokens()  # read now: the Trainer's training_step drops its inputs before backward()
+            call = LossCall(out, logits.detach(), targets, ignore, reduction, _samples(logits, targets), tokens)
         else:
             call = LossCall(out, None, None, ignore, reduction)
         by_node = self.by_node

@@ -44,6 +44,8 @@ class MicroBatch:
             the step's loss is the sum of its micro-batches' ``loss``, not their mean.
         samples: the micro-batch's samples for throughput (``LossCall.samples``: sequences where the
             loss flattened them); 0 where unknown.
+        tokens: the micro-batch's tokens for throughput where the loop's framework tells them (the HF
+            Trainer on a causal LM: ``input_ids`` tokens, as ``BatchtapTrainer`` counts), else None.
     """
 
     loss: torch.Tensor
@@ -57,6 +59,7 @@ class MicroBatch:
     normalised: bool = False
     factors: tuple[float | None, ...] = ()
     samples: int = 0
+    tokens: int | None = None
 
     def given(self) -> torch.Tensor:
         """What the gradients saw of this loss: the tensor given to ``backward()`` with the
@@ -274,9 +277,11 @@ class Rows:
                 return
             outputs, targets = self._classification(direct)
             if outputs is not None and 0 < direct.samples != outputs.shape[0]:  # a flattened sequence batch
-                self.tap.step(direct.loss, outputs=outputs, targets=targets, batch_size=direct.samples)
+                self.tap.step(
+                    direct.loss, outputs=outputs, targets=targets, batch_size=direct.samples, tokens=direct.tokens
+                )
             else:
-                self.tap.step(direct.loss, outputs=outputs, targets=targets)
+                self.tap.step(direct.loss, outputs=outputs, targets=targets, tokens=direct.tokens)
         else:
             if not accumulated and not self._fits(None, "step"):
                 return
@@ -327,7 +332,7 @@ class Rows:
         else:
             self._samples = 0  # unknown for one micro-batch: the step's are
         wait = self.waits.popleft() if self.waits else None
-        self.tap.accumulate(loss, outputs=outputs, targets=targets, data_time=wait)
+        self.tap.accumulate(loss, outputs=outputs, targets=targets, data_time=wait, tokens=micro.tokens)
         self._accumulated += 1
 
     def _normalised(self, loss: torch.Tensor, weight: float, last: bool) -> torch.Tensor:
@@ -417,7 +422,9 @@ def _summed(micro: list[MicroBatch]) -> MicroBatch:
     first = next((m for m in micro if m.outputs is not None), None)
     if first is None:
         return MicroBatch(total)
-    return MicroBatch(total, first.outputs, first.targets, first.ignore_index, samples=first.samples)
+    return MicroBatch(
+        total, first.outputs, first.targets, first.ignore_index, samples=first.samples, tokens=first.tokens
+    )
 
 
 def _any_skip(skips: list[torch.Tensor | float]) -> torch.Tensor | float | None:

@@ -348,6 +348,7 @@ class Session:
                 found.normalised,
                 found.factors,
                 call.samples if classified else 0,  # type: ignore[union-attr]
+                call.tokens if classified else None,  # type: ignore[union-attr]
             )
         )
 

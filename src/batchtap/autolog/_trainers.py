@@ -8,33 +8,70 @@ the Trainer's process factor: :func:`process_factor` names it, and the backward(
 it as a division (a BERT-like model's loss, which ignores the count, keeps the undivided sum of its
 micro-batches, as ``BatchtapTrainer`` stores it; a token-normalised loss keeps the factor its global
 count needs).
+
+The Trainer's micro-batch is read from the same frame for throughput: on a causal LM,
+``BatchtapTrainer`` counts the ``input_ids`` tokens of each step (tokens/s), and so does autolog
+(:func:`trainer_tokens`, read when the loss function runs: ``training_step`` drops its inputs before
+``backward()``), so both store the same throughput for the same script.
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["process_factor"]
+import torch
+
+__all__ = ["process_factor", "trainer_tokens", "without_process_factor"]
+
+#: per Trainer: whether it trains a causal LM (its model's class does not change during training)
+_CAUSAL: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _training_step() -> dict[str, Any] | None:
+    """The locals of the running ``Trainer.training_step`` (None outside one)."""
+    module = sys.modules.get("transformers.trainer")
+    path = getattr(module, "__file__", None)
+    if not path:
+        return None
+    frame: Any = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "training_step" and code.co_filename == path:
+            return frame.f_locals  # type: ignore[no-any-return]
+        frame = frame.f_back
+    return None
+
+
+def trainer_tokens() -> int | None:
+    """The ``input_ids`` tokens of the running ``training_step``'s micro-batch where the Trainer
+    trains a causal LM (what ``BatchtapTrainer`` counts for throughput), else None. Shape metadata
+    and host attributes only."""
+    local = _training_step()
+    if local is None:
+        return None
+    inputs, trainer = local.get("inputs"), local.get("self")
+    ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
+    if not isinstance(ids, torch.Tensor) or trainer is None:
+        return None
+    causal = _CAUSAL.get(trainer)
+    if causal is None:
+        from batchtap.integrations.transformers import is_causal_lm  # transformers is loaded: it runs
+
+        causal = _CAUSAL[trainer] = is_causal_lm(trainer, local.get("model"))
+    return ids.numel() if causal else None
 
 
 def process_factor() -> int:
     """The factor ``Trainer.compute_loss`` multiplied the loss of the running ``training_step`` by
     (1 outside a Trainer's ``training_step``, or where it applied none). Host attributes only."""
-    module = sys.modules.get("transformers.trainer")
-    path = getattr(module, "__file__", None)
-    if not path:
+    local = _training_step()
+    if local is None:
         return 1
-    frame: Any = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "training_step" and code.co_filename == path:
-            break
-        frame = frame.f_back
-    else:
-        return 1
-    local = frame.f_locals
-    trainer, count = local.get("self"), local.get("num_items_in_batch")
+    trainer: Any = local.get("self")
+    count = local.get("num_items_in_batch")
     args = getattr(trainer, "args", None)
     if count is None or not getattr(args, "average_tokens_across_devices", False):
         return 1
