@@ -143,7 +143,7 @@ def run_lightning(scenario: str, workdir: Path, *, autolog: bool = False) -> Out
         else:
             tap.close()
     _assert_engine(opts, module.engine[0] if opts.dist == "ddp" else module.net)
-    # the callback times the fit loop's fetcher, autolog Lightning's DataLoader iterations: both store data_time
+    # the callback and autolog both time the fit loop's fetcher (the batch each step trained on): both store data_time
     return Outcome(module.truth, None, workdir / "store.db", data_time=True, step_time=True)
 
 
