@@ -57,10 +57,18 @@ there), measured with this bench and per-thread counters on the 2-core machine w
   training thread (below ``sys.getswitchinterval()``'s 5 ms, so switching faster cannot help; at most
   ~3 ms an epoch, 0.2 %).
 * **What batchtap adds per step, measured:** on the training thread, the train-function wrapper's
-  host clock and ``advance()`` (~12 us) and the flush amortized (~0.47 ms per flush of 50 rows:
-  ~10 us a step); in the graph, ~40 us of CPU (``--model mlp --compiled-step 2000``, paired). The
-  training thread's CPU per step: 1,931 us with batchtap, 1,824 plain, 1,781 plain (again) (the
-  graph's small ops partly run on the calling thread). Together ~0.1 ms of a ~19 ms step (< 1 %).
+  host clock and ``advance()`` (~1 us in a tight loop, ~10 us between TensorFlow calls) and the
+  flush amortized (~0.47 ms per flush of 50 rows: ~10 us a step). In the graph, ~40 small ops (the
+  row, the counter, accuracy, the norm, the NaN freeze's ``tf.cond``). Per call of Keras' own
+  train function (``--calls 1000 --rounds 16 --model mlp``, load 2.3-3.4, A/A control within
+  +-30 us): **+211 us of process CPU, +225 us wall** beside plain, of which ~140 us was the
+  ``samples`` column: ``tf.shape`` of the softmax output kept the softmax op alive (Keras computes
+  the loss from its logits, so plain ``fit()`` prunes it) wherever the batch dimension is unknown
+  while tracing, as in ``fit()`` (a fixed batch folds the shape: ``--compiled-step`` showed ~+40
+  us). Taken from the logits now (as accuracy already was): **+63 us CPU, +96 us wall**. The
+  training thread's own CPU is ~+30 us of it (the ops run on TensorFlow's threads). On the
+  convnet the same ~0.1 ms is within the noise of a loaded machine (``--calls 60``: A/A quartiles
+  +-2 ms) and ~0.5 % of its ~19 ms step (spe 8 runs the same ops per batch, inside one call).
 * So a slow round is the machine's: with 2 TensorFlow intra-op threads on 2 cores, any other
   runnable thread (another process) takes a core from the step for as long as it runs, and the step
   waits with the same CPU time. Decide on a quiet machine, and read the A/A control before the
@@ -78,6 +86,10 @@ cluster runs XLA:CPU's own code for them (Eigen convolutions, a generic select-a
 the max-pool gradient), several times slower per op on this model; it is compiled once per
 ``fit`` (the epochs after the first take the same time), so it is a different code path, not a
 recompilation. It is the same for all variants, so the ratio still says what batchtap adds.
+
+``--calls N`` (TensorFlow) times N calls of Keras' own train function (what ``fit()`` calls per
+``steps_per_execution`` batches) per round, plain, with the callback's hooks and wrapper (its
+flushes included) and the A/A control, paired: the per-step cost without fit()'s loop and epochs.
 
 ``--compiled-step N`` (TensorFlow) times only the compiled train step (``model.train_step`` in a
 ``tf.function``), called N times in a tight loop on one fixed batch, without and with the hooks
@@ -344,6 +356,68 @@ def fit_table(x: np.ndarray, y: np.ndarray, args: argparse.Namespace, threads: s
     print(f"left-out first epochs (tracing/compilation), us per step, median: {first}")
 
 
+def calls_table(x: np.ndarray, y: np.ndarray, args: argparse.Namespace, threads: str) -> None:
+    """Seconds per call of Keras' own train function (TensorFlow; what ``fit()`` calls once per
+    ``steps_per_execution`` batches), without fit()'s loop, callbacks and epoch boundaries: plain,
+    with ``BatchtapCallback``'s hooks and wrapper (its flushes included), and plain again (the A/A
+    control), in paired rounds; wall and process CPU."""
+    import tensorflow as tf
+
+    names = ("plain", "batchtap", CONTROL)
+    # no drop_remainder: the batch dimension stays unknown while tracing, as in fit()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size).repeat()
+    keras.utils.set_random_seed(0)
+    weights = make_model(args.model, x.shape[1:]).get_weights()
+    calls: dict[str, tuple[Any, Any]] = {}
+    callbacks = []
+    for name in names:
+        variant = Variant(name, args, weights, x.shape[1:])
+        model = variant.model
+        model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0)  # built, traced once
+        if variant.tap is not None:
+            callback = BatchtapCallback(variant.tap)
+            callback.set_model(model)
+            callback.set_params({"verbose": 0, "epochs": 1, "steps": None})
+            callback.on_train_begin()  # hooks in, traced again, wrapped: as at a fit()'s start
+            callbacks.append((callback, variant))
+        else:
+            model.make_train_function(force=True)
+        iterator = iter(dataset)
+        for _ in range(20):
+            model.train_function(iterator)
+        calls[name] = (model.train_function, iterator)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    for round_ in range(args.rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            function, iterator = calls[name]
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for _ in range(args.calls):
+                function(iterator)
+            times[name].append((time.perf_counter() - start) / args.calls)
+            cpu[name].append((time.process_time() - start_cpu) / args.calls)
+    for callback, variant in callbacks:
+        callback.on_train_end()
+        variant.close()
+    print(
+        f"\nKeras train function only ({args.model}, jit_compile={args.jit}, steps_per_execution="
+        f"{args.steps_per_execution}, {threads}), {args.calls} calls per round, {args.rounds} rounds (ABBA); "
+        f"load average {tuple(round(v, 2) for v in os.getloadavg())}"
+    )
+    print(
+        "| variant | us per call (median) | paired - plain, us: median [quartiles] | CPU us per call | CPU paired - plain, us |"
+    )
+    print("|---|---|---|---|---|")
+    for name in names:
+        diffs = [(v - p) * 1e6 for v, p in zip(times[name], times["plain"])]
+        cpu_diffs = [(v - p) * 1e6 for v, p in zip(cpu[name], cpu["plain"])]
+        q1, q2, q3 = quartiles(diffs)
+        print(
+            f"| {name} | {statistics.median(times[name]) * 1e6:.0f} | {q2:+.0f} [{q1:+.0f}, {q3:+.0f}] | "
+            f"{statistics.median(cpu[name]) * 1e6:.0f} | {statistics.median(cpu_diffs):+.0f} |"
+        )
+
+
 def compiled_step_table(x: np.ndarray, y: np.ndarray, args: argparse.Namespace, threads: str) -> None:
     """Seconds per call of a tf.function train step, without and with the hooks, paired rounds."""
     import tensorflow as tf
@@ -456,6 +530,7 @@ def main() -> None:
         "--no-control", dest="control", action="store_false", help="leave out the A/A control (plain fit() again)"
     )
     parser.add_argument("--compiled-step", type=int, default=0, help="time N calls of the compiled step only")
+    parser.add_argument("--calls", type=int, default=0, help="time N calls of Keras' train function only")
     parser.add_argument("--explain-xla", action="store_true", help="the convnet's ops with and without XLA")
     parser.add_argument("--model", choices=("convnet", "mlp"), default="convnet")
     parser.add_argument("--matrix", action="store_true", help="XLA off/on x steps_per_execution 1/8 (TensorFlow)")
@@ -480,6 +555,8 @@ def main() -> None:
         y = rng.integers(0, 10, size=len(x))
         if args.compiled_step:
             compiled_step_table(x, y, args, threads)
+        elif args.calls:
+            calls_table(x, y, args, threads)
         else:
             fit_table(x, y, args, threads)
 
