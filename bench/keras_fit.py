@@ -69,10 +69,13 @@ there), measured with this bench and per-thread counters on the 2-core machine w
   training thread's own CPU is ~+30 us of it (the ops run on TensorFlow's threads). On the
   convnet the same ~0.1 ms is within the noise of a loaded machine (``--calls 60``: A/A quartiles
   +-2 ms) and ~0.5 % of its ~19 ms step (spe 8 runs the same ops per batch, inside one call).
-* So a slow round is the machine's: with 2 TensorFlow intra-op threads on 2 cores, any other
-  runnable thread (another process) takes a core from the step for as long as it runs, and the step
-  waits with the same CPU time. Decide on a quiet machine, and read the A/A control before the
-  verdict; ``--threads 1,1`` leaves a core to the rest (a different, slower plain step).
+* So a slow round is not batchtap's work (~0.1 ms a step; its thread sleeps). The likely cause,
+  not shown in isolation here (a run beside one busy process was swamped by the other jobs): with
+  2 TensorFlow intra-op threads on 2 cores, any other runnable thread takes a core from the step
+  while it runs, and the step waits with the same CPU time. A fresh trace per ``fit`` (the
+  callback's, and the control's) is not ruled out as a second cause; the control has it too, so
+  its spread covers it. Decide on a quiet machine, and read the A/A control before the verdict;
+  ``--threads 1,1`` leaves a core to the rest (a different, slower plain step).
 
 Commands (quiet machine; the full matrix takes ~9-15 minutes on 2 cores with the control)::
 
