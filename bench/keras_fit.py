@@ -65,10 +65,11 @@ there), measured with this bench and per-thread counters on the 2-core machine w
   ``samples`` column: ``tf.shape`` of the softmax output kept the softmax op alive (Keras computes
   the loss from its logits, so plain ``fit()`` prunes it) wherever the batch dimension is unknown
   while tracing, as in ``fit()`` (a fixed batch folds the shape: ``--compiled-step`` showed ~+40
-  us). Taken from the logits now (as accuracy already was): **+63 us CPU, +96 us wall**. The
-  training thread's own CPU is ~+30 us of it (the ops run on TensorFlow's threads). On the
-  convnet the same ~0.1 ms is within the noise of a loaded machine (``--calls 60``: A/A quartiles
-  +-2 ms) and ~0.5 % of its ~19 ms step (spe 8 runs the same ops per batch, inside one call).
+  us). Taken from the logits now (as accuracy already was; a sigmoid output's too): **+63 us
+  CPU, +96 us wall**. The training thread's own CPU is ~+30 us of it (the ops run on TensorFlow's
+  threads). On the convnet the same ~0.1 ms is within the noise of a loaded machine (``--calls
+  60``: A/A quartiles +-2 ms) and ~0.5 % of its ~19 ms step (spe 8 runs the same ops per batch,
+  inside one call).
 * So a slow round is not batchtap's work (~0.1 ms a step; its thread sleeps). The likely cause,
   not shown in isolation here (a run beside one busy process was swamped by the other jobs): with
   2 TensorFlow intra-op threads on 2 cores, any other runnable thread takes a core from the step

@@ -24,7 +24,7 @@ from typing import Any
 
 from batchtap.integrations._keras_heads import compiled_losses, head_pair, like, model_heads, resolve, single
 from batchtap.integrations._keras_hooks import Hooks, optimizer_facts
-from batchtap.integrations._tf_ring import TFCapture, _class_scores, _tf, accuracy_ops
+from batchtap.integrations._tf_ring import TFCapture, _tf, accuracy_ops, batch_size
 from batchtap.tap import Tap
 
 __all__ = ["TFRecorder"]
@@ -91,10 +91,8 @@ class TFRecorder:
         keras = _keras()
         y, y_pred = seen.y, seen.y_pred
         flat_pred = keras.tree.flatten(y_pred)
-        # the batch size from the logits where the output is a softmax: the shape of the softmax
-        # itself would keep that op alive (see _class_scores; ~0.14 ms a step on a tiny MLP, where
-        # the batch dimension is unknown while tracing, as in fit())
-        values: dict[str, Any] = {"samples": tf.shape(_class_scores(tf, flat_pred[0]))[0]} if flat_pred else {}
+        # from the logits of a softmax/sigmoid output: its own shape would keep it alive (batch_size)
+        values: dict[str, Any] = {"samples": batch_size(tf, flat_pred[0])} if flat_pred else {}
         if len(self._heads) <= 1:
             if self._accuracy_heads:
                 counted = accuracy_ops(tf, flat_pred[0] if len(flat_pred) == 1 else None, single(keras, y))

@@ -39,8 +39,8 @@ _TAKEN = frozenset({"loss", "samples", "skipped", "lr", "grad_norm", "accuracy",
 
 
 def _class_scores(tf: Any, outputs: Any) -> Any:
-    """What to take the top-1 class (and a row's batch size) of: ``outputs``, or, where ``outputs``
-    is a traced ``Softmax`` op's result (a Keras ``softmax`` output layer), that op's logits.
+    """What to take the top-1 class of: ``outputs``, or, where ``outputs`` is a traced ``Softmax``
+    op's result (a Keras ``softmax`` output layer), that op's logits.
 
     Why: Keras computes the loss of a softmax output from its logits, so the softmax itself is
     pruned from the step unless something reads it; reading it for accuracy kept it alive and cost
@@ -48,14 +48,26 @@ def _class_scores(tf: Any, outputs: Any) -> Any:
     compiled step is ~0.27 ms), the argmax of the logits ~6 us. Softmax never reverses the order of
     two logits, so the top class is the same, except where two distinct top logits round to the
     same float32 probability (Keras' accuracy then counts the lower class index, this the class
-    with the larger logit). ``tf.shape`` of the softmax keeps it alive too, where the batch
-    dimension is unknown while tracing (as in ``fit()``): ~0.14 ms a step on the tiny MLP
-    (``bench/keras_fit.py --model mlp --calls 1000``), so the batch size is read from the logits.
+    with the larger logit). A row's batch size likewise: :func:`batch_size`.
     """
     op = None if tf.executing_eagerly() else getattr(outputs, "op", None)
     if op is None or op.type != "Softmax":
         return outputs
     return op.inputs[0]  # the raw Softmax op always normalizes the last axis, the one argmax reads
+
+
+def batch_size(tf: Any, outputs: Any) -> Any:
+    """The first dimension of ``outputs``, read from the logits of a Keras ``softmax`` or
+    ``sigmoid`` output. Keras computes those outputs' losses from their logits, so plain ``fit()``
+    prunes the activation itself, and ``tf.shape`` of it would keep it alive wherever the batch
+    dimension is unknown while tracing, as in ``fit()`` (a softmax: ~0.14 ms a step on a tiny MLP,
+    ``bench/keras_fit.py --model mlp --calls 1000``). Graph ops only."""
+    source = getattr(outputs, "_keras_logits", None)  # what Keras' activations leave for its losses
+    if source is None and not tf.executing_eagerly():
+        op = getattr(outputs, "op", None)
+        if op is not None and op.type in ("Softmax", "Sigmoid"):
+            source = op.inputs[0]  # elementwise or along one axis: the same shape
+    return tf.shape(outputs if source is None else source)[0]
 
 
 def _scalar(tf: Any, value: Any) -> Any:
@@ -229,8 +241,7 @@ class TFCapture:
         values: dict[str, Any] = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **extra}
         if samples is None:
             shaped = outputs if outputs is not None else targets
-            # a softmax output's logits: its own shape would keep the softmax alive (_class_scores)
-            samples = tf.shape(_class_scores(tf, shaped))[0] if shaped is not None else None
+            samples = batch_size(tf, shaped) if shaped is not None else None
         values["samples"] = samples
         counted = accuracy_ops(tf, outputs, targets)
         if counted is not None and "hits/accuracy" in self._index:
