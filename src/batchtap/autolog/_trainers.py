@@ -58,10 +58,19 @@ def trainer_tokens() -> int | None:
         return None
     causal = _CAUSAL.get(trainer)
     if causal is None:
-        from batchtap.integrations.transformers import is_causal_lm  # transformers is loaded: it runs
-
-        causal = _CAUSAL[trainer] = is_causal_lm(trainer, local.get("model"))
+        causal = _CAUSAL[trainer] = _trains_causal_lm(trainer)
     return ids.numel() if causal else None
+
+
+def _trains_causal_lm(trainer: Any) -> bool:
+    """The test ``BatchtapTrainer`` makes (``integrations.transformers``): the Trainer's loss shifts
+    labels, or its model's class is one of transformers' causal LMs (its auto-class mapping)."""
+    if getattr(trainer, "_loss_shifts_labels", False):
+        return True
+    auto = sys.modules.get("transformers.models.auto.modeling_auto")  # loaded with the Trainer
+    names = getattr(auto, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", None)
+    model = getattr(trainer, "model", None)  # the Trainer keeps the unwrapped model here
+    return names is not None and type(model).__name__ in set(names.values())
 
 
 def process_factor() -> int:

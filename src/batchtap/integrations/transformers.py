@@ -49,7 +49,6 @@ __all__ = [
     "BatchtapMixin",
     "BatchtapTrainer",
     "NAN_FILTER_ADVICE",
-    "is_causal_lm",
     "loss_sum_quirk",
     "mean_of_means_note",
 ]
@@ -95,7 +94,7 @@ class _Driver:
             self.tap = Tap()
         names = {type(m).__name__ for m in self.tap.metrics}
         self.own_lr = "LearningRate" not in names
-        self.shift = self.shift_labels if self.shift_labels is not None else is_causal_lm(trainer, model)
+        self.shift = self.shift_labels if self.shift_labels is not None else _is_causal_lm(trainer, model)
         if getattr(args, "logging_nan_inf_filter", False):
             log.warning("batchtap: %s", NAN_FILTER_ADVICE)
         if not hasattr(_tf.Trainer, "_get_grad_norm"):
@@ -486,7 +485,7 @@ def _unwrap(model: Any) -> Any:
     return model
 
 
-def is_causal_lm(trainer: Any, model: Any) -> bool:
+def _is_causal_lm(trainer: Any, model: Any) -> bool:
     """The Trainer's own tests: its loss shifts labels, or the model's class is a causal LM."""
     if getattr(trainer, "_loss_shifts_labels", False):
         return True
