@@ -15,7 +15,10 @@ thread was descheduled by other processes on a shared machine; the pipeline's ow
 
 The three processes run in turn, in alternating order (``bare, explicit, run`` then ``run,
 explicit, bare``...), ``--rounds`` times; the table gives each variant's median over rounds and
-the ratios ``run / explicit`` (goal <= 1.01) and ``explicit / bare`` (goal <= 1.03).
+the ratios ``run / explicit`` (goal <= 1.01) and ``explicit / bare`` (goal <= 1.03); then the
+same ratios paired within each round (the variants' processes run back to back), median and range:
+on this VM a process can run ~10 % slower than the one before it whatever it runs, so the paired
+figure is the steadier one.
 
     .venv/bin/python bench/engines.py                     # 5 rounds x 3 processes x 200 iterations
     .venv/bin/python bench/engines.py --rounds 1 --iters 20 --warmup 5   # a smoke run
@@ -187,6 +190,12 @@ def main() -> None:
         print(f"  run / explicit  = {m['run'] / m['explicit']:.4f}  (goal <= 1.01)")
         print(f"  explicit / bare = {m['explicit'] / m['bare']:.4f}  (goal <= 1.03)")
         print(f"  run / bare      = {m['run'] / m['bare']:.4f}")
+    # Processes on this VM drift by up to ~10 % from one to the next whatever they run: the ratios of the
+    # variants' runs within each round (run back to back) are the steadier figure
+    print(f"paired per round (median [min-max] of {args.rounds} rounds), wall:")
+    for label, num, den in (("run / explicit", "run", "explicit"), ("explicit / bare", "explicit", "bare")):
+        ratios = sorted(a / b for a, b in zip(wall[num], wall[den]))
+        print(f"  {label:15s} = {statistics.median(ratios):.4f}  [{ratios[0]:.4f}-{ratios[-1]:.4f}]")
     print(f"load average: {os.getloadavg()[0]:.2f}")
 
 
