@@ -20,10 +20,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset
 
 from batchtap.hostreads import HostReadCounter
-from tests._lightning import quiet_trainer
+from tests._lightning import BATCH, SLOW_BATCH, SlowStream, quiet_trainer
+from tests._lightning import sample as _sample
 from tests.autolog._helpers import autologged
 from tests.conftest import ListSink
 
@@ -32,24 +33,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated")  # i
 from lightning.pytorch.loops import fetchers  # noqa: E402 - after the importorskip
 
 ROOT = Path(__file__).resolve().parents[2]
-BATCH, SLOW_BATCH = 4, 0.3  # samples per batch, seconds a slow batch takes to fetch
-
-
-def _sample(i: int) -> tuple[torch.Tensor, int]:
-    return torch.randn(8, generator=torch.Generator().manual_seed(i)), i % 4
-
-
-class _Stream(IterableDataset):  # type: ignore[type-arg]
-    """``batches`` batches without a length; those whose index is in ``slow`` take ``SLOW_BATCH`` s."""
-
-    def __init__(self, batches: int, slow: set[int]) -> None:
-        self.batches, self.slow = batches, slow
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        for i in range(self.batches * BATCH):
-            if i // BATCH in self.slow:
-                time.sleep(SLOW_BATCH / BATCH)
-            yield _sample(i)
+_Stream = SlowStream  # the name the subprocess test imports
 
 
 class _Sized(Dataset):  # type: ignore[type-arg]

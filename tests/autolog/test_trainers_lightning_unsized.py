@@ -10,33 +10,18 @@ f141c7e. More positions (accumulation, ``limit_train_batches``, validation): tes
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
-from tests._lightning import quiet_trainer
+from tests._lightning import BATCH, SlowStream, quiet_trainer
 from tests.autolog._helpers import autologged
 from tests.conftest import ListSink
 
 pl = pytest.importorskip("lightning.pytorch")
 
-BATCH, BATCHES, SLOW_BATCH = 4, 5, 0.3
-
-
-class _SlowStream(IterableDataset):  # type: ignore[type-arg]
-    """A stream without a length: the batches whose index is in ``slow`` take ``SLOW_BATCH`` s to fetch."""
-
-    def __init__(self, slow: set[int]) -> None:
-        self.slow = slow
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        for i in range(BATCHES * BATCH):
-            if i // BATCH in self.slow:
-                time.sleep(SLOW_BATCH / BATCH)
-            yield torch.randn(8, generator=torch.Generator().manual_seed(i)), i % 4
+BATCHES = 5
 
 
 class _Module(pl.LightningModule):
@@ -56,7 +41,7 @@ class _Module(pl.LightningModule):
 def test_autolog_stores_each_steps_own_batch_and_wait_from_a_loader_without_a_length(sink: ListSink) -> None:
     slow = {1, 3}
     with autologged(sink, name="lightning-unsized"):
-        quiet_trainer(max_epochs=2).fit(_Module(), DataLoader(_SlowStream(slow), batch_size=BATCH))
+        quiet_trainer(max_epochs=2).fit(_Module(), DataLoader(SlowStream(BATCHES, slow), batch_size=BATCH))
     records = [r for r in sink.records if not r.sparse]
     shown = [(r.epoch, r.batch, r.values.get("data_time")) for r in records]
     assert [(r.epoch, r.batch) for r in records] == [(e, b) for e in range(2) for b in range(BATCHES)], shown

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import batchtap as bt
-from tests._lightning import quiet_trainer
+from tests._lightning import SLOW_BATCH, SlowStream, quiet_trainer
 from tests.conftest import ListSink
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -93,22 +93,6 @@ def test_step_time_leaves_the_wait_out() -> None:
     assert timed and all(r.values["step_time"] < r.values["data_time"] for r in timed)
 
 
-class _SlowStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
-    """A stream without a length: the batches whose index is in ``slow`` take ``SLOW_BATCH`` s to fetch."""
-
-    def __init__(self, batches: int, slow: set[int]) -> None:
-        self.batches, self.slow = batches, slow
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        for i in range(self.batches * BATCH):
-            if i // BATCH in self.slow:
-                time.sleep(SLOW_BATCH / BATCH)
-            yield torch.randn(8, generator=torch.Generator().manual_seed(i)), i % 4
-
-
-SLOW_BATCH = 0.3
-
-
 def _fit_stream(slow: set[int], accumulate: int = 1) -> tuple[list, pl.Trainer]:  # type: ignore[type-arg]
     sink = ListSink()
     tap = bt.Tap(sinks=[sink], flush_every=4)
@@ -117,7 +101,7 @@ def _fit_stream(slow: set[int], accumulate: int = 1) -> tuple[list, pl.Trainer]:
         accumulate_grad_batches=accumulate,
         callbacks=[BatchtapCallback(tap)],
     )
-    trainer.fit(_Module(), DataLoader(_SlowStream(5, slow), batch_size=BATCH))
+    trainer.fit(_Module(), DataLoader(SlowStream(5, slow), batch_size=BATCH))
     tap.close()
     return [r for r in sink.records if not r.sparse], trainer
 
