@@ -18,7 +18,9 @@ explicit, bare``...), ``--rounds`` times; the table gives each variant's median 
 the ratios ``run / explicit`` (goal <= 1.01) and ``explicit / bare`` (goal <= 1.03); then the
 same ratios paired within each round (the variants' processes run back to back), median and range:
 on this VM a process can run ~10 % slower than the one before it whatever it runs, so the paired
-figure is the steadier one.
+figure is the steadier one. A fourth process per round, ``bare-again`` (the bare loop once more), is
+the control: ``bare-again / bare`` is what the machine alone spreads, against which the goals' 1-3 %
+are read.
 
     .venv/bin/python bench/engines.py                     # 5 rounds x 3 processes x 200 iterations
     .venv/bin/python bench/engines.py --rounds 1 --iters 20 --warmup 5   # a smoke run
@@ -145,7 +147,7 @@ def _measure(variant: str, args: argparse.Namespace, workdir: Path) -> tuple[flo
     if variant == "run":
         command = [sys.executable, "-m", "batchtap", "run", "--db", db, *child, "--child", "bare"]
     else:
-        command = [sys.executable, *child, "--child", variant]
+        command = [sys.executable, *child, "--child", "bare" if variant == "bare-again" else variant]
     env = dict(os.environ, OMP_NUM_THREADS="1", BATCHTAP_DB=db)
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
     times = json.loads(out.read_text())
@@ -164,7 +166,8 @@ def main() -> None:
     if args.child:
         _child(args)
         return
-    variants = ["bare", "explicit", "run"]
+    # bare-again: the bare loop in a process of its own again, the A/A control of the machine's spread
+    variants = ["bare", "explicit", "run", "bare-again"]
     wall: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,10 +195,15 @@ def main() -> None:
         print(f"  run / bare      = {m['run'] / m['bare']:.4f}")
     # Processes on this VM drift by up to ~10 % from one to the next whatever they run: the ratios of the
     # variants' runs within each round (run back to back) are the steadier figure
-    print(f"paired per round (median [min-max] of {args.rounds} rounds), wall:")
-    for label, num, den in (("run / explicit", "run", "explicit"), ("explicit / bare", "explicit", "bare")):
+    print(f"paired per round (median, quartiles, range of {args.rounds} rounds), wall:")
+    pairs = (("run", "explicit"), ("explicit", "bare"), ("bare-again", "bare"))
+    for label, num, den in ((f"{a} / {b}", a, b) for a, b in pairs):
         ratios = sorted(a / b for a, b in zip(wall[num], wall[den]))
-        print(f"  {label:15s} = {statistics.median(ratios):.4f}  [{ratios[0]:.4f}-{ratios[-1]:.4f}]")
+        quarter = len(ratios) // 4
+        print(
+            f"  {label:17s} = {statistics.median(ratios):.4f}  quartiles [{ratios[quarter]:.4f}-{ratios[-1 - quarter]:.4f}]"
+            f"  range [{ratios[0]:.4f}-{ratios[-1]:.4f}]"
+        )
     print(f"load average: {os.getloadavg()[0]:.2f}")
 
 
