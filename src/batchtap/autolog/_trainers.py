@@ -63,8 +63,10 @@ def trainer_tokens() -> int | None:
 
 
 def _trains_causal_lm(trainer: Any) -> bool:
-    """The test ``BatchtapTrainer`` makes (``integrations.transformers``): the Trainer's loss shifts
-    labels, or its model's class is one of transformers' causal LMs (its auto-class mapping)."""
+    """The test ``BatchtapTrainer`` makes (``integrations.transformers._is_causal_lm``): the Trainer's
+    loss shifts labels, or its model's class is one of transformers' causal LMs (its auto-class
+    mapping). Written here again on purpose: autolog may not import ``batchtap.integrations``, nor
+    integrations a private autolog module (tests/test_architecture.py); change the two together."""
     if getattr(trainer, "_loss_shifts_labels", False):
         return True
     auto = sys.modules.get("transformers.models.auto.modeling_auto")  # loaded with the Trainer
